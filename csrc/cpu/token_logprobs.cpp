@@ -1,0 +1,369 @@
+// CPU backend of the per-token log-prob / entropy primitive (DESIGN.md §2; the contract is in
+// rlkernels/kernels/__init__.py). Rows run in parallel (at::parallel_for); each row is one
+// streaming pass over V, vectorised with at::vec and accumulated in fp32 (fp64 for fp64).
+//
+// Forward, per row: the row is cut into blocks of kBlock elements that fit in L1. A first
+// sweep over a block finds its max (cheap: no exp); if it raises the running max m the lane
+// sums are rescaled once; a second sweep, served from L1, adds e^{x−m} and e^{x−m}(x−m) per
+// lane. Memory traffic is one read of the logits; exp is evaluated once per element.
+// Backward, per row: one read of the logits, one write of the gradient.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+#include "rlkernels/row_math.h"
+
+namespace rlk_cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr const char* kIsa = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr const char* kIsa = "avx2";
+#else
+constexpr const char* kIsa = "default";
+#endif
+
+// 2048 elements: 8 KB of fp32 per block, so the second sweep reads from L1.
+constexpr int64_t kBlock = 2048;
+
+// Loads and stores two accumulator vectors (kStep elements) of logits of type scalar_t.
+template <typename scalar_t>
+struct Io {  // bf16, fp16: converted to and from fp32
+  using acc_t = float;
+  using Vec = Vectorized<float>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static void load(const scalar_t* p, Vec& a, Vec& b) { at::vec::load_to_float<scalar_t>(p, a, b); }
+  static void store(scalar_t* p, const Vec& a, const Vec& b) {
+    at::vec::convert_from_float<scalar_t>(a, b).store(p);
+  }
+};
+
+template <typename acc>
+struct IoSame {  // fp32, fp64: no conversion
+  using acc_t = acc;
+  using Vec = Vectorized<acc>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static void load(const acc* p, Vec& a, Vec& b) {
+    a = Vec::loadu(p);
+    b = Vec::loadu(p + Vec::size());
+  }
+  static void store(acc* p, const Vec& a, const Vec& b) {
+    a.store(p);
+    b.store(p + Vec::size());
+  }
+};
+template <> struct Io<float> : IoSame<float> {};
+template <> struct Io<double> : IoSame<double> {};
+
+// The last partial step of a row: padded with −inf, which contributes nothing to any sum.
+template <typename scalar_t>
+void load_tail(const scalar_t* p, int64_t count, typename Io<scalar_t>::Vec& a, typename Io<scalar_t>::Vec& b) {
+  scalar_t buf[Io<scalar_t>::kStep];
+  std::fill(buf, buf + Io<scalar_t>::kStep, scalar_t(-std::numeric_limits<float>::infinity()));
+  std::memcpy(buf, p, count * sizeof(scalar_t));
+  Io<scalar_t>::load(buf, a, b);
+}
+
+template <typename scalar_t>
+void store_tail(scalar_t* p, int64_t count, const typename Io<scalar_t>::Vec& a, const typename Io<scalar_t>::Vec& b) {
+  scalar_t buf[Io<scalar_t>::kStep];
+  Io<scalar_t>::store(buf, a, b);
+  std::memcpy(p, buf, count * sizeof(scalar_t));
+}
+
+template <typename Vec>
+typename Vec::value_type reduce_max(const Vec& v) {
+  __at_align__ typename Vec::value_type buf[Vec::size()];
+  v.store(buf);
+  auto r = buf[0];
+  for (int i = 1; i < Vec::size(); ++i) r = std::max(r, buf[i]);
+  return r;
+}
+
+template <typename Vec>
+typename Vec::value_type reduce_sum(const Vec& v) {
+  __at_align__ typename Vec::value_type buf[Vec::size()];
+  v.store(buf);
+  auto r = buf[0];
+  for (int i = 1; i < Vec::size(); ++i) r += buf[i];
+  return r;
+}
+
+template <typename scalar_t, bool kEntropy>
+rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
+    const scalar_t* z, int64_t V, int64_t target, typename Io<scalar_t>::acc_t inv_tau) {
+  using IO = Io<scalar_t>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t kStep = IO::kStep;
+  const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_neg_inf(rlk::neg_inf<acc_t>());
+
+  acc_t m = rlk::neg_inf<acc_t>();
+  Vec s0(0), s1(0), u0(0), u1(0);  // two independent chains of per-lane sums
+  Vec a, b;
+  for (int64_t start = 0; start < V; start += kBlock) {
+    const scalar_t* zb = z + start;
+    const int64_t len = std::min(kBlock, V - start);
+    const int64_t full = len - len % kStep;
+
+    // Sweep 1: the block's max, on the raw logits (τ > 0 and rounding is monotone, so
+    // max(z)·(1/τ) equals max(z·(1/τ))).
+    Vec mx0 = v_neg_inf, mx1 = v_neg_inf;
+    for (int64_t i = 0; i < full; i += kStep) {
+      IO::load(zb + i, a, b);
+      mx0 = at::vec::maximum(mx0, a);
+      mx1 = at::vec::maximum(mx1, b);
+    }
+    if (full < len) {
+      load_tail(zb + full, len - full, a, b);
+      mx0 = at::vec::maximum(mx0, a);
+      mx1 = at::vec::maximum(mx1, b);
+    }
+    const acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1)) * inv_tau;
+    if (block_max > m) {
+      acc_t alpha, delta;
+      rlk::rescale_factors(m, block_max, alpha, delta);
+      rlk::softmax_rescale<Vec, Vec, kEntropy>(s0, u0, Vec(alpha), Vec(delta));
+      rlk::softmax_rescale<Vec, Vec, kEntropy>(s1, u1, Vec(alpha), Vec(delta));
+      m = block_max;
+    }
+    if (m == rlk::neg_inf<acc_t>()) continue;  // every element so far is −inf
+
+    // Sweep 2 (from L1): d = max(x − m, floor), e = e^d.
+    const Vec v_m(m);
+    for (int64_t i = 0; i < full; i += kStep) {
+      IO::load(zb + i, a, b);
+      const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
+      const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
+      rlk::softmax_accumulate<Vec, kEntropy>(s0, u0, da.exp(), da);
+      rlk::softmax_accumulate<Vec, kEntropy>(s1, u1, db.exp(), db);
+    }
+    if (full < len) {
+      load_tail(zb + full, len - full, a, b);
+      const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
+      const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
+      rlk::softmax_accumulate<Vec, kEntropy>(s0, u0, da.exp(), da);
+      rlk::softmax_accumulate<Vec, kEntropy>(s1, u1, db.exp(), db);
+    }
+  }
+  rlk::SoftmaxState<acc_t> st{m, reduce_sum(s0 + s1), kEntropy ? reduce_sum(u0 + u1) : acc_t(0)};
+  return rlk::softmax_finalize(st, static_cast<acc_t>(z[target]) * inv_tau);
+}
+
+template <typename scalar_t>
+void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
+                  typename Io<scalar_t>::acc_t lse, const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c,
+                  typename Io<scalar_t>::acc_t inv_tau) {
+  using IO = Io<scalar_t>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t kStep = IO::kStep;
+  const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_lse(lse), v_A(c.A), v_B(c.B);
+  const int64_t full = V - V % kStep;
+  Vec a, b;
+  auto grad2 = [&](Vec& a, Vec& b) {
+    const Vec la = at::vec::maximum(a * v_inv_tau - v_lse, v_floor);  // log p, clamped
+    const Vec lb = at::vec::maximum(b * v_inv_tau - v_lse, v_floor);
+    a = rlk::grad_element(la.exp(), la, v_A, v_B);
+    b = rlk::grad_element(lb.exp(), lb, v_A, v_B);
+  };
+  for (int64_t i = 0; i < full; i += kStep) {
+    IO::load(z + i, a, b);
+    grad2(a, b);
+    IO::store(grad + i, a, b);
+  }
+  if (full < V) {
+    load_tail(z + full, V - full, a, b);
+    grad2(a, b);
+    store_tail(grad + full, V - full, a, b);
+  }
+  // The target element again, with its 1[v=y] term, so that it is rounded once.
+  grad[target] = static_cast<scalar_t>(rlk::grad_logit(static_cast<acc_t>(z[target]) * inv_tau, lse, true, c));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks and the registered ops
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(V, 1)); }
+
+void check_logits(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu(), "logits: expected a CPU tensor, got ", logits.device());
+  TORCH_CHECK(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  TORCH_CHECK(is_supported_float(logits.scalar_type()),
+              "logits: expected dtype float32, bfloat16, float16 or float64, got ", logits.scalar_type());
+  TORCH_CHECK(logits.is_contiguous(), "logits: expected a contiguous tensor");
+}
+
+// targets (N,) int64 (int32 accepted), every value in [0, V); returns an int64 contiguous copy or view.
+at::Tensor check_targets(const at::Tensor& targets, int64_t N, int64_t V) {
+  TORCH_CHECK(targets.device().is_cpu(), "targets: expected a CPU tensor, got ", targets.device());
+  TORCH_CHECK(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
+              "targets: expected dtype int64, got ", targets.scalar_type());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == N, "targets: expected shape (", N,
+              ",) matching logits (N, V), got ", targets.sizes());
+  at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t* p = t.const_data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
+  }
+  return t;
+}
+
+double check_temperature(double temperature) {
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
+              temperature);
+  return temperature;
+}
+
+// A per-row vector (N,) given to the backward: converted to the accumulation dtype, contiguous.
+at::Tensor check_row_vector(const at::Tensor& t, const char* name, int64_t N, at::ScalarType acc) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, name, ": expected shape (", N, ",) matching logits (N, V), got ",
+              t.sizes());
+  return t.to(acc).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, double temperature, bool need_entropy) {
+  check_logits(logits);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  const at::Tensor tgt = check_targets(targets, N, V);
+  check_temperature(temperature);
+  const auto opts = logits.options().dtype(acc_type(logits.scalar_type()));
+  at::Tensor logp = at::empty({N}, opts);
+  at::Tensor lse = at::empty({N}, opts);
+  at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
+  if (N == 0) return {logp, entropy, lse};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
+    using acc_t = typename Io<scalar_t>::acc_t;
+    const scalar_t* z = logits.const_data_ptr<scalar_t>();
+    const int64_t* y = tgt.const_data_ptr<int64_t>();
+    acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
+    acc_t* lse_p = lse.mutable_data_ptr<acc_t>();
+    acc_t* ent_p = need_entropy ? entropy.mutable_data_ptr<acc_t>() : nullptr;
+    const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const auto r = need_entropy ? forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau)
+                                    : forward_row<scalar_t, false>(z + n * V, V, y[n], inv_tau);
+        logp_p[n] = r.logp;
+        lse_p[n] = r.lse;
+        if (need_entropy) ent_p[n] = r.entropy;
+      }
+    });
+  });
+  return {logp, entropy, lse};
+}
+
+at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
+                                  const std::optional<at::Tensor>& grad_entropy, double temperature) {
+  check_logits(logits);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  const at::Tensor tgt = check_targets(targets, N, V);
+  check_temperature(temperature);
+  const at::ScalarType acc = acc_type(logits.scalar_type());
+  const at::Tensor lse_c = check_row_vector(lse, "lse", N, acc);
+  const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", N, acc);
+  const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
+  at::Tensor h_c, ent_c;
+  if (has_h) {
+    h_c = check_row_vector(*grad_entropy, "grad_entropy", N, acc);
+    ent_c = check_row_vector(entropy, "entropy", N, acc);
+  }
+  at::Tensor grad = at::empty_like(logits);
+  if (N == 0) return grad;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
+    using acc_t = typename Io<scalar_t>::acc_t;
+    const scalar_t* z = logits.const_data_ptr<scalar_t>();
+    scalar_t* gz = grad.mutable_data_ptr<scalar_t>();
+    const int64_t* y = tgt.const_data_ptr<int64_t>();
+    const acc_t* lse_p = lse_c.const_data_ptr<acc_t>();
+    const acc_t* g_p = g_c.const_data_ptr<acc_t>();
+    const acc_t* h_p = has_h ? h_c.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* ent_p = has_h ? ent_c.const_data_ptr<acc_t>() : nullptr;
+    const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const auto c = has_h ? rlk::grad_coeffs<acc_t>(g_p[n], h_p[n], ent_p[n], inv_tau)
+                             : rlk::grad_coeffs<acc_t>(g_p[n], acc_t(0), acc_t(0), inv_tau);
+        backward_row<scalar_t>(z + n * V, gz + n * V, V, y[n], lse_p[n], c, inv_tau);
+      }
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+}  // namespace rlk_cpu
+
+TORCH_LIBRARY(rlkernels_C, m) {
+  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, bool need_entropy)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
+        " Tensor? grad_entropy, float temperature) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
+  m.impl("token_logprobs_fwd", &rlk_cpu::token_logprobs_fwd_cpu);
+  m.impl("token_logprobs_bwd", &rlk_cpu::token_logprobs_bwd_cpu);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Python module `rlkernels._C`: importing it runs the registrations above. It refuses to load
+// on a CPU that lacks the instruction set the file was compiled for (see setup.py).
+#ifndef RLK_NO_PYTHON
+#include <Python.h>
+
+extern "C" PyObject* PyInit__C(void) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  __builtin_cpu_init();
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  if (!ok) {
+    PyErr_Format(PyExc_ImportError,
+                 "rlkernels._C was compiled for %s but this CPU does not support it; rebuild with "
+                 "RLKERNELS_CPU_ISA=default (or on this machine)",
+                 rlk_cpu::kIsa);
+    return nullptr;
+  }
+#endif
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "rlkernels compiled kernels", -1, nullptr};
+  PyObject* mod = PyModule_Create(&def);
+  if (mod != nullptr && PyModule_AddStringConstant(mod, "cpu_capability", rlk_cpu::kIsa) != 0) {
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
+}
+#endif

@@ -1,0 +1,32 @@
+"""Fresh random inputs for the loss tests, shared by the logits and hidden-state paths."""
+from __future__ import annotations
+
+import torch
+
+
+def random_loss_inputs(B=6, T=7, *, dtype=torch.float64, noise=0.3, per_token_adv=False, group_size=3,
+                       empty_rows=(1,), seed=None, device="cpu"):
+    """A batch with ragged masks (rows in `empty_rows` fully masked), off-policy log-probs
+    `noise` away from the current ones, shuffled prompt groups of `group_size` rows, and
+    garbage (inf/NaN) in the padding, which no loss may read."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    for i in empty_rows:
+        mask[i] = False
+    logp = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    old_logp = logp + noise * r(B, T)
+    ref_logp = logp + noise * r(B, T)
+    entropy = torch.rand(B, T, generator=g, dtype=dtype) * 2
+    adv = r(B, T) if per_token_adv else r(B)
+    group_ids = torch.arange(B).div(group_size, rounding_mode="floor")[torch.randperm(B, generator=g)]
+    rewards = torch.randint(0, 2, (B,), generator=g).to(dtype)
+    for t in (logp, old_logp, ref_logp, entropy):
+        t[~mask] = float("nan")
+    logp[~mask] = float("inf")
+    return dict(
+        logp=logp.to(device), advantages=adv.to(device), mask=mask.to(device), old_logp=old_logp.to(device),
+        ref_logp=ref_logp.to(device), entropy=entropy.to(device), group_ids=group_ids.to(device),
+        rewards=rewards.to(device),
+    )

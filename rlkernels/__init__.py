@@ -1,0 +1,23 @@
+"""rlkernels: fused kernels for the loss head of RL fine-tuning of language models.
+
+Layers (DESIGN.md §1): `reference` (the naive truth), `kernels` (passes over logits),
+`ops` (autograd-aware torch.library ops, backend dispatch), `losses` (RL objectives),
+`advantages` / `sampling`, `trainer`, `integrations`.
+"""
+from . import advantages, presets, sampling
+from ._backend import backend_info
+from .losses import LossOutput, PolicyLossConfig, policy_loss, value_loss
+from .ops import token_logprobs
+
+__version__ = "0.1.0"
+__all__ = [
+    "token_logprobs",
+    "policy_loss",
+    "value_loss",
+    "PolicyLossConfig",
+    "LossOutput",
+    "presets",
+    "advantages",
+    "sampling",
+    "backend_info",
+]

@@ -1,0 +1,79 @@
+"""The one place that chooses a backend (DESIGN.md §1); the only reader of RLKERNELS_BACKEND.
+
+Auto (`backend=None`, or RLKERNELS_BACKEND unset/"auto"): CUDA tensors → triton, else cuda,
+else torch; CPU tensors → cpu if the extension is built, else torch. Auto falls back quietly;
+an explicit request for a backend that is unavailable raises with the reason.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Dict, Optional
+
+import torch
+
+BACKENDS = ("triton", "cuda", "cpu", "torch")
+ENV_VAR = "RLKERNELS_BACKEND"
+_MODULES = {
+    "triton": "rlkernels.kernels.triton",
+    "cuda": "rlkernels.kernels.cuda",
+    "cpu": "rlkernels.kernels.cpu",
+    "torch": "rlkernels.kernels.torch_chunked",
+}
+_AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
+_status: Dict[str, tuple] = {}
+
+
+def _probe(name: str):
+    """(module or None, reason) — imported once; the import error is kept to report it."""
+    if name not in _status:
+        try:
+            module = importlib.import_module(_MODULES[name])
+        except ImportError as e:  # the optional dependency or the extension is missing
+            _status[name] = (None, f"cannot import {_MODULES[name]}: {e}")
+        else:
+            ok, reason = module.available()
+            _status[name] = (module if ok else None, reason)
+    return _status[name]
+
+
+def backend_info() -> Dict[str, Dict[str, object]]:
+    """{backend: {"available": bool, "reason": str}} for every backend."""
+    return {name: {"available": _probe(name)[0] is not None, "reason": _probe(name)[1]} for name in BACKENDS}
+
+
+def _device_ok(name: str, device: torch.device) -> bool:
+    if name == "triton":  # the Triton interpreter runs kernels on CPU tensors
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if name == "cuda":
+        return device.type == "cuda"
+    if name == "cpu":
+        return device.type == "cpu"
+    return True
+
+
+def resolve(backend: Optional[str], device: torch.device) -> str:
+    """The backend to run on tensors of `device`: `backend`, else RLKERNELS_BACKEND, else auto."""
+    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto") or "auto"
+    source = "backend" if backend is not None else ENV_VAR
+    if requested == "auto":
+        for name in _AUTO_ORDER.get(device.type, ("torch",)):
+            if _probe(name)[0] is not None and _device_ok(name, device):
+                return name
+        return "torch"
+    if requested not in BACKENDS:
+        raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {requested!r}")
+    module, reason = _probe(requested)
+    if module is None:
+        raise RuntimeError(f"{source}: backend {requested!r} is not available: {reason}")
+    if not _device_ok(requested, device):
+        raise ValueError(f"{source}: backend {requested!r} cannot run on {device.type} tensors")
+    return requested
+
+
+def kernels(name: str):
+    """The kernel module of an available backend."""
+    module, reason = _probe(name)
+    if module is None:
+        raise RuntimeError(f"backend {name!r} is not available: {reason}")
+    return module

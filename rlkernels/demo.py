@@ -1,0 +1,133 @@
+"""`python -m rlkernels.demo`: log-probs and a GRPO loss over a tiny `transformers` model.
+
+Builds a small random causal LM from a config (nothing is downloaded), samples groups of
+completions, and computes the GRPO loss of the logits twice: with rlkernels
+(`token_logprobs` + `policy_loss`) and written plainly (log_softmax + gather, as TRL does).
+Prints both losses, the largest gradient difference, and the time and extra peak memory of
+each path, each measured in a fresh process.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import torch
+
+from . import advantages, backend_info, policy_loss, presets, token_logprobs
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's high-water mark of resident memory (Linux) and return the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _setup(args):
+    """The model's logits for a batch of prompts+completions, and everything the loss needs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len + 1)
+    model = LlamaForCausalLM(config).eval()
+    batch = args.groups * args.group_size
+    input_ids = torch.randint(0, args.vocab, (batch, args.seq_len + 1))
+    with torch.no_grad():
+        # position t scores token t+1; contiguous, so both paths start from the same tensor
+        logits = model(input_ids).logits[:, :-1].float().contiguous()
+    targets = input_ids[:, 1:]
+    mask = torch.arange(args.seq_len)[None, :] < torch.randint(args.seq_len // 2, args.seq_len + 1, (batch, 1))
+    rewards = torch.randint(0, 2, (batch,)).float()
+    adv = advantages.group_normalized(rewards, group_size=args.group_size)
+    with torch.no_grad():
+        ref_logp = torch.log_softmax(logits + 0.1 * torch.randn_like(logits), -1).gather(-1, targets[..., None])[..., 0]
+    return logits, targets, mask, adv, ref_logp
+
+
+def _loss_rlkernels(logits, targets, mask, adv, ref_logp, backend):
+    logp = token_logprobs(logits, targets, backend=backend)
+    return policy_loss(logp, adv, mask, presets.grpo(), ref_logp=ref_logp).loss
+
+
+def _loss_plain(logits, targets, mask, adv, ref_logp, backend):
+    """GRPO written plainly over a materialised log_softmax (TRL's selective_log_softmax pattern)."""
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    surrogate = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(0.8, 1.2))
+    delta = ref_logp - logp
+    per_token = surrogate + 0.04 * (torch.exp(delta) - delta - 1)
+    m = mask.float()
+    rows = m.sum(-1)
+    return ((per_token * m).sum(-1) / rows.clamp(min=1)).sum() / (rows > 0).sum()
+
+
+_PATHS = {"rlkernels": _loss_rlkernels, "plain": _loss_plain}
+
+
+def _measure(path, args, backend, queue):
+    torch.set_num_threads(args.threads)
+    logits, *rest = _setup(args)
+    logits.requires_grad_(True)
+    start_rss = _reset_peak_rss()
+    start = time.perf_counter()
+    loss = _PATHS[path](logits, *rest, backend)
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    peak = _status_kib("VmHWM") * 1024 - start_rss
+    queue.put((elapsed, peak))
+
+
+def _loss_and_grad(path, inputs, backend):
+    logits, *rest = inputs
+    logits = logits.detach().requires_grad_(True)
+    loss = _PATHS[path](logits, *rest, backend)
+    loss.backward()
+    return loss.item(), logits.grad
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--backend", default=None, help="rlkernels backend (default: auto)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    print("backends:", {k: v["available"] for k, v in backend_info().items()})
+    n = args.groups * args.group_size * args.seq_len
+    print(f"tokens N = {n}, vocabulary V = {args.vocab}: fp32 logits are {n * args.vocab * 4 / 2**20:.0f} MiB")
+    inputs = _setup(args)
+    (loss_k, grad_k), (loss_p, grad_p) = (_loss_and_grad(path, inputs, args.backend) for path in _PATHS)
+    ctx = mp.get_context("spawn")  # a fresh process per path, so each peak is its own
+    timings = {}
+    for path in _PATHS:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_measure, args=(path, args, args.backend, queue))
+        proc.start()
+        timings[path] = queue.get()
+        proc.join()
+    (t_k, mem_k), (t_p, mem_p) = timings["rlkernels"], timings["plain"]
+    print(f"{'path':<28}{'GRPO loss':>14}{'fwd+bwd s':>12}{'extra peak MiB':>16}")
+    print(f"{'rlkernels':<28}{loss_k:>14.6f}{t_k:>12.3f}{mem_k / 2**20:>16.0f}")
+    print(f"{'plain log_softmax + gather':<28}{loss_p:>14.6f}{t_p:>12.3f}{mem_p / 2**20:>16.0f}")
+    diff = (grad_k - grad_p).abs().max().item()
+    print(f"max |∂loss/∂logits| difference: {diff:.2e}")
+    if abs(loss_k - loss_p) > 1e-4 * max(1.0, abs(loss_p)) or diff > 1e-5:
+        print("the two paths disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

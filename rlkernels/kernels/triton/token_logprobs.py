@@ -1,0 +1,209 @@
+"""Triton kernels for per-token log-probs and entropy (DESIGN.md §2).
+
+Forward: one program per row streams the row once in BLOCK_V tiles, keeping an online max,
+the rescaled Σ e^{x−m} and (for the entropy) Σ e^{x−m}·(x−m) in fp32; the target logit is one
+scalar load. Backward: one program per row reads the row once and writes ∂logits once, from
+the saved lse (and entropy). The math per tile lives in ``row_math.py``.
+
+I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
+"""
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import row_math
+
+# Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
+# before this module was first imported.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    V, stride_row, inv_temp,
+    NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
+    row_ptr = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+
+    m = -float("inf")
+    s = 0.0
+    t = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32) * inv_temp
+        if NEED_ENTROPY:
+            m, s, t = row_math.tile_update_entropy(m, s, t, x)
+        else:
+            m, s = row_math.tile_update(m, s, x)
+
+    lse = row_math.row_lse(m, s)
+    target = tl.load(targets_ptr + row)
+    # Same fp32 product as in the loop, so x_y ≤ m ≤ lse and logp ≤ 0 exactly.
+    x_y = tl.load(row_ptr + target).to(tl.float32) * inv_temp
+    tl.store(logp_ptr + row, x_y - lse)
+    tl.store(lse_ptr + row, lse)
+    if NEED_ENTROPY:
+        tl.store(entropy_ptr + row, row_math.row_entropy(s, t))
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    logits_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
+    V, stride_row, stride_out_row, inv_temp,
+    HAS_H: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    out_row_ptr = out_ptr + row * stride_out_row
+    cols = tl.arange(0, BLOCK_V)
+
+    target = tl.load(targets_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_logp_ptr + row)
+    if HAS_H:
+        entropy = tl.load(entropy_ptr + row)
+        h = tl.load(grad_entropy_ptr + row)
+    else:
+        entropy = 0.0
+        h = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        mask = offs < V
+        # Each tile is read before it is written, so `out` may be the logits themselves.
+        x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temp
+        grad = row_math.dlogits(x, offs == target, lse, entropy, g, h, inv_temp, HAS_H)
+        tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Launch configuration: (BLOCK_V, num_warps) from V and the logit size.
+# A row ≤ 4096 fits one tile (no loop). Longer rows stream 16 KB tiles (8192 16-bit or 4096
+# fp32 logits) so every thread holds 16 logits: two (16-bit) or four (fp32) 16-byte vector
+# loads per thread and tile, few enough registers for two 512/256-thread programs per SM.
+# H100/H200 need ~32–64 KB of reads in flight per SM to reach their 3.3–4.8 TB/s, which two
+# resident programs with 16 KB tiles give; the rows of a 152k vocabulary are 19–38 tiles.
+# Starting values for Hopper, to be confirmed by benchmarks/gpu_check.sh.
+# Under the interpreter (numpy, one program at a time) the cost is per tile, not per element:
+# 512-element tiles keep tests fast while V = 1000 and 4099 still take several tiles and a
+# partial last one.
+_INTERPRET_BLOCK_V = 512
+
+
+def launch_config(vocab: int, dtype: torch.dtype, interpret: bool = INTERPRET):
+    """(BLOCK_V, num_warps) for rows of ``vocab`` logits of ``dtype``."""
+    if interpret:
+        return min(max(triton.next_power_of_2(vocab), 16), _INTERPRET_BLOCK_V), 1
+    if vocab <= 4096:
+        block = max(triton.next_power_of_2(vocab), 128)
+        return block, 4 if block <= 2048 else 8
+    if dtype.itemsize == 2:
+        return 8192, 16
+    return 4096, 8
+
+
+def available():
+    """(ok, reason): whether this backend can run here."""
+    if torch.cuda.is_available():
+        return True, f"triton {triton.__version__} on CUDA"
+    if INTERPRET:
+        return True, f"triton {triton.__version__} interpreter (TRITON_INTERPRET=1) on CPU"
+    return False, "no CUDA device (CPU tensors need TRITON_INTERPRET=1 before import)"
+
+
+def _check_logits(logits, targets):
+    if logits.dtype not in _DTYPES:
+        raise TypeError(
+            f"logits: the triton backend takes float16, bfloat16 or float32, got {logits.dtype}"
+            " (use backend='torch' or 'cpu' for float64)"
+        )
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected (N, V) with unit stride over V, got shape "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits: V must be at least 1")
+    if targets.shape != logits.shape[:1]:
+        raise ValueError(f"targets: expected shape ({logits.shape[0]},), "
+                         f"got {tuple(targets.shape)}")
+    if logits.device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"logits: the triton backend needs CUDA tensors, got {logits.device}; CPU tensors "
+            "work only with TRITON_INTERPRET=1 set before rlkernels.kernels.triton is imported"
+        )
+
+
+def _row_vector(x, n, device, name):
+    """An fp32 contiguous (N,) vector (for lse, entropy and the incoming gradients)."""
+    if x.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},), got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _on_device(device):
+    # Triton launches on the current CUDA device; rows on cuda:1 must not run on cuda:0.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def token_logprobs_fwd(logits, targets, temperature, need_entropy):
+    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``."""
+    _check_logits(logits, targets)
+    n, vocab = logits.shape
+    targets = targets.to(torch.int64).contiguous()
+    dev = logits.device
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    entropy = torch.empty(n if need_entropy else 0, dtype=torch.float32, device=dev)
+    if n == 0:
+        return logp, entropy, lse
+    block, warps = launch_config(vocab, logits.dtype)
+    with _on_device(dev):
+        _token_logprobs_fwd_kernel[(n,)](
+            logits, targets, logp, entropy if need_entropy else lse, lse,
+            vocab, logits.stride(0), 1.0 / float(temperature),
+            NEED_ENTROPY=bool(need_entropy), BLOCK_V=block, num_warps=warps,
+        )
+    return logp, entropy, lse
+
+
+def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature,
+                       out=None):
+    """∂L/∂logits, (N, V) in the logits' dtype.
+
+    ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): an
+    (N, V) float tensor with unit stride over V to write into, of any float dtype; it may be
+    ``logits`` itself (each tile is read before it is overwritten).
+    """
+    _check_logits(logits, targets)
+    n, vocab = logits.shape
+    dev = logits.device
+    if out is None:
+        out = torch.empty_like(logits)
+    elif out.shape != logits.shape or out.stride(1) != 1 or out.device != dev:
+        raise ValueError(f"out: expected ({n}, {vocab}) on {dev} with unit stride over V")
+    if n == 0:
+        return out
+    targets = targets.to(torch.int64).contiguous()
+    lse = _row_vector(lse, n, dev, "lse")
+    if grad_logp is None:
+        grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
+    grad_logp = _row_vector(grad_logp, n, dev, "grad_logp")
+    has_h = grad_entropy is not None
+    if has_h:
+        entropy = _row_vector(entropy, n, dev, "entropy")
+        grad_entropy = _row_vector(grad_entropy, n, dev, "grad_entropy")
+    else:
+        entropy = grad_entropy = lse  # never read
+    block, warps = launch_config(vocab, logits.dtype)
+    with _on_device(dev):
+        _token_logprobs_bwd_kernel[(n,)](
+            logits, targets, lse, entropy, grad_logp, grad_entropy, out,
+            vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature),
+            HAS_H=has_h, BLOCK_V=block, num_warps=warps,
+        )
+    return out

@@ -1,0 +1,7 @@
+"""The RL objectives over per-token log-probs (DESIGN.md §3): plain PyTorch, one config type."""
+from . import presets
+from .config import PolicyLossConfig
+from .policy_loss import LossOutput, policy_loss
+from .value_loss import value_loss
+
+__all__ = ["PolicyLossConfig", "LossOutput", "policy_loss", "value_loss", "presets"]

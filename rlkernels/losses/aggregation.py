@@ -1,0 +1,47 @@
+"""Masked reductions over (B, T) tensors: the aggregations of DESIGN.md §3.5 and the metric means."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def masked_sum_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t m·x per row. `torch.where`, not a product, so padding holding inf/NaN cannot leak in."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked entries; 0 for an empty mask."""
+    return masked_sum_rows(x, mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max over masked entries; 0 for an empty mask."""
+    top = torch.where(mask, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).max()
+    return torch.where(mask.any(), top, torch.zeros_like(top))
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str,
+    *,
+    num_items: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    norm_length: Optional[int] = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar. Divisors of 0 give 0 (the masked sum is then 0 too)."""
+    row_sums = masked_sum_rows(per_token, mask)
+    lengths = mask.sum(-1)
+    if agg == "token_mean":
+        count = lengths.sum().clamp(min=1) if num_items is None else num_items
+        return row_sums.sum() / count
+    seqs = (lengths > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    if agg == "seq_mean_token_mean":
+        return (row_sums / lengths.clamp(min=1)).sum() / seqs
+    if agg == "seq_mean_token_sum":
+        return row_sums.sum() / seqs
+    if agg == "constant":
+        return row_sums.sum() / (seqs * (mask.shape[-1] if norm_length is None else norm_length))
+    raise ValueError(f"agg: unknown aggregation {agg!r}")

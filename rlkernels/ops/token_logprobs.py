@@ -1,0 +1,102 @@
+"""`token_logprobs`: per-token log-probs and entropy as `torch.library` ops (DESIGN.md §2).
+
+Each backend gets one forward and one backward op, `rlkernels::token_logprobs_fwd_<backend>`
+and `..._bwd_<backend>`, with fake implementations (so `torch.compile(fullgraph=True)` traces
+through them) and the autograd formula registered once here.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_tensor
+
+_OPS = {}
+
+
+def _out_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _define(name: str):
+    """Define (once) the forward/backward ops of backend `name`."""
+    if name in _OPS:
+        return _OPS[name]
+
+    @torch.library.custom_op(f"rlkernels::token_logprobs_fwd_{name}", mutates_args=())
+    def fwd(logits: Tensor, targets: Tensor, temperature: float, need_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy)
+
+    @fwd.register_fake
+    def _(logits, targets, temperature, need_entropy):
+        n, dtype = logits.shape[0], _out_dtype(logits)
+        return logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype), logits.new_empty(n, dtype=dtype)
+
+    @torch.library.custom_op(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
+    def bwd(
+        logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+        grad_entropy: Optional[Tensor], temperature: float,
+    ) -> Tensor:
+        return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature)
+
+    @bwd.register_fake
+    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature):
+        return torch.empty_like(logits)
+
+    def setup_context(ctx, inputs, output):
+        logits, targets, temperature, need_entropy = inputs
+        _, entropy, lse = output
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.need_entropy = temperature, need_entropy
+
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if not ctx.need_entropy:
+            grad_entropy = None
+        grad = bwd(logits, targets, lse, entropy, grad_logp.contiguous(),
+                   None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature)
+        return grad, None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+    _OPS[name] = fwd
+    return fwd
+
+
+def token_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: Optional[str] = None,
+):
+    """Log-probabilities of `targets` under softmax(logits / temperature), and the entropy.
+
+    logits `(..., V)` fp32/bf16/fp16, targets `(...)` integers in `[0, V)`, already aligned
+    (the caller shifts). Returns fp32 log-probs shaped like `targets`, or `(logp, entropy)` when
+    `return_entropy` is set. Differentiable w.r.t. `logits` through both outputs; the logits
+    are read once forward and once backward, and nothing of size V is kept per token.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
+    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    vocab = logits.shape[-1]
+    if targets.numel() and not torch.compiler.is_compiling():  # a data-dependent check would break the graph
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets: expected values in [0, {vocab}) (V = logits.shape[-1]), got values in [{lo}, {hi}]")
+    name = _backend.resolve(backend, logits.device)
+    flat_logits = logits.reshape(-1, vocab).contiguous()
+    flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    logp, entropy, _ = _define(name)(flat_logits, flat_targets, temperature, return_entropy)
+    logp = logp.view(targets.shape)
+    return (logp, entropy.view(targets.shape)) if return_entropy else logp

@@ -1,0 +1,420 @@
+"""The naive mathematical truth of rlkernels (DESIGN.md §2-§4, docs/math.md).
+
+Every kernel and every vectorised implementation is tested against this file. It is written
+to be read next to the spec: full log_softmax, everything materialised, Python loops over rows
+and groups. It depends on torch only, computes in the dtype of its inputs (fp16/bf16 upcast to
+fp32, fp64 kept), and is differentiable by ordinary autograd (`sg` = `.detach()`).
+"""
+import math
+
+import torch
+
+_CONFIG_DEFAULTS = dict(
+    ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, delta=None, dual_clip=None,
+    fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
+    kl_bias_correction=False, entropy_coef=0.0, agg="token_mean", norm_length=None,
+    log_ratio_clamp=20.0, group_size=None,
+)
+
+
+def _dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _cfg(config, name):
+    return getattr(config, name, _CONFIG_DEFAULTS[name])
+
+
+def _clamp(x, lo, hi):
+    """torch.clamp that accepts both bounds None."""
+    return x if lo is None and hi is None else torch.clamp(x, lo, hi)
+
+
+def _groups(B, group_ids=None, group_size=None):
+    """List of row-index lists, one per group (group_ids wins; neither = one group of all rows)."""
+    if group_ids is not None:
+        groups = {}
+        for i, g in enumerate(group_ids.tolist()):
+            groups.setdefault(g, []).append(i)
+        return list(groups.values())
+    if group_size is not None:
+        return [list(range(s, s + group_size)) for s in range(0, B, group_size)]
+    return [list(range(B))]
+
+
+def _mean(xs):
+    """Mean of a non-empty list of numbers or 0-d tensors."""
+    return sum(xs) / len(xs)
+
+
+def _bessel_std(x):
+    """Bessel-corrected std of a 1-D tensor; 0 for fewer than two values."""
+    n = x.numel()
+    if n < 2:
+        return x.new_zeros(())
+    return torch.sqrt(((x - x.mean()) ** 2).sum() / (n - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# §2 the primitive
+
+def token_logprobs(logits, targets, temperature=1.0):
+    """(logp, entropy) of shape targets.shape; fp64 if logits are fp64, else fp32."""
+    x = logits.to(_dtype(logits)) / temperature          # x_v = z_v / τ
+    logp_all = torch.log_softmax(x, dim=-1)              # x_v - lse, materialised
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)       # H = -Σ p log p = lse - Σ p x
+    return logp, entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# §3.5 aggregation, shared by policy_loss and value_loss
+
+def _aggregate(row_losses, agg, T, zero, num_items=None, num_seqs=None, norm_length=None):
+    """row_losses: list of per-token loss vectors of the non-empty rows (valid tokens only)."""
+    n_rows = len(row_losses) if num_seqs is None else float(num_seqs)
+    n_tok = sum(r.numel() for r in row_losses) if num_items is None else float(num_items)
+    total = zero
+    for r in row_losses:
+        if agg == "seq_mean_token_mean":
+            total = total + r.sum() / r.numel()                 # Σ_t m·loss / L_i
+        else:
+            total = total + r.sum()                             # Σ_t m·loss
+    if agg == "token_mean":
+        divisor = n_tok
+    elif agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        divisor = n_rows
+    elif agg == "constant":
+        divisor = n_rows * (T if norm_length is None else norm_length)
+    else:
+        raise ValueError(f"unknown agg {agg!r}")
+    if divisor == 0:
+        return total * 0                                        # loss 0, zero gradient
+    return total / divisor
+
+
+def _masked_metric(values, dtype, reduce="mean"):
+    """Masked mean (or max) over the valid tokens of all rows, detached; 0 when there are none."""
+    if not values:
+        return torch.zeros((), dtype=dtype)
+    v = torch.cat([x.detach().reshape(-1).to(dtype) for x in values])
+    return v.max() if reduce == "max" else v.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# §3 the policy loss
+
+def _band(config):
+    """Ratio-space clip band (1 - ε_low, 1 + ε_high); None = no bound on that side."""
+    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    return (None if eps_low is None else 1 - eps_low), (None if eps_high is None else 1 + eps_high)
+
+
+def _clipped(x, lo, hi, a=None):
+    """(low, high) flags as TRL counts them: x < lo with A < 0, x > hi with A > 0 (A optional)."""
+    low = x < lo if lo is not None else torch.zeros_like(x, dtype=torch.bool)
+    high = x > hi if hi is not None else torch.zeros_like(x, dtype=torch.bool)
+    return (low, high) if a is None else (low & (a < 0), high & (a > 0))
+
+
+def _clip_surrogate(w, a, config):
+    """§3.2 max(-A·w', -A·clip(w, 1-ε_low, 1+ε_high)), w' = min(w, delta); dual clip if A < 0."""
+    lo, hi = _band(config)
+    delta, c = _cfg(config, "delta"), _cfg(config, "dual_clip")
+    w_unclipped = w if delta is None else torch.clamp(w, max=delta)
+    loss = torch.maximum(-a * w_unclipped, -a * _clamp(w, lo, hi))
+    if c is not None:
+        loss = torch.where(a < 0, torch.minimum(loss, -c * a), loss)
+    return (loss,) + _clipped(w, lo, hi, a)
+
+
+def _kl(delta, estimator):
+    """§3.3 with Δ = ℓ_ref - ℓ (already clamped)."""
+    return {"k1": lambda: -delta, "k2": lambda: delta ** 2 / 2,
+            "k3": lambda: torch.exp(delta) - delta - 1}[estimator]()
+
+
+def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
+                group_ids=None, rewards=None, num_items=None, num_seqs=None):
+    """(loss, metrics) of DESIGN.md §3 for logp (B, T); `config` is read by attribute name.
+    Each non-empty row i is handled on its valid tokens only; sequence-level surrogates are
+    broadcast to the row's tokens, then KL/entropy are added per token and §3.5 aggregates."""
+    dt = _dtype(logp)
+    logp = logp.to(dt)
+    B, T = logp.shape
+    valid = mask != 0
+    old = logp.detach() if old_logp is None else old_logp.detach().to(dt)   # on-policy: sg(ℓ)
+    C = float(_cfg(config, "log_ratio_clamp"))                 # every exponentiated log-ratio
+    ratio, objective = _cfg(config, "ratio"), _cfg(config, "objective")
+    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    rows = [i for i in range(B) if bool(valid[i].any())]      # empty rows take part in nothing
+    if advantages is not None:
+        advantages = advantages.detach().to(dt)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand(B, T)
+
+    def tok(x, i):                      # the valid tokens of row i, as a vector of length L_i
+        return x[i][valid[i]]
+
+    def log_s(i):                       # §3.1 GSPO: log s_i = mean_t (ℓ - ℓ_old), clamped
+        return torch.clamp((tok(logp, i) - tok(old, i)).mean(), -C, C)
+
+    # §3.1 group-level quantities over the non-empty rows of each group (GEPO, SNIS)
+    log_E, w_hat, baseline = {}, {}, {}
+    if ratio in ("group_expectation", "snis"):
+        for g in _groups(B, group_ids, _cfg(config, "group_size")):
+            g = [j for j in g if j in rows]
+            if not g:
+                continue
+            if ratio == "group_expectation":
+                # log Ê_g = logsumexp_j(2 log q_j) - logsumexp_j(log q_j), log q_j = mean_t ℓ_old
+                log_q = torch.stack([tok(old, j).mean() for j in g])
+                for j in g:
+                    log_E[j] = torch.logsumexp(2 * log_q, 0) - torch.logsumexp(log_q, 0)
+            else:
+                # ŵ_j = s_j / mean_g s,  b_g = mean_g ŵ_j R_j   (both used under stop-gradient)
+                s = {j: torch.exp(log_s(j)).detach() for j in g}
+                for j in g:
+                    w_hat[j] = s[j] / _mean([s[k] for k in g])
+                for j in g:
+                    baseline[j] = _mean([w_hat[k] * rewards[k].to(dt) for k in g])
+
+    row_losses = []
+    m_ratio, m_low, m_high, m_kl, m_akl, m_ent = [], [], [], [], [], []
+    for i in rows:
+        l, lo = tok(logp, i), tok(old, i)
+        L = l.numel()
+        a = tok(advantages, i) if advantages is not None else torch.zeros_like(l)
+        a_row = a[0]                                      # one advantage per row (seq ratios)
+        w_tok = torch.exp(torch.clamp(l - lo, -C, C))      # §3.1 token ratio
+        low = high = torch.zeros(L, dtype=torch.bool)
+
+        if ratio == "token":
+            r_metric = w_tok
+            if objective == "clip":
+                surr, low, high = _clip_surrogate(w_tok, a, config)
+            elif objective == "cispo":              # §3.2 -sg(clip(w)) A ℓ
+                surr = -_clamp(w_tok, *_band(config)).detach() * a * l
+                low, high = _clipped(w_tok, *_band(config))
+            elif objective == "reinforce":          # §3.2 -A ℓ
+                surr = -a * l
+            else:
+                raise ValueError(f"unknown objective {objective!r}")
+        elif ratio == "sequence":                   # GSPO: s_i broadcast to the row
+            s = torch.exp(log_s(i))
+            surr, low, high = (x.expand(L) for x in _clip_surrogate(s, a_row, config))
+            r_metric = s.expand(L)
+        elif ratio == "sequence_token":             # GSPO-token: sg(log s_i) + ℓ - sg(ℓ)
+            w = torch.exp(log_s(i).detach() + l - l.detach())
+            surr, low, high = _clip_surrogate(w, a, config)
+            r_metric = torch.exp(log_s(i)).expand(L)
+        elif ratio == "sequence_sum":               # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
+            S = torch.clamp((l - lo).sum(), -C, C)
+            band = (-_cfg(config, "fspo_c_low") * math.sqrt(L),
+                    _cfg(config, "fspo_c_high") * math.sqrt(L))
+            row = -torch.minimum(torch.exp(S) * a_row, torch.exp(torch.clamp(S, *band)) * a_row)
+            surr = row.expand(L)
+            low, high = (x.expand(L) for x in _clipped(S, *band, a_row))
+            r_metric = torch.exp(S).expand(L)
+        elif ratio == "group_expectation":          # GEPO: log w_i = mean_t ℓ - log Ê_g
+            w = torch.exp(torch.clamp(l.mean() - log_E[i], -C, C))
+            surr, low, high = (x.expand(L) for x in _clip_surrogate(w, a_row, config))
+            r_metric = w.expand(L)
+        elif ratio == "geometric":                  # GMPO: sign-aware log-space clip per token
+            d = torch.clamp(l - lo, -C, C)
+            band = (None if eps_low is None else -eps_low, eps_high)
+            sgn = torch.sign(a_row)
+            d_tilde = sgn * torch.minimum(sgn * d, sgn * _clamp(d, *band))
+            surr = (-a_row * torch.exp(d_tilde.mean())).expand(L)   # row loss -A_i s̃_i
+            low, high = _clipped(d, *band, a_row)
+            r_metric = torch.exp(d.mean()).expand(L)
+        elif ratio == "snis":                       # -sg(ŵ_i)(R_i - sg(b_g)) · mean_t ℓ
+            surr = (-w_hat[i] * (rewards[i].to(dt) - baseline[i]) * l.mean()).expand(L)
+            r_metric = torch.exp(log_s(i)).expand(L)
+        else:
+            raise ValueError(f"unknown ratio {ratio!r}")
+
+        loss_tok = surr
+        # §3.3 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
+        # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
+        if ref_logp is not None:
+            coef, est, kl_clamp = (_cfg(config, n) for n in ("kl_coef", "kl_estimator", "kl_clamp"))
+            d_ref = torch.clamp(tok(ref_logp.detach().to(dt), i) - l, -C, C)
+            if coef != 0 and est is not None:
+                k = _kl(d_ref, est)
+                if kl_clamp is not None:
+                    k = torch.clamp(k, -kl_clamp, kl_clamp)
+                if _cfg(config, "kl_bias_correction"):
+                    k = k * w_tok.detach()
+                loss_tok = loss_tok + coef * k
+            else:
+                k = _kl(d_ref, "k3")
+            m_kl.append(k)
+        # §3.4 entropy bonus (gradient flows into H)
+        if entropy is not None:
+            H = tok(entropy.to(dt), i)
+            if _cfg(config, "entropy_coef") != 0:
+                loss_tok = loss_tok - _cfg(config, "entropy_coef") * H
+            m_ent.append(H)
+        row_losses.append(loss_tok)
+
+        # §3.7 metrics, per valid token
+        m_ratio.append(r_metric)
+        m_low.append(low)
+        m_high.append(high)
+        d_old = torch.clamp(lo - l, -C, C)
+        m_akl.append(torch.exp(d_old) - d_old - 1)
+
+    zero = logp[valid].sum() * 0                    # keeps the graph when there are no rows
+    loss = _aggregate(row_losses, _cfg(config, "agg"), T, zero, num_items, num_seqs,
+                      _cfg(config, "norm_length"))
+    low_frac, high_frac = _masked_metric(m_low, dt), _masked_metric(m_high, dt)
+    metrics = dict(
+        kl=_masked_metric(m_kl, dt), clip_frac=low_frac + high_frac, clip_frac_low=low_frac,
+        clip_frac_high=high_frac, ratio_mean=_masked_metric(m_ratio, dt),
+        ratio_max=_masked_metric(m_ratio, dt, "max"), approx_kl=_masked_metric(m_akl, dt),
+    )
+    if entropy is not None:
+        metrics["entropy"] = _masked_metric(m_ent, dt)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# §3.8 value loss
+
+def value_loss(values, old_values, returns, mask, clip=0.2, agg="token_mean", *,
+               num_items=None, num_seqs=None):
+    """½ · agg(max((V - R̂)², (clip(V, V_old ± ε) - R̂)²)); metric vf_clip_frac."""
+    dt = _dtype(values)
+    values, old_values, returns = values.to(dt), old_values.to(dt), returns.to(dt)
+    B, T = values.shape
+    valid = mask != 0
+    row_losses, clipped = [], []
+    for i in range(B):
+        if not bool(valid[i].any()):
+            continue
+        v, v_old, R = values[i][valid[i]], old_values[i][valid[i]], returns[i][valid[i]]
+        sq = (v - R) ** 2
+        if clip is None:
+            row_losses.append(0.5 * sq)
+            continue
+        sq_clipped = (torch.maximum(torch.minimum(v, v_old + clip), v_old - clip) - R) ** 2
+        row_losses.append(0.5 * torch.maximum(sq, sq_clipped))
+        clipped.append(sq_clipped > sq)
+    loss = _aggregate(row_losses, agg, T, values[valid].sum() * 0, num_items, num_seqs)
+    return loss, {"vf_clip_frac": _masked_metric(clipped, dt)}
+
+
+# ---------------------------------------------------------------------------------------------
+# §4 advantages and sampling
+
+def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
+    """verl's compute_gae_advantage_return: masked positions carry the next value and the running
+    advantage unchanged; returns = advantages + values before whitening."""
+    dt = torch.promote_types(_dtype(rewards), _dtype(values))
+    rewards, values, m = rewards.to(dt), values.to(dt), (mask != 0).to(dt)
+    B, T = rewards.shape
+    next_value = torch.zeros(B, dtype=dt)
+    last_gae = torch.zeros(B, dtype=dt)
+    adv = [None] * T
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last_gae = gae_t * m[:, t] + (1 - m[:, t]) * last_gae
+        adv[t] = last_gae
+    advantages = torch.stack(adv, dim=1)
+    returns = advantages + values
+    if whiten:   # (A - mean)/sqrt(var + 1e-8) over valid tokens, Bessel var (0 below 2 tokens)
+        xs = advantages[mask != 0]
+        n = xs.numel()
+        mean = xs.sum() / n if n > 0 else torch.zeros((), dtype=dt)
+        var = ((xs - mean) ** 2).sum() / (n - 1) if n >= 2 else torch.zeros((), dtype=dt)
+        advantages = (advantages - mean) / torch.sqrt(var + 1e-8)
+    return advantages, returns
+
+
+def _normalize_within(R, groups, eps, scale="group"):
+    """(R - μ_g)/(σ_g + ε) per group ("batch": σ of the whole batch; None: no division)."""
+    out = torch.zeros_like(R)
+    sigma_batch = _bessel_std(R)
+    for g in groups:
+        mu, sigma = R[g].mean(), _bessel_std(R[g])
+        divisor = {"group": sigma + eps, "batch": sigma_batch + eps, None: 1.0}[scale]
+        for i in g:
+            out[i] = (R[i] - mu) / divisor
+    return out
+
+
+def group_normalized(rewards, group_ids=None, *, group_size=None, scale="group", eps=1e-6):
+    """GRPO: (R - μ_g)/(σ_g + ε); "batch": σ of the whole batch; None: R - μ_g (Dr. GRPO)."""
+    R = rewards.to(_dtype(rewards))
+    return _normalize_within(R, _groups(R.shape[0], group_ids, group_size), eps, scale)
+
+
+def rloo(rewards, group_ids=None, *, group_size=None):
+    """R_i - mean_{j≠i in g} R_j; a group of one gets 0 (no leave-one-out baseline exists)."""
+    R = rewards.to(_dtype(rewards))
+    out = torch.zeros_like(R)
+    for g in _groups(R.shape[0], group_ids, group_size):
+        for i in g:
+            others = [R[j] for j in g if j != i]
+            out[i] = R[i] - _mean(others) if others else 0.0
+    return out
+
+
+def tree_grpo(rewards, group_ids, tree_ids, eps=1e-6):
+    """(R - μ_prompt)/(σ_prompt + ε) + (R - μ_tree)/(σ_tree + ε); a tree = rows sharing both
+    the prompt group id and the tree id."""
+    R = rewards.to(_dtype(rewards))
+    prompts = _groups(R.shape[0], group_ids)
+    trees = {}
+    for i, key in enumerate(zip(group_ids.tolist(), tree_ids.tolist())):
+        trees.setdefault(key, []).append(i)
+    return _normalize_within(R, prompts, eps) + _normalize_within(R, list(trees.values()), eps)
+
+
+def pods_select(rewards, m, group_ids=None, *, group_size=None):
+    """Per group, keep the m rollouts of maximum population reward variance: try every k in 0..m
+    (k highest + m-k lowest, stable ascending sort), first best k wins. Groups of <= m keep all."""
+    keep = []
+    for g in _groups(rewards.shape[0], group_ids, group_size):
+        if len(g) <= m:
+            keep += g
+            continue
+        order = sorted(g, key=lambda j: float(rewards[j]))     # stable: ties by row index
+        best, best_var = None, None
+        for k in range(m + 1):
+            chosen = order[:m - k] + (order[len(order) - k:] if k else [])
+            var = rewards[chosen].double().var(unbiased=False)
+            if best_var is None or var > best_var:
+                best, best_var = chosen, var
+        keep += best
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def overlong_penalty(lengths, max_len, buffer, penalty_factor=1.0):
+    """DAPO soft overlong punishment: 0 up to max_len - buffer, linear to -1 at max_len, then -1,
+    times penalty_factor."""
+    out = []
+    for n in lengths.reshape(-1).tolist():
+        if n <= max_len - buffer:
+            p = 0.0
+        elif n <= max_len:
+            p = (max_len - buffer - n) / buffer
+        else:
+            p = -1.0
+        out.append(p * penalty_factor)
+    dt = lengths.dtype if lengths.is_floating_point() else torch.float32
+    return torch.tensor(out, dtype=dt).reshape(lengths.shape)
+
+
+def filter_uniform_groups(rewards, group_ids=None, *, group_size=None):
+    """DAPO dynamic sampling: keep mask, False for every row of a group whose rewards are all equal
+    (a group of one is uniform)."""
+    keep = torch.zeros(rewards.shape[0], dtype=torch.bool)
+    for g in _groups(rewards.shape[0], group_ids, group_size):
+        uniform = all(float(rewards[j]) == float(rewards[g[0]]) for j in g)
+        for i in g:
+            keep[i] = not uniform
+    return keep

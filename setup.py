@@ -1,0 +1,101 @@
+"""Build of rlkernels and its optional compiled extension `rlkernels._C` (DESIGN.md §1).
+
+    pip install --no-build-isolation -e .                 # with the extension (needs torch installed)
+    RLKERNELS_NO_EXTENSION=1 pip install ... -e .         # pure Python; the `torch` backend serves CPU
+    RLKERNELS_CPU_ISA=auto|avx2|avx512|default            # vector ISA of the CPU kernels, see below
+
+Package metadata is in pyproject.toml; this file only adds the extension. `--no-build-isolation`
+matters: an isolated build would fetch another torch, and the extension must match the installed one.
+
+`_C` = csrc/cpu/*.cpp (CppExtension, -O3, OpenMP), plus csrc/cuda/*.cu (CUDAExtension) when
+this torch is a CUDA build and nvcc is found. One translation unit per op file keeps the build
+short (about a minute per file on two cores).
+
+Vector ISA of the CPU kernels (RLKERNELS_CPU_ISA). at::vec picks its implementation when the
+kernel is compiled, from the CPU_CAPABILITY_AVX2 / CPU_CAPABILITY_AVX512 macros and the matching
+-m flags; without them Vectorized<float> is a plain array loop that runs several times slower.
+PyTorch itself compiles each kernel once per ISA and dispatches at run time; setuptools cannot
+give one file several sets of flags, and doing so would double the build, so we compile once:
+  * auto (default): AVX2 + FMA + F16C on x86-64 Linux when the build machine has them (checked
+    with torch's own CPU detection), the generic path otherwise. The usual install is an
+    editable build on the machine that runs it.
+  * avx2 / avx512: force that ISA (a wheel built for other machines). AVX-512 is opt-in only:
+    our test machines lack it, so it is compiled but not run by CI.
+  * default: the generic path (portable, slower).
+The extension checks the CPU when imported and raises ImportError naming the ISA it needs;
+rlkernels then reports that reason and falls back to the `torch` backend. Never -ffast-math:
+logits may be -inf (masked vocabulary entries) and the kernels rely on IEEE inf semantics.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import shutil
+import sys
+import warnings
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+ISA_FLAGS = {
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], ["-DCPU_CAPABILITY_AVX2"]),
+    "avx512": (["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c"],
+               ["-DCPU_CAPABILITY_AVX512"]),
+    "default": ([], []),
+}
+
+
+def _cpu_isa(torch) -> str:
+    requested = os.environ.get("RLKERNELS_CPU_ISA", "auto").lower()
+    if requested not in ("auto", *ISA_FLAGS):
+        raise ValueError(f"RLKERNELS_CPU_ISA: expected auto, {', '.join(ISA_FLAGS)}; got {requested!r}")
+    x86_gcc = sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")
+    if requested != "auto":
+        if requested != "default" and not x86_gcc:
+            raise ValueError(f"RLKERNELS_CPU_ISA={requested} needs x86-64 Linux")
+        return requested
+    if x86_gcc and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "avx2"
+    return "default"
+
+
+def _extensions():
+    if os.environ.get("RLKERNELS_NO_EXTENSION", "0") == "1":
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:  # e.g. an isolated build: no torch, so no extension
+        warnings.warn(f"rlkernels: building without the compiled extension ({e}); "
+                      "use `pip install --no-build-isolation` with torch installed")
+        return [], {}
+
+    isa = _cpu_isa(torch)
+    isa_flags, isa_macros = ISA_FLAGS[isa]
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    cxx = ["-O3", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
+    sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    with_cuda = bool(torch.version.cuda) and bool(cuda_sources) and (
+        cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None)
+    print(f"rlkernels: building rlkernels._C (cpu isa: {isa}, cuda: {'yes' if with_cuda else 'no'})")
+    if with_cuda:
+        ext = cpp_extension.CUDAExtension(
+            "rlkernels._C", sources + cuda_sources, include_dirs=include_dirs,
+            define_macros=[("RLK_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]}, extra_link_args=openmp)
+    else:
+        ext = cpp_extension.CppExtension(
+            "rlkernels._C", sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx}, extra_link_args=openmp)
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(
+    packages=find_packages(include=["rlkernels", "rlkernels.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
