@@ -25,6 +25,8 @@ give one file several sets of flags, and doing so would double the build, so we 
 The extension checks the CPU when imported and raises ImportError naming the ISA it needs;
 rlkernels then reports that reason and falls back to the `torch` backend. Never -ffast-math:
 logits may be -inf (masked vocabulary entries) and the kernels rely on IEEE inf semantics.
+-ffp-contract=off: x = z·(1/τ) must round the same in the vector loops and in the scalar code
+(the max, the target), so that the max element gives e^0 = 1 exactly and logp ≤ 0 holds.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def _extensions():
     isa = _cpu_isa(torch)
     isa_flags, isa_macros = ISA_FLAGS[isa]
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    cxx = ["-O3", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
+    cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
     sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     include_dirs = [os.path.join(ROOT, "csrc", "include")]

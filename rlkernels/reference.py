@@ -63,7 +63,11 @@ def token_logprobs(logits, targets, temperature=1.0):
     x = logits.to(_dtype(logits)) / temperature          # x_v = z_v / τ
     logp_all = torch.log_softmax(x, dim=-1)              # x_v - lse, materialised
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)       # H = -Σ p log p = lse - Σ p x
+    # H = -Σ p log p; entries with p = 0 (logit -inf) contribute 0. The inner where keeps
+    # 0·(-inf) out of both the value and the gradient.
+    nonzero = logp_all > float("-inf")
+    safe = torch.where(nonzero, logp_all, torch.zeros_like(logp_all))
+    entropy = -torch.where(nonzero, safe.exp() * safe, torch.zeros_like(safe)).sum(-1)
     return logp, entropy
 
 

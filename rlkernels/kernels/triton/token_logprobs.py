@@ -86,9 +86,9 @@ def _token_logprobs_bwd_kernel(
 # Launch configuration: (BLOCK_V, num_warps) from V and the logit size.
 # A row ≤ 4096 fits one tile (no loop). Longer rows stream 16 KB tiles (8192 16-bit or 4096
 # fp32 logits) so every thread holds 16 logits: two (16-bit) or four (fp32) 16-byte vector
-# loads per thread and tile, few enough registers for two 512/256-thread programs per SM.
-# H100/H200 need ~32–64 KB of reads in flight per SM to reach their 3.3–4.8 TB/s, which two
-# resident programs with 16 KB tiles give; the rows of a 152k vocabulary are 19–38 tiles.
+# loads per thread and tile. ptxas for sm_90 gives these 32–64 registers, no spills, so 2–4
+# programs stay resident per SM. H100/H200 need ~32–64 KB of reads in flight per SM to reach
+# their 3.3–4.8 TB/s, which that many 16 KB tiles give; a 152k-vocabulary row is 19–38 tiles.
 # Starting values for Hopper, to be confirmed by benchmarks/gpu_check.sh.
 # Under the interpreter (numpy, one program at a time) the cost is per tile, not per element:
 # 512-element tiles keep tests fast while V = 1000 and 4099 still take several tiles and a
