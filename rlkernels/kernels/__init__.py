@@ -9,8 +9,10 @@ Every backend module exposes the same two functions over flattened rows
     ``logp = x_y - lse``, the entropy ``H = lse - sum_v p_v x_v`` (an empty tensor when
     ``need_entropy`` is False) and ``lse = logsumexp(x)``, with ``x = logits / temperature``.
 
-``token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature) -> grad_logits``
+``token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None) -> grad_logits``
     ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with ``g = grad_logp``
     and ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
-    ``logits``, shape ``(N, V)``.
+    ``logits``, shape ``(N, V)``. ``out``: an ``(N, V)`` tensor with unit stride over V to
+    write into instead of a new one; it may be ``logits`` itself (every element is read before
+    it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
 """

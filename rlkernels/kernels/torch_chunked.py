@@ -47,10 +47,10 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     return logp, entropy, lse
 
 
-def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature):
+def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None):
     n, vocab = logits.shape
     acc = _acc_dtype(logits)
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     for s, e in _chunks(n, vocab):
         log_p = logits[s:e].to(acc) / temperature - lse[s:e, None]
         p = torch.exp(log_p)

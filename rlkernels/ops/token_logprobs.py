@@ -82,21 +82,28 @@ def token_logprobs(
     `return_entropy` is set. Differentiable w.r.t. `logits` through both outputs; the logits
     are read once forward and once backward, and nothing of size V is kept per token.
     """
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
-    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    temperature = check_token_logprobs_args(logits, targets, temperature)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     vocab = logits.shape[-1]
-    if targets.numel() and not torch.compiler.is_compiling():  # a data-dependent check would break the graph
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"targets: expected values in [0, {vocab}) (V = logits.shape[-1]), got values in [{lo}, {hi}]")
     name = _backend.resolve(backend, logits.device)
     flat_logits = logits.reshape(-1, vocab).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     logp, entropy, _ = _define(name)(flat_logits, flat_targets, temperature, return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
+
+
+def check_token_logprobs_args(logits: Tensor, targets: Tensor, temperature) -> float:
+    """Validate the inputs of the log-prob pass; returns the temperature as a float."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
+    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    vocab = logits.shape[-1]
+    if targets.numel() and not torch.compiler.is_compiling():  # a data-dependent check would break the graph
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets: expected values in [0, {vocab}) (V = logits.shape[-1]), got values in [{lo}, {hi}]")
+    return temperature

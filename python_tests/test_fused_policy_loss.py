@@ -1,0 +1,113 @@
+"""`fused_policy_loss` equals `policy_loss(token_logprobs(...))` in value, gradient and metrics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import presets, reference
+
+from loss_inputs import random_loss_inputs
+
+BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
+
+
+def _case(B=6, T=7, V=37, dtype=torch.float32, seed=0, per_token_adv=False):
+    inputs = random_loss_inputs(B, T, dtype=torch.float64, noise=0.2, per_token_adv=per_token_adv, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=g) * 2).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    return logits, targets, inputs
+
+
+def _kwargs(inputs, config):
+    kw = dict(old_logp=inputs["old_logp"].float(), ref_logp=inputs["ref_logp"].float(), rewards=inputs["rewards"].float())
+    if config.ratio in ("group_expectation", "snis"):
+        kw["group_ids"] = inputs["group_ids"]
+    return kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", presets.NAMES)
+def test_every_preset_equals_the_composition(backend, name):
+    logits, targets, inputs = _case(seed=hash(name) % 1000, per_token_adv=name in ("ppo", "dapo", "cispo"))
+    config = presets.get(name, entropy_coef=0.01)
+    adv, mask = inputs["advantages"].float(), inputs["mask"]
+    kw = _kwargs(inputs, config)
+
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
+    (2.5 * fused.loss).backward()
+
+    y = logits.clone().requires_grad_(True)
+    logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.8, return_entropy=True, backend=backend)
+    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
+    (2.5 * composed.loss).backward()
+
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-8)
+    assert set(fused.metrics) == set(composed.metrics)
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], msg=key)
+
+    # and both equal the reference evaluated on the logits in fp64
+    z = logits.double().requires_grad_(True)
+    ref_logp, ref_ent = reference.token_logprobs(z, targets, 0.8)
+    kw64 = {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+    ref_loss, _ = reference.policy_loss(ref_logp, adv.double(), mask, config, entropy=ref_ent, **kw64)
+    (2.5 * ref_loss).backward()
+    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_overwrites_logits_with_the_gradient(backend, dtype):
+    logits, targets, inputs = _case(dtype=dtype, seed=3)
+    config = presets.grpo()
+    kw = _kwargs(inputs, config)
+    y = logits.clone().requires_grad_(True)
+    expected = rlkernels.fused_policy_loss(y, targets, inputs["advantages"].float(), inputs["mask"], config,
+                                           backend=backend, **kw)
+    expected.loss.backward()
+
+    buffer = logits.clone()
+    x = buffer.view_as(buffer).requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, inputs["advantages"].float(), inputs["mask"], config,
+                                      inplace=True, backend=backend, **kw)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(x.grad, y.grad)
+    assert x.grad.data_ptr() == buffer.data_ptr()  # no second N × V buffer
+
+
+def test_inplace_rejects_strided_logits():
+    logits, targets, inputs = _case(T=8, seed=4)
+    x = logits.requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace"):
+        rlkernels.fused_policy_loss(x[:, :-1], targets[:, :-1], inputs["advantages"].float(), inputs["mask"][:, :-1],
+                                    presets.dapo(), inplace=True, backend="torch")
+
+
+def test_without_grad_and_bad_shapes():
+    logits, targets, inputs = _case(seed=5)
+    with torch.no_grad():
+        out = rlkernels.fused_policy_loss(logits, targets, inputs["advantages"].float(), inputs["mask"], presets.dapo())
+    logp, ent = rlkernels.token_logprobs(logits, targets, return_entropy=True)
+    torch.testing.assert_close(out.loss, rlkernels.policy_loss(logp, inputs["advantages"].float(), inputs["mask"],
+                                                               presets.dapo(), entropy=ent).loss)
+    with pytest.raises(ValueError, match="logits"):
+        rlkernels.fused_policy_loss(logits[0], targets[0], inputs["advantages"].float(), inputs["mask"], presets.dapo())
+    with pytest.raises(ValueError, match="targets"):
+        rlkernels.fused_policy_loss(logits.requires_grad_(True), targets[:, :3], inputs["advantages"].float(),
+                                    inputs["mask"], presets.dapo())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_mask_gives_zero_gradient(backend):
+    logits, targets, inputs = _case(seed=6)
+    x = logits.clone().requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, inputs["advantages"].float(), torch.zeros_like(inputs["mask"]),
+                                      presets.gspo(), backend=backend)
+    out.loss.backward()
+    assert float(out.loss) == 0.0 and (x.grad == 0).all()
