@@ -16,18 +16,7 @@ import time
 import torch
 
 from . import advantages, backend_info, policy_loss, presets, token_logprobs
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak_rss() -> int:
-    """Reset the kernel's high-water mark of resident memory (Linux) and return the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS") * 1024
+from ._peak_memory import peak_since, reset_peak
 
 
 def _setup(args):
@@ -76,12 +65,12 @@ def _measure(path, args, backend, queue):
     torch.set_num_threads(args.threads)
     logits, *rest = _setup(args)
     logits.requires_grad_(True)
-    start_rss = _reset_peak_rss()
+    start_rss = reset_peak()
     start = time.perf_counter()
     loss = _PATHS[path](logits, *rest, backend)
     loss.backward()
     elapsed = time.perf_counter() - start
-    peak = _status_kib("VmHWM") * 1024 - start_rss
+    peak = peak_since(start_rss)
     queue.put((elapsed, peak))
 
 
