@@ -166,7 +166,7 @@ def measure(args, op, vocab, name, fn, mode, device, peak):
     def step():
         out = fn(logits, *inputs[1:])
         if mode == "fwd+bwd":
-            out.backward()
+            out.backward(torch.ones_like(out))  # (N,) log-probs, or the 0-d loss
         return out
 
     try:
@@ -217,7 +217,8 @@ def main(argv=None):
     peak, rows, skipped = run(args)
     if args.dry_run:
         bad = [r for r in rows if r.get("error")]
-        print(f"dry run: {len(rows) - len(bad)} provider/mode cases ran on CPU; errors: {bad or 'none'}")
+        print(f"dry run: {len(rows) - len(bad)} provider/mode cases ran on CPU; errors: {bad or 'none'}; "
+              f"liger importable: {liger_op('grpo') is not None}")
         raise SystemExit(1 if bad else 0)
     report(args, peak, rows, skipped)
 

@@ -70,12 +70,13 @@ def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
 
 def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
     """A 0/1 mask given as bool or as numbers that are all 0 or 1; returns it as bool.
-    (Reads the values, so it synchronises with the device.)"""
+    (Reads the values, so it synchronises with the device; not under torch.compile, where
+    a data-dependent check would break the graph.)"""
     if mask.dtype == torch.bool:
         return mask
     if mask.is_complex():
         raise TypeError(f"{name}: expected a bool or real tensor of 0/1, got {mask.dtype}")
-    if bool(((mask != 0) & (mask != 1)).any()):
+    if not torch.compiler.is_compiling() and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"{name}: expected a bool tensor or numbers that are all 0 or 1")
     return mask != 0
 

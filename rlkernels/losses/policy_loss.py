@@ -152,7 +152,8 @@ def _advantages(advantages, mask, cfg, logp):
         return adv, None
     row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
     spread = torch.where(mask, adv - row[:, None], torch.zeros_like(adv)).abs().amax()
-    if bool(spread > 1e-6 * (1 + row.abs().max())):
+    # Not under torch.compile: a data-dependent check would break the graph.
+    if not torch.compiler.is_compiling() and bool(spread > 1e-6 * (1 + row.abs().max())):
         raise ValueError(
             f"advantages: ratio={cfg.ratio!r} needs one advantage per row, but a (B, T) advantage varies "
             "within a row; pass (B,) advantages, or use ratio='sequence_token' for per-token advantages"

@@ -2,7 +2,9 @@
 
 Each backend gets one forward and one backward op, `rlkernels::token_logprobs_fwd_<backend>`
 and `..._bwd_<backend>`, with fake implementations (so `torch.compile(fullgraph=True)` traces
-through them) and the autograd formula registered once here.
+through them) and the autograd formula registered once here. The Triton backend's ops are
+`triton_op`s whose kernels are launched through `wrap_triton`, so the compiler sees the kernels
+themselves rather than an opaque call.
 """
 from __future__ import annotations
 
@@ -25,22 +27,28 @@ def _define(name: str):
     """Define (once) the forward/backward ops of backend `name`."""
     if name in _OPS:
         return _OPS[name]
+    if name == "triton":
+        register, launch = torch.library.triton_op, {"wrap": torch.library.wrap_triton}
+    else:
+        register, launch = torch.library.custom_op, {}
 
-    @torch.library.custom_op(f"rlkernels::token_logprobs_fwd_{name}", mutates_args=())
+    @register(f"rlkernels::token_logprobs_fwd_{name}", mutates_args=())
     def fwd(logits: Tensor, targets: Tensor, temperature: float, need_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy)
+        return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy, **launch)
 
+    # For triton this replaces triton_op's fake (the body traced), which the interpreter cannot run.
     @fwd.register_fake
     def _(logits, targets, temperature, need_entropy):
         n, dtype = logits.shape[0], _out_dtype(logits)
         return logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype), logits.new_empty(n, dtype=dtype)
 
-    @torch.library.custom_op(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
+    @register(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
     def bwd(
         logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
         grad_entropy: Optional[Tensor], temperature: float,
     ) -> Tensor:
-        return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature)
+        return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy,
+                                                         temperature, **launch)
 
     @bwd.register_fake
     def _(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature):
@@ -67,6 +75,15 @@ def _define(name: str):
     return fwd
 
 
+@torch.compiler.assume_constant_result
+def _resolve(backend: Optional[str], device: torch.device) -> str:
+    """The backend to run, its ops defined. Under torch.compile this runs once at trace time
+    and its result is a constant: the first import of a backend cannot be traced."""
+    name = _backend.resolve(backend, device)
+    _define(name)
+    return name
+
+
 def token_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -86,10 +103,10 @@ def token_logprobs(
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     vocab = logits.shape[-1]
-    name = _backend.resolve(backend, logits.device)
+    name = _resolve(backend, logits.device)
     flat_logits = logits.reshape(-1, vocab).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    logp, entropy, _ = _define(name)(flat_logits, flat_targets, temperature, return_entropy)
+    logp, entropy, _ = _OPS[name](flat_logits, flat_targets, temperature, return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
 

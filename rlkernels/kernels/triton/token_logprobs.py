@@ -150,8 +150,16 @@ def _on_device(device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def token_logprobs_fwd(logits, targets, temperature, need_entropy):
-    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``."""
+def _plain(kernel):
+    return kernel
+
+
+def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plain):
+    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``.
+
+    ``wrap``: applied to the kernel before launch; ``torch.library.wrap_triton`` inside a
+    ``triton_op`` lets torch.compile see the launch (the default launches it directly).
+    """
     _check_logits(logits, targets)
     n, vocab = logits.shape
     targets = targets.to(torch.int64).contiguous()
@@ -163,7 +171,7 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
         return logp, entropy, lse
     block, warps = launch_config(vocab, logits.dtype)
     with _on_device(dev):
-        _token_logprobs_fwd_kernel[(n,)](
+        wrap(_token_logprobs_fwd_kernel)[(n,)](
             logits, targets, logp, entropy if need_entropy else lse, lse,
             vocab, logits.stride(0), 1.0 / float(temperature),
             NEED_ENTROPY=bool(need_entropy), BLOCK_V=block, num_warps=warps,
@@ -172,12 +180,13 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
 
 
 def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature,
-                       out=None):
+                       out=None, *, wrap=_plain):
     """∂L/∂logits, (N, V) in the logits' dtype.
 
     ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): an
     (N, V) float tensor with unit stride over V to write into, of any float dtype; it may be
-    ``logits`` itself (each tile is read before it is overwritten).
+    ``logits`` itself (each tile is read before it is overwritten). ``wrap``: as in
+    ``token_logprobs_fwd``.
     """
     _check_logits(logits, targets)
     n, vocab = logits.shape
@@ -201,7 +210,7 @@ def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, t
         entropy = grad_entropy = lse  # never read
     block, warps = launch_config(vocab, logits.dtype)
     with _on_device(dev):
-        _token_logprobs_bwd_kernel[(n,)](
+        wrap(_token_logprobs_bwd_kernel)[(n,)](
             logits, targets, lse, entropy, grad_logp, grad_entropy, out,
             vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature),
             HAS_H=has_h, BLOCK_V=block, num_warps=warps,
