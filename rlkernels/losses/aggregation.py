@@ -22,26 +22,35 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.any(), top, torch.zeros_like(top))
 
 
-def aggregate(
-    per_token: torch.Tensor,
+def aggregation_weights(
     mask: torch.Tensor,
     agg: str,
     *,
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar. Divisors of 0 give 0 (the masked sum is then 0 too)."""
-    row_sums = masked_sum_rows(per_token, mask)
-    lengths = mask.sum(-1)
+    """(B, T) weights w with agg(ℓoss) = Σ_{i,t} w_{i,t}·ℓoss_{i,t} (0 where masked); DESIGN.md §3.5.
+
+    Every aggregation is linear in the per-token loss, so a kernel can apply it token by token.
+    Divisors of 0 give weights of 0 (the masked sum is then empty anyway).
+    """
+    m = mask.to(dtype)
+    lengths = m.sum(-1, keepdim=True)
     if agg == "token_mean":
-        count = lengths.sum().clamp(min=1) if num_items is None else num_items
-        return row_sums.sum() / count
+        return m / (lengths.sum().clamp(min=1) if num_items is None else num_items)
     seqs = (lengths > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
     if agg == "seq_mean_token_mean":
-        return (row_sums / lengths.clamp(min=1)).sum() / seqs
+        return m / (lengths.clamp(min=1) * seqs)
     if agg == "seq_mean_token_sum":
-        return row_sums.sum() / seqs
+        return m / seqs
     if agg == "constant":
-        return row_sums.sum() / (seqs * (mask.shape[-1] if norm_length is None else norm_length))
+        return m / (seqs * (mask.shape[-1] if norm_length is None else norm_length))
     raise ValueError(f"agg: unknown aggregation {agg!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, **counts) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar with `aggregation_weights` (same keyword arguments)."""
+    weights = aggregation_weights(mask, agg, dtype=per_token.dtype, **counts)
+    return masked_sum_rows(per_token * weights, mask).sum()

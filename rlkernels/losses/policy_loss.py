@@ -44,30 +44,13 @@ def policy_loss(
     `old_logp=None` means on-policy. `num_items` / `num_seqs` replace the local token / row
     counts of the aggregation (global counts for gradient accumulation and data parallel).
     """
-    b, ref_logp, entropy = _prepare(
+    b, ref_logp, entropy = prepare_batch(
         logp, advantages, mask, config, old_logp, ref_logp, entropy, group_ids, rewards, num_items, num_seqs
     )
     cfg = config
-    sur = surrogates.BY_RATIO[cfg.ratio](b, cfg)
-    per_token = sur.loss
-    metrics = {}
-
-    if ref_logp is not None:
-        k = kl_estimate(ref_logp, b.logp, cfg.kl_estimator or "k3", cfg.log_ratio_clamp)
-        if cfg.kl_coef > 0:
-            if cfg.kl_clamp is not None:
-                k = k.clamp(-cfg.kl_clamp, cfg.kl_clamp)
-            if cfg.kl_bias_correction:
-                k = k * torch.exp((b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)).detach()
-            per_token = per_token + cfg.kl_coef * k
-        else:
-            k = kl_estimate(ref_logp, b.logp, "k3", cfg.log_ratio_clamp)
-        metrics["kl"] = masked_mean(k.detach(), b.mask)
-    else:
-        metrics["kl"] = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    per_token, sur, k = per_token_loss(b, cfg, ref_logp, entropy)
+    metrics = {"kl": masked_mean(k.detach(), b.mask) if k is not None else torch.zeros((), dtype=logp.dtype, device=logp.device)}
     if entropy is not None:
-        if cfg.entropy_coef != 0:
-            per_token = per_token - cfg.entropy_coef * entropy
         metrics["entropy"] = masked_mean(entropy.detach(), b.mask)
 
     loss = aggregate(
@@ -85,7 +68,30 @@ def policy_loss(
     return LossOutput(loss, metrics)
 
 
-def _prepare(logp, advantages, mask, cfg, old_logp, ref_logp, entropy, group_ids, rewards, num_items, num_seqs):
+def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy):
+    """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): surrogate + β·k − c_H·H.
+
+    For `ratio="token"` every term depends on its own token only, so this may be evaluated on
+    any subset of tokens (the hidden-state path does it chunk by chunk).
+    """
+    sur = surrogates.BY_RATIO[cfg.ratio](b, cfg)
+    per_token, k = sur.loss, None
+    if ref_logp is not None:
+        k = kl_estimate(ref_logp, b.logp, cfg.kl_estimator or "k3", cfg.log_ratio_clamp)
+        if cfg.kl_coef > 0:
+            if cfg.kl_clamp is not None:
+                k = k.clamp(-cfg.kl_clamp, cfg.kl_clamp)
+            if cfg.kl_bias_correction:
+                k = k * torch.exp((b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)).detach()
+            per_token = per_token + cfg.kl_coef * k
+        else:  # the metric reports k3 when no KL enters the loss
+            k = kl_estimate(ref_logp, b.logp, "k3", cfg.log_ratio_clamp)
+    if entropy is not None and cfg.entropy_coef != 0:
+        per_token = per_token - cfg.entropy_coef * entropy
+    return per_token, sur, k
+
+
+def prepare_batch(logp, advantages, mask, cfg, old_logp, ref_logp, entropy, group_ids, rewards, num_items, num_seqs):
     """Validate the inputs and zero every masked position, so padding can hold anything."""
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"config: expected a PolicyLossConfig (see rlkernels.presets), got {type(cfg).__name__}")
