@@ -76,7 +76,10 @@ def _extensions():
     isa = _cpu_isa(torch)
     isa_flags, isa_macros = ISA_FLAGS[isa]
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
+    if sys.platform == "win32":  # MSVC: untested; no OpenMP, generic ISA
+        cxx = ["/O2", "/fp:precise"]
+    else:
+        cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
     sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     include_dirs = [os.path.join(ROOT, "csrc", "include")]

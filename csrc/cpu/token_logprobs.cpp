@@ -19,9 +19,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "rlkernels/row_math.h"
 
@@ -86,12 +92,23 @@ void store_tail(scalar_t* p, int64_t count, const typename Io<scalar_t>::Vec& a,
   std::memcpy(p, buf, count * sizeof(scalar_t));
 }
 
+// exp on a vector. fp32 under AVX2/AVX-512: at::vec's inline polynomial (≤ 20 ulp, i.e. 2.4e-6
+// relative, exactly 1 at 0, exactly 0 below ln(FLT_MIN)); measured 1.5-2x faster than Sleef's 1-ulp
+// exp (a library call) on the forward, and its error stays well inside the 1e-5 budget.
+// Elsewhere (fp64, the generic ISA) exp_u20 is exp.
+template <typename Vec>
+Vec vexp(const Vec& x) {
+  return x.exp_u20();
+}
+
 template <typename Vec>
 typename Vec::value_type reduce_max(const Vec& v) {
   __at_align__ typename Vec::value_type buf[Vec::size()];
   v.store(buf);
   auto r = buf[0];
-  for (int i = 1; i < Vec::size(); ++i) r = std::max(r, buf[i]);
+  for (int i = 1; i < Vec::size(); ++i) {
+    if (buf[i] > r || std::isnan(buf[i])) r = buf[i];  // NaN wins
+  }
   return r;
 }
 
@@ -135,6 +152,12 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       mx1 = at::vec::maximum(mx1, b);
     }
     const acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1)) * inv_tau;
+    if (!(block_max < std::numeric_limits<acc_t>::infinity())) {
+      // A NaN or +inf logit: the row's results are NaN, as log_softmax's would be. (Without
+      // this, exp_u20, which clamps its argument, would turn NaN into finite garbage.)
+      const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+      return {nan, nan, nan};
+    }
     if (block_max > m) {
       acc_t alpha, delta;
       rlk::rescale_factors(m, block_max, alpha, delta);
@@ -144,21 +167,29 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     }
     if (m == rlk::neg_inf<acc_t>()) continue;  // every element so far is −inf
 
-    // Sweep 2 (from L1): d = max(x − m, floor), e = e^d.
+    // Sweep 2 (from L1): d = max(x − m, floor), e = e^d, summed into block-local sums that are
+    // then added to the running ones: fp32 chains of ~V/2048 + 128 additions, not V/16.
     const Vec v_m(m);
+    Vec bs0(0), bs1(0), bu0(0), bu1(0);
     for (int64_t i = 0; i < full; i += kStep) {
       IO::load(zb + i, a, b);
       const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
       const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
-      rlk::softmax_accumulate<Vec, kEntropy>(s0, u0, da.exp(), da);
-      rlk::softmax_accumulate<Vec, kEntropy>(s1, u1, db.exp(), db);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
     }
     if (full < len) {
       load_tail(zb + full, len - full, a, b);
       const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
       const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
-      rlk::softmax_accumulate<Vec, kEntropy>(s0, u0, da.exp(), da);
-      rlk::softmax_accumulate<Vec, kEntropy>(s1, u1, db.exp(), db);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
+    }
+    s0 = s0 + bs0;
+    s1 = s1 + bs1;
+    if (kEntropy) {
+      u0 = u0 + bu0;
+      u1 = u1 + bu1;
     }
   }
   rlk::SoftmaxState<acc_t> st{m, reduce_sum(s0 + s1), kEntropy ? reduce_sum(u0 + u1) : acc_t(0)};
@@ -176,11 +207,11 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_lse(lse), v_A(c.A), v_B(c.B);
   const int64_t full = V - V % kStep;
   Vec a, b;
-  auto grad2 = [&](Vec& a, Vec& b) {
-    const Vec la = at::vec::maximum(a * v_inv_tau - v_lse, v_floor);  // log p, clamped
-    const Vec lb = at::vec::maximum(b * v_inv_tau - v_lse, v_floor);
-    a = rlk::grad_element(la.exp(), la, v_A, v_B);
-    b = rlk::grad_element(lb.exp(), lb, v_A, v_B);
+  auto grad2 = [&](Vec& lo, Vec& hi) {  // logits in, gradient out
+    const Vec l_lo = at::vec::maximum(lo * v_inv_tau - v_lse, v_floor);  // log p, clamped
+    const Vec l_hi = at::vec::maximum(hi * v_inv_tau - v_lse, v_floor);
+    lo = rlk::grad_element(vexp(l_lo), l_lo, v_A, v_B);
+    hi = rlk::grad_element(vexp(l_hi), l_hi, v_A, v_B);
   };
   for (int64_t i = 0; i < full; i += kStep) {
     IO::load(z + i, a, b);
@@ -194,6 +225,23 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   }
   // The target element again, with its 1[v=y] term, so that it is rounded once.
   grad[target] = static_cast<scalar_t>(rlk::grad_logit(static_cast<acc_t>(z[target]) * inv_tau, lse, true, c));
+}
+
+// The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
+// pages each time, and faulting them in 4 KB at a time costs more than the kernel itself (0.25 to
+// 0.4 s for 512 MB on our 2-core machine); 2 MB pages make that several times cheaper where
+// transparent huge pages are in "madvise" mode (the common default). Advisory: errors are ignored.
+void advise_huge_pages(void* ptr, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (bytes < 8 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(kHuge - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,6 +346,7 @@ at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& ta
   }
   at::Tensor grad = at::empty_like(logits);
   if (N == 0) return grad;
+  advise_huge_pages(grad.data_ptr(), grad.nbytes());
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
     using acc_t = typename Io<scalar_t>::acc_t;

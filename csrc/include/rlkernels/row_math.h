@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cmath>
-#include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define RLK_HOST_DEVICE __host__ __device__
@@ -24,12 +23,15 @@ RLK_HOST_DEVICE inline double exp_(double x) { return ::exp(x); }
 RLK_HOST_DEVICE inline float log_(float x) { return ::logf(x); }
 RLK_HOST_DEVICE inline double log_(double x) { return ::log(x); }
 
-template <typename T>
-RLK_HOST_DEVICE inline T neg_inf() { return -std::numeric_limits<T>::infinity(); }
+// HUGE_VAL(F) rather than std::numeric_limits, which is host-only under nvcc.
+template <typename T> RLK_HOST_DEVICE inline T neg_inf();
+template <> RLK_HOST_DEVICE inline float neg_inf<float>() { return -HUGE_VALF; }
+template <> RLK_HOST_DEVICE inline double neg_inf<double>() { return -HUGE_VAL; }
 
 // exp(x) is exactly 0 for every x below this (fp32 underflows below −103.97, fp64 below
 // −745.1). Differences x − m are clamped to it, so a −inf logit (a masked vocabulary entry)
-// gives e = 0 and e·(x − m) = 0 instead of 0·(−inf) = NaN, and no value changes.
+// gives e = 0 and e·(x − m) = 0 instead of 0·(−inf) = NaN, and no value changes. Small enough in
+// magnitude that h·log p stays finite in the gradient for any sane h.
 template <typename T> RLK_HOST_DEVICE inline T exp_floor();
 template <> RLK_HOST_DEVICE inline float exp_floor<float>() { return -128.0f; }
 template <> RLK_HOST_DEVICE inline double exp_floor<double>() { return -1024.0; }
