@@ -368,3 +368,25 @@ def test_snis_gradient_by_hand():
 def test_hypothesis_shapes_match_reference(B, T, name, seed, noise):
     inputs = random_loss_inputs(B, T, noise=noise, group_size=1, empty_rows=(), seed=seed)
     _compare(presets.get(name), inputs, torch.float64)
+
+
+def test_gmpo_on_policy_gradient_by_hand():
+    # On-policy every δ = 0, so s̃_i = 1: the row loss is −A_i and each token's gradient −A_i/(L_i·B).
+    inputs = random_loss_inputs(seed=14)
+    m, adv = inputs["mask"], inputs["advantages"]
+    logp = inputs["logp"].clone().requires_grad_(True)
+    out = rlkernels.policy_loss(logp, adv, m, presets.gmpo())
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    lengths, rows = m.sum(-1), (m.sum(-1) > 0).sum()
+    torch.testing.assert_close(out.loss, -adv[lengths > 0].sum() / rows)
+    expected = torch.where(m, -adv[:, None] / (lengths.clamp(min=1)[:, None] * rows), 0.0)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_dr_grpo_divides_by_rows_times_max_length():
+    # Dr. GRPO on-policy: Σ_tokens (−A) / (B · T), B = non-empty rows, T = padded length.
+    inputs = random_loss_inputs(seed=15, per_token_adv=True)
+    m, adv = inputs["mask"], inputs["advantages"]
+    out = rlkernels.policy_loss(inputs["logp"], adv, m, presets.dr_grpo())
+    rows = (m.sum(-1) > 0).sum()
+    torch.testing.assert_close(out.loss, -adv[m].sum() / (rows * m.shape[1]))
