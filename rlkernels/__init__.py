@@ -7,12 +7,14 @@ Layers (DESIGN.md §1): `reference` (the naive truth), `kernels` (passes over lo
 from . import advantages, presets, sampling
 from ._backend import backend_info
 from .losses import LossOutput, PolicyLossConfig, policy_loss, value_loss
-from .ops import fused_policy_loss, token_logprobs
+from .ops import fused_linear_policy_loss, fused_policy_loss, linear_token_logprobs, token_logprobs
 
 __version__ = "0.1.0"
 __all__ = [
     "token_logprobs",
     "fused_policy_loss",
+    "linear_token_logprobs",
+    "fused_linear_policy_loss",
     "policy_loss",
     "value_loss",
     "PolicyLossConfig",

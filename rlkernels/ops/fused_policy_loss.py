@@ -19,23 +19,8 @@ from torch import Tensor
 
 from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
+from ._precomputed_grad import attach_grads
 from .token_logprobs import check_token_logprobs_args, token_logprobs
-
-
-class _PrecomputedGrad(torch.autograd.Function):
-    """Returns `loss`; its gradient w.r.t. `logits` is the precomputed `grad` times the incoming one."""
-
-    @staticmethod
-    def forward(ctx, loss, logits, grad):
-        ctx.save_for_backward(grad)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        if bool(grad_out == 1):  # the usual case: no N × V product
-            return None, grad, None
-        return None, grad * grad_out.to(grad.dtype), None
 
 
 def fused_policy_loss(
@@ -91,5 +76,5 @@ def fused_policy_loss(
     grad_entropy = grads[1].reshape(-1) if len(grads) > 1 and grads[1] is not None else None
     grad = kernels.token_logprobs_bwd(flat, flat_targets, lse, entropy, grad_logp.contiguous(),
                                       grad_entropy, temperature, **({"out": flat} if inplace else {}))
-    loss = _PrecomputedGrad.apply(out.loss.detach(), logits, grad.view(logits.shape))
+    loss = attach_grads(out.loss.detach(), (logits,), (grad.view(logits.shape),))
     return LossOutput(loss, out.metrics)

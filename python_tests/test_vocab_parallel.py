@@ -1,0 +1,92 @@
+"""Vocabulary-parallel hidden-state path: 2 gloo processes on CPU, each holding half the rows of
+the head (uneven halves), give the unsharded log-probs, entropy, loss and gradients."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rlkernels
+from rlkernels import presets
+
+from loss_inputs import random_loss_inputs
+
+WORLD = 2
+B, T, H, V = 4, 5, 8, 37
+SPLIT = (20, 17)  # rows of the head per rank: uneven on purpose
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 2 / H**0.5
+    bias = torch.randn(V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    inputs = random_loss_inputs(B, T, dtype=torch.float32, noise=0.2, group_size=2, seed=3)
+    return hidden, weight, bias, targets, inputs
+
+
+def _run(hidden, weight, bias, targets, inputs, name, backend, group=None):
+    """(logp, entropy, loss, metrics, grads of linear_token_logprobs, grads of the loss)."""
+    config = presets.get(name, entropy_coef=0.01)
+    kw = dict(old_logp=inputs["old_logp"], ref_logp=inputs["ref_logp"], group_ids=inputs["group_ids"],
+              rewards=inputs["rewards"])
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    logp, ent = rlkernels.linear_token_logprobs(*leaves[:2], targets, bias=leaves[2], return_entropy=True,
+                                                backend=backend, chunk_size=3, process_group=group)
+    (logp.sum() + 0.3 * ent.sum()).backward()
+    grads_lp = [x.grad for x in leaves]
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    out = rlkernels.fused_linear_policy_loss(leaves[0], leaves[1], targets, inputs["advantages"], inputs["mask"], config,
+                                             bias=leaves[2], backend=backend, chunk_size=3, process_group=group, **kw)
+    (2.0 * out.loss).backward()
+    return logp.detach(), ent.detach(), out.loss.detach(), out.metrics, grads_lp, [x.grad for x in leaves]
+
+
+BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
+CASES = [(name, backend) for name in ("grpo", "gspo") for backend in BACKENDS]  # one pass / two passes unsharded
+
+
+def _worker(rank, path, result_path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        hidden, weight, bias, targets, inputs = _data()
+        lo = sum(SPLIT[:rank])
+        rows = slice(lo, lo + SPLIT[rank])
+        res = {case: _run(hidden, weight[rows], bias[rows], targets, inputs, *case, group=dist.group.WORLD)
+               for case in CASES}
+        torch.save(res, f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_results():
+    """Every case run once in one pair of processes (spawning and importing torch dominates)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result")
+        mp.spawn(_worker, args=(store, result), nprocs=WORLD, join=True)
+        return [torch.load(f"{result}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_two_ranks_equal_the_unsharded_head(sharded_results, name, backend):
+    hidden, weight, bias, targets, inputs = _data()
+    logp, ent, loss, metrics, grads_lp, grads_loss = _run(hidden, weight, bias, targets, inputs, name, backend)
+    for r in range(WORLD):
+        lp_r, ent_r, loss_r, metrics_r, g_lp, g_loss = sharded_results[r][(name, backend)]
+        rows = slice(sum(SPLIT[:r]), sum(SPLIT[: r + 1]))
+        torch.testing.assert_close(lp_r, logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_r, ent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_r, loss, rtol=1e-5, atol=1e-6)
+        for key in metrics:
+            torch.testing.assert_close(metrics_r[key], metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+        for mine, full in ((g_lp, grads_lp), (g_loss, grads_loss)):
+            torch.testing.assert_close(mine[0], full[0], rtol=1e-5, atol=1e-6)  # ∂hidden, all-reduced
+            torch.testing.assert_close(mine[1], full[1][rows], rtol=1e-5, atol=1e-6)  # this rank's ∂weight rows
+            torch.testing.assert_close(mine[2], full[2][rows], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,248 @@
+"""`linear_token_logprobs`: per-token log-probs and entropy from hidden states (DESIGN.md §2, last paragraph).
+
+`token_logprobs(hidden @ weight.T + bias, targets)` without an `(N, V)` logits tensor: rows go
+through in chunks, each chunk's logits are computed (`addmm`, in the hidden dtype) into ONE
+reused buffer and read by the backend's kernels of the logits path. The forward keeps only
+`lse` and the entropy per row; the backward recomputes each chunk's logits, lets the backend's
+backward kernel overwrite them with ∂logits, and turns those into ∂hidden, ∂weight (summed in
+fp32 over chunks) and ∂bias. Extra memory: one chunk (≤ 64 MB by default) plus the fp32
+∂weight accumulator plus O(N).
+
+Vocabulary parallelism (`process_group`): each rank holds a slice of the rows of `weight` (and
+of `bias`); targets are global ids. Each rank runs its kernels on its slice; the per-row
+logsumexp, the entropy sums and the target logit are merged with all-reduces of O(N) numbers.
+The chunk buffer then has one extra column of −inf, the target of rows whose token lives on
+another rank, so the kernels need no notion of "no target here".
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_real, check_tensor
+
+CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """What the forward and the backward agree on, besides the tensors."""
+
+    temperature: float
+    backend: str
+    rows: int  # rows per chunk
+    group: Optional[object] = None  # torch.distributed process group (vocabulary parallel), or None
+    vocab_start: int = 0  # first global vocabulary id of this rank's slice of `weight`
+
+
+class LinearHead:
+    """hidden `(N, H)` × weight `(V, H)`ᵀ (+ bias) in row chunks through one reused logits buffer."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, spec: HeadSpec):
+        self.hidden = hidden.detach().reshape(-1, hidden.shape[-1]).contiguous()
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.spec = spec
+        self.kernels = _backend.kernels(spec.backend)
+        self.writes_in_place = _backend.bwd_takes_out(spec.backend)
+        self.n, self.vocab = self.hidden.shape[0], self.weight.shape[0]
+        targets = targets.reshape(-1).to(torch.int64)
+        self.sharded = spec.group is not None
+        if self.sharded:  # local ids; rows whose token is on another rank aim at the −inf column
+            local = targets - spec.vocab_start
+            self.owned = (local >= 0) & (local < self.vocab)
+            targets = torch.where(self.owned, local, torch.full_like(local, self.vocab))
+        self.targets = targets.contiguous()
+        width = self.vocab + self.sharded
+        self.buffer = torch.empty(min(spec.rows, self.n), width, dtype=self.hidden.dtype, device=self.hidden.device)
+
+    def chunks(self):
+        for start in range(0, self.n, self.spec.rows):
+            yield start, min(start + self.spec.rows, self.n)
+
+    def logits(self, s: int, e: int) -> Tensor:
+        """The logits of rows s:e, written into the buffer (a contiguous `(e − s, V)` view of it)."""
+        buf = self.buffer[: e - s]
+        view = buf[:, : self.vocab]  # with the extra column: a strided view BLAS writes into directly
+        if self.bias is None:
+            torch.mm(self.hidden[s:e], self.weight.t(), out=view)
+        else:
+            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=view)
+        if self.sharded:
+            buf[:, self.vocab] = float("-inf")
+        return buf
+
+    def forward_chunk(self, buf: Tensor, s: int, e: int, need_entropy: bool):
+        """(logp, entropy, lse) of rows s:e; this rank's slice only when sharded (see `merge_shards`)."""
+        return self.kernels.token_logprobs_fwd(buf, self.targets[s:e], self.spec.temperature, need_entropy)
+
+    def forward(self, need_entropy: bool):
+        """(logp, entropy, lse) of all rows, over the whole vocabulary (merged across ranks)."""
+        acc = torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+        logp = torch.empty(self.n, dtype=acc, device=self.hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty(self.n if need_entropy else 0, dtype=acc, device=logp.device)
+        for s, e in self.chunks():
+            lp, ent, ls = self.forward_chunk(self.logits(s, e), s, e, need_entropy)
+            logp[s:e], lse[s:e] = lp, ls
+            if need_entropy:
+                entropy[s:e] = ent
+        if self.sharded:
+            logp, entropy, lse = self.merge_shards(logp, entropy, lse, need_entropy)
+        return logp, entropy, lse
+
+    def merge_shards(self, logp, entropy, lse, need_entropy):
+        """Per-rank (logp, H, lse) of the local slices → those of the whole vocabulary.
+
+        With x = logits/τ, rank r's slice has Σ e^x = e^{lse_r} and Σ e^x·x = e^{lse_r}(lse_r − H_r);
+        the target logit is x_y = logp_r + lse_r on the rank that holds y."""
+        group = self.spec.group
+        top = lse.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        scale = torch.exp(lse - top)
+        parts = [torch.where(self.owned, logp + lse, torch.zeros_like(lse)), scale]
+        if need_entropy:
+            parts.append(scale * (lse - entropy))
+        sums = torch.stack(parts)
+        dist.all_reduce(sums, group=group)
+        lse_all = top + torch.log(sums[1])
+        entropy_all = lse_all - sums[2] / sums[1] if need_entropy else entropy
+        return sums[0] - lse_all, entropy_all, lse_all
+
+    def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
+        acc = torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+        return HeadGrads(
+            hidden=torch.empty_like(self.hidden) if need_hidden else None,
+            weight=torch.zeros(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
+            bias=torch.zeros(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
+        )
+
+    def backward_chunk(self, buf, s, e, lse, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
+        """∂logits of rows s:e from the (global) lse/H and the incoming gradients, written over
+        the chunk's logits in `buf` when the backend can, then accumulated into `grads`."""
+        kwargs = {"out": buf} if self.writes_in_place else {}
+        g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse, entropy, grad_logp.contiguous(),
+                                            None if grad_entropy is None else grad_entropy.contiguous(),
+                                            self.spec.temperature, **kwargs)
+        g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
+        if grads.hidden is not None:
+            torch.mm(g, self.weight, out=grads.hidden[s:e])
+        if grads.weight is not None:
+            # fp32 accumulation over chunks; half-precision chunks are upcast for this product.
+            grads.weight.addmm_(g.t().to(grads.weight.dtype), self.hidden[s:e].to(grads.weight.dtype))
+        if grads.bias is not None:
+            grads.bias += g.sum(0, dtype=grads.bias.dtype)
+
+    def backward(self, lse, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
+        """The second pass: recompute each chunk's logits, then `backward_chunk`."""
+        for s, e in self.chunks():
+            h = None if grad_entropy is None else grad_entropy[s:e]
+            self.backward_chunk(self.logits(s, e), s, e, lse[s:e], entropy[s:e] if h is not None else entropy,
+                                grad_logp[s:e], h, grads)
+        return self.finish(grads)
+
+    def finish(self, grads: "HeadGrads") -> "HeadGrads":
+        """∂hidden summed over ranks (each rank saw its slice of the vocabulary); dtypes of the inputs."""
+        if self.sharded and grads.hidden is not None:
+            dist.all_reduce(grads.hidden, group=self.spec.group)
+        return HeadGrads(
+            hidden=grads.hidden,
+            weight=None if grads.weight is None else grads.weight.to(self.weight.dtype),
+            bias=None if grads.bias is None else grads.bias.to(self.bias.dtype),
+        )
+
+
+@dataclasses.dataclass
+class HeadGrads:
+    hidden: Optional[Tensor]  # (N, H), dtype of hidden
+    weight: Optional[Tensor]  # (V, H), fp32 accumulator until `finish`
+    bias: Optional[Tensor]  # (V,)
+
+
+def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group) -> HeadSpec:
+    """Validate the inputs of the hidden-state path; the spec both passes share."""
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden: expected shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    if weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}) (V >= 1, H of hidden), got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor("targets", targets, shape=tuple(hidden.shape[:-1]), dtypes=INT_DTYPES, device=hidden.device)
+    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    vocab, start = weight.shape[0], 0
+    if process_group is not None:
+        sizes = torch.zeros(dist.get_world_size(process_group), dtype=torch.int64, device=hidden.device)
+        sizes[dist.get_rank(process_group)] = vocab
+        dist.all_reduce(sizes, group=process_group)
+        start, vocab = int(sizes[: dist.get_rank(process_group)].sum()), int(sizes.sum())
+    if targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets: expected values in [0, {vocab}) (V = rows of weight"
+                             f"{', summed over ranks' if process_group is not None else ''}), got values in [{lo}, {hi}]")
+    if chunk_size is None:
+        rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
+    else:
+        rows = check_int("chunk_size", chunk_size, 1)
+    name = _backend.resolve(backend, hidden.device)
+    return HeadSpec(temperature, name, rows, process_group, start)
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, spec: HeadSpec, need_entropy: bool):
+        logp, entropy, lse = LinearHead(hidden, weight, bias, targets, spec).forward(need_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.spec, ctx.need_entropy = spec, need_entropy
+        if not need_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        head = LinearHead(hidden, weight, bias, targets, ctx.spec)
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if not ctx.need_entropy:
+            grad_entropy = None
+        need = ctx.needs_input_grad
+        grads = head.backward(lse, entropy, grad_logp.reshape(-1), None if grad_entropy is None else grad_entropy.reshape(-1),
+                              head.new_grads(need[0], need[1], need[2] and bias is not None))
+        grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
+        return grad_hidden, grads.weight, grads.bias, None, None, None
+
+
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: Optional[str] = None,
+    chunk_size: Optional[int] = None,
+    process_group=None,
+):
+    """`token_logprobs(hidden @ weight.T + bias, targets, ...)` without materialising the logits.
+
+    hidden `(..., H)`, weight `(V, H)` (may be the tied input embedding), bias `(V,)` or None,
+    targets `(...)` integers in `[0, V)`, already aligned (the caller shifts). Returns fp32
+    log-probs shaped like `targets`, or `(logp, entropy)` with `return_entropy`. Differentiable
+    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits).
+    `process_group`: `weight`/`bias` hold this rank's slice of the vocabulary rows (slices in
+    rank order), targets are global ids; the outputs are those of the whole vocabulary.
+    """
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    spec = head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group)
+    logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, spec, return_entropy)
+    logp = logp.view(targets.shape)
+    return (logp, entropy.view(targets.shape)) if return_entropy else logp
