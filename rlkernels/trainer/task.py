@@ -1,0 +1,207 @@
+"""Tasks, tokenizers, models and verifiable rewards for the trainer.
+
+The offline demo: a character tokenizer over digits, '+', '=' and three specials, and a tiny
+Llama built from a `transformers` config (nothing downloaded), on "a+b=" → the sum.
+Real use: a local Hugging Face checkpoint (`--model`), prompts from JSONL (`--prompts`) and a
+reward of `exact`, `regex:PATTERN` or `module:function`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from typing import Callable, List, Tuple
+
+import torch
+
+
+class CharTokenizer:
+    """Digits, '+', '='; pad 0, bos 1, eos 2."""
+
+    chars = "0123456789+="
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def __init__(self):
+        self.vocab_size = 3 + len(self.chars)
+        self._id = {c: i + 3 for i, c in enumerate(self.chars)}
+
+    def encode(self, text: str) -> List[int]:
+        """bos + the characters (a prompt)."""
+        bad = set(text) - set(self._id)
+        if bad:
+            raise ValueError(f"prompt {text!r}: characters {sorted(bad)} are not in the demo vocabulary {self.chars!r}")
+        return [self.bos_id] + [self._id[c] for c in text]
+
+    def decode(self, ids) -> str:
+        """The characters up to the first eos; other specials dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i >= 3:
+                out.append(self.chars[i - 3])
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A `transformers` tokenizer behind the same three calls."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        if self.eos_id is None:
+            raise ValueError("--model: the tokenizer has no eos token")
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+        self.bos_id = tok.bos_token_id
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> List[int]:
+        return self.tok(text, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def addition_task(digits: int, eval_size: int, seed: int) -> Tuple[list, list]:
+    """(train, eval) lists of (prompt, answer); operands zero-padded so prompts have one length.
+
+    The eval prompts are held out: never sampled for training or warm-up."""
+    n = 10 ** digits
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    random.Random(seed + 12345).shuffle(pairs)
+    eval_size = min(eval_size, len(pairs) // 2)
+    fmt = lambda a, b: (f"{a:0{digits}d}+{b:0{digits}d}=", str(a + b))  # noqa: E731
+    return [fmt(*p) for p in pairs[eval_size:]], [fmt(*p) for p in pairs[:eval_size]]
+
+
+def jsonl_task(path: str, eval_size: int, seed: int) -> Tuple[list, list]:
+    """(train, eval) from a JSONL file of {"prompt": str, "answer": str}; the last eval_size held out."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--prompts: {path} line {n} is not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
+                raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str, "answer": ...}}')
+            rows.append((obj["prompt"], str(obj["answer"])))
+    if len(rows) < 2:
+        raise ValueError(f"--prompts: {path} needs at least 2 prompts, has {len(rows)}")
+    random.Random(seed + 12345).shuffle(rows)
+    k = min(eval_size, len(rows) // 2)
+    return rows[k:], rows[:k]
+
+
+def make_reward(spec: str) -> Callable[[str, str, str], float]:
+    """reward(prompt, completion, answer) → float from `--reward`."""
+    if spec == "exact":
+        return lambda prompt, completion, answer: float(completion.strip() == answer.strip())
+    kind, _, arg = spec.partition(":")
+    if kind == "regex":
+        try:
+            pattern = re.compile(arg)
+        except re.error as e:
+            raise ValueError(f"--reward: bad regex {arg!r} ({e})") from None
+
+        def regex_reward(prompt, completion, answer):
+            m = pattern.search(completion)
+            got = (m.group(1) if m.groups() else m.group(0)) if m else None
+            return float(got is not None and got.strip() == answer.strip())
+
+        return regex_reward
+    if kind == "module":
+        mod, _, fn = arg.rpartition(":") if arg.count(":") else arg.rpartition(".")
+        try:
+            f = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"--reward: cannot load {arg!r} as module:function ({e})") from None
+        if not callable(f):
+            raise ValueError(f"--reward: {arg!r} is not callable")
+        return f
+    raise ValueError(f"--reward: expected exact | regex:PATTERN | module:function, got {spec!r}")
+
+
+def tiny_model(cfg, tok: CharTokenizer, prompt_len: int):
+    """A Llama of a few hundred thousand parameters, from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=cfg.n_embd, intermediate_size=2 * cfg.n_embd,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+        max_position_embeddings=prompt_len + cfg.max_new_tokens + 8, tie_word_embeddings=False,
+        pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def load_model(path: str):
+    """(model, tokenizer) from a local Hugging Face checkpoint, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model: cannot load {path!r} as a Hugging Face causal LM ({e})") from None
+    return model, HFTokenizer(tok)
+
+
+def add_lora(model, rank: int, alpha: float):
+    """Wrap `model` in peft LoRA adapters on the attention and MLP projections."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError("--lora-rank: needs the optional package peft (pip install peft)") from None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+
+
+def left_pad(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask), both (B, P), prompts right-aligned so completions start at column P."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+        attn[i, P - len(s):] = 1
+    return ids, attn
+
+
+def answer_ids(tok, answer: str) -> List[int]:
+    """Token ids of a supervised target: the answer then eos."""
+    if isinstance(tok, CharTokenizer):
+        return tok.encode(answer)[1:] + [tok.eos_id]
+    return tok.tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_id]
+
+
+def supervised_batch(tok, examples) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask, labels) for teacher forcing on answer tokens only (-100 elsewhere)."""
+    full, lab = [], []
+    for prompt, answer in examples:
+        p, a = tok.encode(prompt), answer_ids(tok, answer)
+        full.append(p + a)
+        lab.append([-100] * len(p) + a)
+    T = max(len(s) for s in full)
+    ids = torch.full((len(full), T), tok.pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (s, l) in enumerate(zip(full, lab)):  # right padding: teacher forcing needs no alignment
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        labels[i, : len(l)] = torch.tensor(l)
+    return ids, attn, labels
+
+
+def first_eos_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) bool: the completion tokens up to and including the first eos."""
+    is_eos = completions == eos_id
+    after = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
+    return ~after
