@@ -43,6 +43,7 @@ def check_run(tmp, summary, rows, steps):
 @pytest.mark.parametrize("algo, extra", [
     ("grpo", {}),
     ("gspo", {"loss_path": "split"}),
+    ("grpo", {"loss_path": "fused"}),
     ("ppo", {"critic": "shared", "kl_target": 0.01}),
     ("ppo", {"critic": "separate", "epochs": 2}),
 ])

@@ -58,7 +58,7 @@ class Config:
     clip_low: Optional[float] = None      # None = the preset's
     clip_high: Optional[float] = None
     entropy_coef: float = 0.0
-    loss_path: str = "fused"       # fused (fused_policy_loss) | split (token_logprobs + policy_loss)
+    loss_path: str = "linear"      # linear (from hidden states, no logits) | fused (fused_policy_loss) | split
     # PPO critic
     critic: str = "shared"         # shared (value head on the actor trunk) | separate (own trunk)
     vf_coef: float = 0.5
@@ -77,7 +77,7 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("fused", "split")}
+CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split")}
 
 
 def _flag(name: str) -> str:

@@ -44,8 +44,10 @@ def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, temperatur
     head = _parts(model)[1]
     kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], group_ids=batch["group_ids"],
               rewards=batch["rewards"], num_items=num_items, num_seqs=num_seqs)
-    # return rlkernels.fused_linear_policy_loss(hidden, head.weight, batch["targets"], batch["advantages"],
-    #                                           batch["mask"], loss_cfg, temperature=temperature, **kw)
+    if path == "linear":  # from the hidden states: the (b, T, V) logits never exist (DESIGN.md §2)
+        return rlkernels.fused_linear_policy_loss(hidden, head.weight, batch["targets"], batch["advantages"],
+                                                  batch["mask"], loss_cfg, bias=head.bias, temperature=temperature,
+                                                  **kw)
     logits = head(hidden).float()
     if path == "split":
         logp, entropy = rlkernels.token_logprobs(logits, batch["targets"], temperature=temperature, return_entropy=True)
