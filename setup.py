@@ -3,12 +3,14 @@
     pip install --no-build-isolation -e .                 # with the extension (needs torch installed)
     RLKERNELS_NO_EXTENSION=1 pip install ... -e .         # pure Python; the `torch` backend serves CPU
     RLKERNELS_CPU_ISA=auto|avx2|avx512|default            # vector ISA of the CPU kernels, see below
+    RLKERNELS_NO_CUDA=1 pip install ... -e .              # CPU kernels only, even with a CUDA torch and nvcc
 
 Package metadata is in pyproject.toml; this file only adds the extension. `--no-build-isolation`
 matters: an isolated build would fetch another torch, and the extension must match the installed one.
 
-`_C` = csrc/cpu/*.cpp (CppExtension, -O3, OpenMP), plus csrc/cuda/*.cu (CUDAExtension) when
-this torch is a CUDA build and nvcc is found. One translation unit per op file keeps the build
+`_C` = csrc/cpu/*.cpp (CppExtension, -O3, OpenMP), plus csrc/cuda/*.cu and csrc/cuda/*.cpp (the
+torch bindings of the CUDA kernels; CUDAExtension) when this torch is a CUDA build and nvcc is found.
+The GPU architectures are torch's choice: TORCH_CUDA_ARCH_LIST, else those of the visible GPUs. One translation unit per op file keeps the build
 short (about a minute per file on two cores).
 
 Vector ISA of the CPU kernels (RLKERNELS_CPU_ISA). at::vec picks its implementation when the
@@ -62,6 +64,14 @@ def _cpu_isa(torch) -> str:
     return "default"
 
 
+def _nvcc(cpp_extension):
+    """nvcc, if it exists: CUDA_HOME may be a runtime-only install that cannot compile."""
+    home = cpp_extension.CUDA_HOME
+    if home is not None and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
 def _extensions():
     if os.environ.get("RLKERNELS_NO_EXTENSION", "0") == "1":
         return [], {}
@@ -81,10 +91,11 @@ def _extensions():
     else:
         cxx = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas", *openmp, *isa_flags, *isa_macros]
     sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    # The kernels (*.cu, torch-free) and their torch bindings (*.cpp, CUDA torch headers).
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
-    with_cuda = bool(torch.version.cuda) and bool(cuda_sources) and (
-        cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None)
+    with_cuda = (os.environ.get("RLKERNELS_NO_CUDA", "0") != "1" and bool(torch.version.cuda)
+                 and bool(cuda_sources) and _nvcc(cpp_extension) is not None)
     print(f"rlkernels: building rlkernels._C (cpu isa: {isa}, cuda: {'yes' if with_cuda else 'no'})")
     if with_cuda:
         ext = cpp_extension.CUDAExtension(

@@ -43,7 +43,7 @@ SAMPLES = [
 def _op_args(backend, device="cpu"):
     """(fwd args, bwd args) of the registered ops for every sample the backend takes."""
     for logits, targets, temperature, need_entropy in SAMPLES:
-        if backend == "triton" and logits.dtype == torch.float64:
+        if backend in ("triton", "cuda") and logits.dtype == torch.float64:
             continue
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
         fwd_args = (flat, flat_targets, temperature, need_entropy)
@@ -174,3 +174,12 @@ def test_gpu_triton_compile():
 
     expected = _run(fn, [logits], *args)
     _assert_same(*_run(torch.compile(fn, fullgraph=True, dynamic=False), [logits], *args), *expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not rlkernels.backend_info()["cuda"]["available"], reason="needs the CUDA build and a device")
+def test_gpu_cuda_opcheck():
+    """The compiled CUDA kernels' ops (rlkernels::token_logprobs_*_cuda) under opcheck."""
+    for fwd_args, bwd_args in _op_args("cuda", "cuda"):
+        torch.library.opcheck(_define("cuda"), (fwd_args[0].clone().requires_grad_(True), *fwd_args[1:]))
+        torch.library.opcheck(torch.ops.rlkernels.token_logprobs_bwd_cuda.default, bwd_args)

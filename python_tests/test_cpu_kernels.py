@@ -119,6 +119,47 @@ def test_backward_matches_autograd(shape, dtype, with_entropy_grad):
     _close_grad(grad, _reference(logits, targets, temperature, grad_logp, grad_entropy))
 
 
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_out_and_in_place(shape, dtype):
+    """`out=` gives bitwise the allocating backward's result: into a row-strided buffer, and into
+    the logits themselves (every element, the target's included, is read before it is written)."""
+    logits, targets = _inputs(*shape, dtype)
+    targets[0] = shape[1] - 1  # targets at both ends of a row: the tail step and the first step
+    targets[-1] = 0
+    g, h = torch.randn(shape[0]), torch.randn(shape[0])
+    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 0.8, True)
+    expected = cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, h, 0.8)
+
+    wide = torch.full((shape[0], shape[1] + 3), 7.0, dtype=dtype)
+    out = wide[:, 1:-2]  # row stride V + 3, unit stride over V
+    assert cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, h, 0.8, out=out) is out
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert (wide[:, 0] == 7).all() and (wide[:, -2:] == 7).all()  # nothing written outside `out`
+
+    buffer = logits.clone()
+    assert cpu.token_logprobs_bwd(buffer, targets, lse, entropy, g, h, 0.8, out=buffer) is buffer
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
+
+
+def test_backward_out_rejects_bad_buffers():
+    logits, targets = _inputs(4, 100, torch.float32)
+    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
+    g = torch.randn(4)
+    storage = torch.empty(4 * 100 + 50)
+    cases = [
+        torch.empty(4, 100, dtype=torch.bfloat16),  # dtype
+        torch.empty(4, 99),  # shape
+        torch.empty(100, 4).t(),  # stride over V
+        storage[50:].view(4, 100),  # not the logits, yet overlapping them
+    ]
+    storage[:400].copy_(logits.reshape(-1))
+    shared = storage[:400].view(4, 100)
+    for out in cases:
+        with pytest.raises(RuntimeError, match="out:"):
+            cpu.token_logprobs_bwd(shared, targets, lse, entropy, g, None, 1.0, out=out)
+
+
 def test_shift_by_100_changes_nothing():
     # Logits on a 1/64 grid, so that z + 100 is exact in fp32 and only the kernel can differ.
     n, vocab = 17, 3001

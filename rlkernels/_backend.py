@@ -7,7 +7,6 @@ an explicit request for a backend that is unavailable raises with the reason.
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 from typing import Dict, Optional
 
@@ -79,9 +78,3 @@ def kernels(name: str):
         raise RuntimeError(f"backend {name!r} is not available: {reason}")
     return module
 
-
-def bwd_takes_out(name: str) -> bool:
-    """Whether backend `name`'s `token_logprobs_bwd` accepts `out=` (the kernel contract; a backend
-    being brought up to it may not yet). Callers that want the gradient written into their own
-    buffer fall back to a fresh one otherwise."""
-    return "out" in inspect.signature(kernels(name).token_logprobs_bwd).parameters

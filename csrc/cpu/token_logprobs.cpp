@@ -206,6 +206,8 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   constexpr int64_t kStep = IO::kStep;
   const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_lse(lse), v_A(c.A), v_B(c.B);
   const int64_t full = V - V % kStep;
+  // Read before the loop: `grad` may be `z` itself (in place), and the loop overwrites z[target].
+  const acc_t x_target = static_cast<acc_t>(z[target]) * inv_tau;
   Vec a, b;
   auto grad2 = [&](Vec& lo, Vec& hi) {  // logits in, gradient out
     const Vec l_lo = at::vec::maximum(lo * v_inv_tau - v_lse, v_floor);  // log p, clamped
@@ -223,8 +225,9 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
     grad2(a, b);
     store_tail(grad + full, V - full, a, b);
   }
-  // The target element again, with its 1[v=y] term, so that it is rounded once.
-  grad[target] = static_cast<scalar_t>(rlk::grad_logit(static_cast<acc_t>(z[target]) * inv_tau, lse, true, c));
+  // The target element again, with its 1[v=y] term, so that it is rounded once. Each step
+  // above loads its elements before it stores the same elements, so in place is safe there too.
+  grad[target] = static_cast<scalar_t>(rlk::grad_logit(x_target, lse, true, c));
 }
 
 // The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
@@ -327,10 +330,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   return {logp, entropy, lse};
 }
 
-at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
-                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
-                                  const std::optional<at::Tensor>& grad_entropy, double temperature) {
-  check_logits(logits);
+// Writes ∂logits into `grad`: (N, V), the dtype of logits, unit stride over V; it may be `logits`.
+void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                             const at::Tensor& entropy, const at::Tensor& grad_logp,
+                             const std::optional<at::Tensor>& grad_entropy, double temperature, at::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, N, V);
@@ -344,14 +347,13 @@ at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& ta
     h_c = check_row_vector(*grad_entropy, "grad_entropy", N, acc);
     ent_c = check_row_vector(entropy, "entropy", N, acc);
   }
-  at::Tensor grad = at::empty_like(logits);
-  if (N == 0) return grad;
-  advise_huge_pages(grad.data_ptr(), grad.nbytes());
+  if (N == 0) return;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     scalar_t* gz = grad.mutable_data_ptr<scalar_t>();
+    const int64_t out_stride = grad.stride(0);
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     const acc_t* lse_p = lse_c.const_data_ptr<acc_t>();
     const acc_t* g_p = g_c.const_data_ptr<acc_t>();
@@ -362,11 +364,49 @@ at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& ta
       for (int64_t n = begin; n < end; ++n) {
         const auto c = has_h ? rlk::grad_coeffs<acc_t>(g_p[n], h_p[n], ent_p[n], inv_tau)
                              : rlk::grad_coeffs<acc_t>(g_p[n], acc_t(0), acc_t(0), inv_tau);
-        backward_row<scalar_t>(z + n * V, gz + n * V, V, y[n], lse_p[n], c, inv_tau);
+        backward_row<scalar_t>(z + n * V, gz + n * out_stride, V, y[n], lse_p[n], c, inv_tau);
       }
     });
   });
+}
+
+at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
+                                  const std::optional<at::Tensor>& grad_entropy, double temperature) {
+  check_logits(logits);
+  at::Tensor grad = at::empty_like(logits);
+  if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
+  token_logprobs_bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
   return grad;
+}
+
+// `out` is either `logits` itself or memory disjoint from it: a partial overlap would let one
+// row's writes land on logits another row has yet to read.
+void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                const at::Tensor& entropy, const at::Tensor& grad_logp,
+                                const std::optional<at::Tensor>& grad_entropy, double temperature,
+                                const at::Tensor& out) {
+  check_logits(logits);
+  TORCH_CHECK(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
+  TORCH_CHECK(out.scalar_type() == logits.scalar_type(), "out: expected dtype ", logits.scalar_type(),
+              " (that of logits), got ", out.scalar_type());
+  TORCH_CHECK(out.sizes() == logits.sizes(), "out: expected shape ", logits.sizes(), " (that of logits), got ",
+              out.sizes());
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, "out: expected unit stride over V, got strides ",
+              out.strides());
+  TORCH_CHECK(out.size(0) <= 1 || out.stride(0) >= out.size(1), "out: expected rows that do not overlap, got strides ",
+              out.strides());
+  const bool same = out.data_ptr() == logits.data_ptr() && (out.size(0) <= 1 || out.stride(0) == logits.stride(0));
+  if (!same && out.numel() > 0) {
+    const char* o_begin = static_cast<const char*>(out.data_ptr());
+    const char* o_end = o_begin + ((out.size(0) - 1) * out.stride(0) + out.size(1)) * out.element_size();
+    const char* z_begin = static_cast<const char*>(logits.data_ptr());
+    const char* z_end = z_begin + logits.nbytes();
+    TORCH_CHECK(o_end <= z_begin || z_end <= o_begin,
+                "out: expected either the logits themselves or memory disjoint from them");
+  }
+  at::Tensor grad = out;
+  token_logprobs_bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
 }
 
 }  // namespace
@@ -377,11 +417,15 @@ TORCH_LIBRARY(rlkernels_C, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature) -> Tensor");
+  // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
+  m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
+        " Tensor? grad_entropy, float temperature, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
   m.impl("token_logprobs_fwd", &rlk_cpu::token_logprobs_fwd_cpu);
   m.impl("token_logprobs_bwd", &rlk_cpu::token_logprobs_bwd_cpu);
+  m.impl("token_logprobs_bwd_out", &rlk_cpu::token_logprobs_bwd_out_cpu);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -409,7 +453,13 @@ extern "C" PyObject* PyInit__C(void) {
 #endif
   static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "rlkernels compiled kernels", -1, nullptr};
   PyObject* mod = PyModule_Create(&def);
-  if (mod != nullptr && PyModule_AddStringConstant(mod, "cpu_capability", rlk_cpu::kIsa) != 0) {
+#if defined(RLK_WITH_CUDA)
+  constexpr int kWithCuda = 1;  // csrc/cuda/ is compiled in (setup.py); it registers the CUDA kernels
+#else
+  constexpr int kWithCuda = 0;
+#endif
+  if (mod != nullptr && (PyModule_AddStringConstant(mod, "cpu_capability", rlk_cpu::kIsa) != 0 ||
+                         PyModule_AddIntConstant(mod, "with_cuda", kWithCuda) != 0)) {
     Py_DECREF(mod);
     return nullptr;
   }

@@ -34,7 +34,12 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), bool(need_entropy))
 
 
-def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature):
-    """grad_logits (N, V) in the dtype of logits; see rlkernels/kernels/__init__.py."""
-    return torch.ops.rlkernels_C.token_logprobs_bwd(
-        logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature))
+def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None):
+    """grad_logits (N, V) in the dtype of logits, written into `out` when given (it may be `logits`
+    itself); see rlkernels/kernels/__init__.py."""
+    if out is None:
+        return torch.ops.rlkernels_C.token_logprobs_bwd(
+            logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature))
+    torch.ops.rlkernels_C.token_logprobs_bwd_out(
+        logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature), out)
+    return out

@@ -48,7 +48,6 @@ class LinearHead:
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         self.spec = spec
         self.kernels = _backend.kernels(spec.backend)
-        self.writes_in_place = _backend.bwd_takes_out(spec.backend)
         self.n, self.vocab = self.hidden.shape[0], self.weight.shape[0]
         targets = targets.reshape(-1).to(torch.int64)
         self.sharded = spec.group is not None
@@ -123,11 +122,10 @@ class LinearHead:
 
     def backward_chunk(self, buf, s, e, lse, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
         """∂logits of rows s:e from the (global) lse/H and the incoming gradients, written over
-        the chunk's logits in `buf` when the backend can, then accumulated into `grads`."""
-        kwargs = {"out": buf} if self.writes_in_place else {}
+        the chunk's logits in `buf`, then accumulated into `grads`."""
         g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse, entropy, grad_logp.contiguous(),
                                             None if grad_entropy is None else grad_entropy.contiguous(),
-                                            self.spec.temperature, **kwargs)
+                                            self.spec.temperature, out=buf)
         g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
         if grads.hidden is not None:
             torch.mm(g, self.weight, out=grads.hidden[s:e])

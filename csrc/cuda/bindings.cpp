@@ -1,0 +1,153 @@
+// CUDA implementations of the rlkernels_C ops (schemas: csrc/cpu/token_logprobs.cpp): input checks,
+// allocation, the current stream, then the torch-free launchers of token_logprobs.cu. Compiled only
+// in the CUDA build (setup.py).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "token_logprobs.h"
+
+namespace rlk_cuda {
+namespace {
+
+Dtype dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return Dtype::kFloat32;
+    case at::kBFloat16: return Dtype::kBFloat16;
+    case at::kHalf: return Dtype::kFloat16;
+    default:
+      TORCH_CHECK(false, name, ": expected dtype float32, bfloat16 or float16 on CUDA, got ", t.scalar_type());
+  }
+}
+
+Rows rows_of(const at::Tensor& t, const char* name) {
+  return Rows{const_cast<void*>(t.const_data_ptr()), t.size(0), t.size(1), t.size(0) > 1 ? t.stride(0) : t.size(1),
+              dtype_of(t, name)};
+}
+
+void check_logits(const at::Tensor& logits) {
+  TORCH_CHECK(logits.is_cuda(), "logits: expected a CUDA tensor, got ", logits.device());
+  TORCH_CHECK(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  dtype_of(logits, "logits");
+  TORCH_CHECK(logits.is_contiguous(), "logits: expected a contiguous tensor");
+  TORCH_CHECK(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
+}
+
+// targets (N,) int64 (int32 accepted) on the logits' device. Values are not checked here (that
+// would synchronise); ops/ checks them, and a row whose target is out of range gets a NaN logp.
+at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
+  TORCH_CHECK(targets.device() == logits.device(), "targets: expected a tensor on ", logits.device(), ", got ",
+              targets.device());
+  TORCH_CHECK(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
+              "targets: expected dtype int64, got ", targets.scalar_type());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "targets: expected shape (", logits.size(0),
+              ",) matching logits (N, V), got ", targets.sizes());
+  return targets.to(at::kLong).contiguous();
+}
+
+float inv_temperature(double temperature) {
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
+              temperature);
+  return static_cast<float>(1.0 / temperature);  // rounded as on the CPU
+}
+
+at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits) {
+  TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), ", got ", t.device());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, ": expected shape (", logits.size(0),
+              ",) matching logits (N, V), got ", t.sizes());
+  return t.to(at::kFloat).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at::Tensor& logits,
+                                                                     const at::Tensor& targets, double temperature,
+                                                                     bool need_entropy) {
+  check_logits(logits);
+  const at::Tensor tgt = check_targets(targets, logits);
+  const float inv_tau = inv_temperature(temperature);
+  const int64_t N = logits.size(0);
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
+  if (N == 0) return {logp, entropy, lse};
+  const c10::cuda::CUDAGuard guard(logits.device());
+  C10_CUDA_CHECK(token_logprobs_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau,
+                                    logp.mutable_data_ptr<float>(),
+                                    need_entropy ? entropy.mutable_data_ptr<float>() : nullptr,
+                                    lse.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  return {logp, entropy, lse};
+}
+
+void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
+              const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, double temperature,
+              const at::Tensor& out) {
+  const at::Tensor tgt = check_targets(targets, logits);
+  const float inv_tau = inv_temperature(temperature);
+  const at::Tensor lse_c = check_row_vector(lse, "lse", logits);
+  const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", logits);
+  const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
+  at::Tensor h_c, ent_c;
+  if (has_h) {
+    h_c = check_row_vector(*grad_entropy, "grad_entropy", logits);
+    ent_c = check_row_vector(entropy, "entropy", logits);
+  }
+  if (logits.numel() == 0) return;
+  const RowGrads grads{lse_c.const_data_ptr<float>(), has_h ? ent_c.const_data_ptr<float>() : nullptr,
+                       g_c.const_data_ptr<float>(), has_h ? h_c.const_data_ptr<float>() : nullptr};
+  const c10::cuda::CUDAGuard guard(logits.device());
+  C10_CUDA_CHECK(token_logprobs_bwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), grads, inv_tau,
+                                    rows_of(out, "out"), c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor token_logprobs_bwd_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                   const at::Tensor& entropy, const at::Tensor& grad_logp,
+                                   const std::optional<at::Tensor>& grad_entropy, double temperature) {
+  check_logits(logits);
+  at::Tensor grad = at::empty_like(logits);
+  bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
+  return grad;
+}
+
+// `out`: the logits themselves, or memory disjoint from them (see the CPU version).
+void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                                 const at::Tensor& entropy, const at::Tensor& grad_logp,
+                                 const std::optional<at::Tensor>& grad_entropy, double temperature,
+                                 const at::Tensor& out) {
+  check_logits(logits);
+  TORCH_CHECK(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ", out.device());
+  TORCH_CHECK(out.scalar_type() == logits.scalar_type(), "out: expected dtype ", logits.scalar_type(),
+              " (that of logits), got ", out.scalar_type());
+  TORCH_CHECK(out.sizes() == logits.sizes(), "out: expected shape ", logits.sizes(), " (that of logits), got ",
+              out.sizes());
+  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, "out: expected unit stride over V, got strides ",
+              out.strides());
+  TORCH_CHECK(out.size(0) <= 1 || out.stride(0) >= out.size(1), "out: expected rows that do not overlap, got strides ",
+              out.strides());
+  const bool same = out.data_ptr() == logits.data_ptr() && (out.size(0) <= 1 || out.stride(0) == logits.stride(0));
+  if (!same && out.numel() > 0) {
+    const char* o_begin = static_cast<const char*>(out.data_ptr());
+    const char* o_end = o_begin + ((out.size(0) - 1) * out.stride(0) + out.size(1)) * out.element_size();
+    const char* z_begin = static_cast<const char*>(logits.data_ptr());
+    const char* z_end = z_begin + logits.nbytes();
+    TORCH_CHECK(o_end <= z_begin || z_end <= o_begin,
+                "out: expected either the logits themselves or memory disjoint from them");
+  }
+  bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out);
+}
+
+}  // namespace
+}  // namespace rlk_cuda
+
+TORCH_LIBRARY_IMPL(rlkernels_C, CUDA, m) {
+  m.impl("token_logprobs_fwd", &rlk_cuda::token_logprobs_fwd_cuda);
+  m.impl("token_logprobs_bwd", &rlk_cuda::token_logprobs_bwd_cuda);
+  m.impl("token_logprobs_bwd_out", &rlk_cuda::token_logprobs_bwd_out_cuda);
+}

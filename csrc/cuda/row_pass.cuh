@@ -1,0 +1,293 @@
+// One row's pass of the CUDA kernels (token_logprobs.cu), per thread: which elements a thread of a
+// group of kThreads owns (the first elements up to the row's first 16-byte boundary, one each;
+// 16-byte packs, kStep elements per step; the last partial pack, one each), the forward's online
+// softmax state over them, and the backward's gradient of them. __host__ __device__ and torch-free,
+// so that csrc/tests/test_row_pass.cu can run every lane of a group on the host, without a GPU.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "rlkernels/row_math.h"
+
+namespace rlk_cuda {
+namespace rows {
+
+using State = rlk::SoftmaxState<float>;
+
+constexpr int kStep = 16;  // elements one thread loads per step (one to four packs)
+
+// One 16-byte access (p is 16-byte aligned): a single 128-bit load or store on the device; a
+// memcpy on the host, where reading T objects through another type would be undefined.
+template <typename V, typename T>
+RLK_HOST_DEVICE __forceinline__ V load16(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const V*>(p);
+#else
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+#endif
+}
+
+template <typename V, typename T>
+RLK_HOST_DEVICE __forceinline__ void store16(T* p, const V& v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<V*>(p) = v;
+#else
+  std::memcpy(p, &v, sizeof(V));
+#endif
+}
+
+template <typename To, typename From>
+RLK_HOST_DEVICE __forceinline__ To bit_cast(const From& from) {  // a register move on the device
+  static_assert(sizeof(To) == sizeof(From), "bit_cast: sizes differ");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// 16 bytes of logits, converted to and from fp32 (stores round to nearest even, as on the CPU).
+template <typename T> struct Pack;
+
+template <> struct Pack<float> {
+  static constexpr int kElems = 4;
+  RLK_HOST_DEVICE static float to_float(float v) { return v; }
+  RLK_HOST_DEVICE static float from_float(float v) { return v; }
+  RLK_HOST_DEVICE static void load(const float* p, float* x) {
+    const float4 v = load16<float4>(p);
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+  }
+  RLK_HOST_DEVICE static void store(float* p, const float* x) { store16(p, make_float4(x[0], x[1], x[2], x[3])); }
+};
+
+// 8 bf16 or fp16 values: 4 words of 2, converted pair by pair.
+template <typename T, typename T2, typename Cvt>
+struct PackHalves {
+  static constexpr int kElems = 8;
+  RLK_HOST_DEVICE static float to_float(T v) { return Cvt::to_float(v); }
+  RLK_HOST_DEVICE static T from_float(float v) { return Cvt::from_float(v); }
+  RLK_HOST_DEVICE static void load(const T* p, float* x) {
+    const uint4 raw = load16<uint4>(p);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = Cvt::to_float2(bit_cast<T2>(w[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  }
+  RLK_HOST_DEVICE static void store(T* p, const float* x) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = bit_cast<uint32_t>(Cvt::from_float2(x[2 * i], x[2 * i + 1]));
+    store16(p, make_uint4(w[0], w[1], w[2], w[3]));
+  }
+};
+
+struct CvtBf16 {
+  RLK_HOST_DEVICE static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  RLK_HOST_DEVICE static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  RLK_HOST_DEVICE static float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+  RLK_HOST_DEVICE static __nv_bfloat162 from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+struct CvtHalf {
+  RLK_HOST_DEVICE static float to_float(__half v) { return __half2float(v); }
+  RLK_HOST_DEVICE static __half from_float(float v) { return __float2half_rn(v); }
+  RLK_HOST_DEVICE static float2 to_float2(__half2 v) { return __half22float2(v); }
+  RLK_HOST_DEVICE static __half2 from_float2(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <> struct Pack<__nv_bfloat16> : PackHalves<__nv_bfloat16, __nv_bfloat162, CvtBf16> {};
+template <> struct Pack<__half> : PackHalves<__half, __half2, CvtHalf> {};
+
+// Elements of a row before its first 16-byte boundary (rows of odd V are misaligned in turn).
+template <typename T>
+RLK_HOST_DEVICE __forceinline__ int64_t lead_elems(const T* p) {
+  return static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / static_cast<int64_t>(sizeof(T));
+}
+
+RLK_HOST_DEVICE __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+RLK_HOST_DEVICE __forceinline__ float clamp_floor(float d) {  // max(d, exp_floor), but NaN stays NaN
+  return d < rlk::exp_floor<float>() ? rlk::exp_floor<float>() : d;
+}
+
+// x·y rounded on its own: never contracted with the add or subtract that follows.
+RLK_HOST_DEVICE __forceinline__ float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // the host test (csrc/tests/test_row_pass.cu) is built without FMA contraction
+#endif
+}
+
+// e^d for d in [exp_floor, 0]: ex2.approx after one multiply (__expf, with subnormal results
+// flushed to 0: they are below 1e-38 of the terms that matter). Relative error below 2e-6 for
+// d > −20, exactly 1 at d = 0 and 0 at exp_floor. The host version is for the host test.
+RLK_HOST_DEVICE __forceinline__ float fast_exp(float d) {
+#if defined(__CUDA_ARCH__)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * 1.4426950408889634f));
+  return e;
+#else
+  const float e = std::exp2(d * 1.4426950408889634f);
+  return e < 1.17549435e-38f ? 0.0f : e;
+#endif
+}
+
+// One thread's share of a row: the online softmax state over the elements it has seen.
+template <bool kEntropy>
+struct Online {
+  State st{rlk::neg_inf<float>(), 0.0f, 0.0f};
+
+  template <int kCount>
+  RLK_HOST_DEVICE __forceinline__ void add(const float (&x)[kCount]) {
+    float mx = rlk::neg_inf<float>();
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) mx = fmaxf(mx, x[i]);  // ignores NaN; x − m below does not
+    if (mx > st.m) {
+      float alpha, delta;
+      rlk::rescale_factors(st.m, mx, alpha, delta);
+      rlk::softmax_rescale<float, float, kEntropy>(st.s, st.u, alpha, delta);
+      st.m = mx;
+    }
+    if (st.m == rlk::neg_inf<float>()) {  // only −inf (or NaN) so far: nothing to add but a NaN
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) {
+        if (x[i] != x[i]) st.s = x[i];
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      const float d = clamp_floor(x[i] - st.m);
+      rlk::softmax_accumulate<float, kEntropy>(st.s, st.u, fast_exp(d), d);
+    }
+  }
+};
+
+
+// kUnroll packs of thread `lane`'s step at pack i: packs i, i + kThreads, ...; all of them exist
+// when kFull (then the loads are issued back to back), else the missing ones read as −inf.
+template <typename T, int kThreads, bool kFull>
+RLK_HOST_DEVICE __forceinline__ void load_step(const T* body, int64_t i, int64_t packs, float* x) {
+  using P = Pack<T>;
+  constexpr int K = P::kElems, kUnroll = kStep / K;
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const int64_t k = i + int64_t(j) * kThreads;
+    if (kFull || k < packs) {
+      P::load(body + k * K, x + j * K);
+    } else {
+#pragma unroll
+      for (int e = 0; e < K; ++e) x[j * K + e] = rlk::neg_inf<float>();
+    }
+  }
+}
+
+// The state of the elements of row z that thread `lane` of its group of kThreads owns.
+template <typename T, int kThreads, bool kEntropy>
+RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int64_t V, float inv_tau, int lane) {
+  using P = Pack<T>;
+  constexpr int K = P::kElems, kUnroll = kStep / K;
+  Online<kEntropy> acc;
+  const int64_t head = min64(V, lead_elems(z));
+  if (lane < head) {
+    const float x[1] = {mul_rn(P::to_float(z[lane]), inv_tau)};
+    acc.add(x);
+  }
+  const T* body = z + head;
+  const int64_t packs = (V - head) / K;
+  float x[kStep];
+  int64_t i = lane;
+  for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
+    load_step<T, kThreads, true>(body, i, packs, x);
+#pragma unroll
+    for (int e = 0; e < kStep; ++e) x[e] = mul_rn(x[e], inv_tau);
+    acc.add(x);
+  }
+  if (i < packs) {  // the last step, partial
+    load_step<T, kThreads, false>(body, i, packs, x);
+#pragma unroll
+    for (int e = 0; e < kStep; ++e) x[e] = mul_rn(x[e], inv_tau);
+    acc.add(x);
+  }
+  const int64_t done = head + packs * K;
+  if (lane < V - done) {
+    const float x1[1] = {mul_rn(P::to_float(z[done + lane]), inv_tau)};
+    acc.add(x1);
+  }
+  return acc.st;
+}
+
+// ∂L/∂z of one element, from the clamped log p = x − lse (rlk::grad_logit with a fast exp).
+struct GradOf {
+  float lse, inv_tau;
+  rlk::GradCoeffs<float> c;
+  int64_t target;
+  RLK_HOST_DEVICE __forceinline__ float no_target(float z) const {  // the term every element has
+    const float l = clamp_floor(mul_rn(z, inv_tau) - lse);
+    return rlk::grad_element(fast_exp(l), l, c.A, c.B);
+  }
+  RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const {
+    const float g = no_target(z);
+    return v == target ? c.target + g : g;
+  }
+};
+
+// No __restrict__: z and out may be the same memory.
+template <typename T, int kThreads, bool kVec>
+RLK_HOST_DEVICE __forceinline__ void grad_row(const T* z, T* out, int64_t V, const GradOf& grad, int lane) {
+  using P = Pack<T>;
+  if (!kVec) {  // z and out differ in alignment: element by element (still coalesced)
+    for (int64_t v = lane; v < V; v += kThreads) out[v] = P::from_float(grad(P::to_float(z[v]), v));
+    return;
+  }
+  constexpr int K = P::kElems, kUnroll = kStep / K;
+  const int64_t head = min64(V, lead_elems(z));
+  if (lane < head) out[lane] = P::from_float(grad(P::to_float(z[lane]), lane));
+  const T* zb = z + head;
+  T* ob = out + head;
+  const int64_t packs = (V - head) / K;
+  // Each step loads its packs, then stores them: every element is read before it is written.
+  auto step = [&](int64_t i, auto full) {
+    float x[kStep];
+    load_step<T, kThreads, decltype(full)::value>(zb, i, packs, x);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t k = i + int64_t(j) * kThreads;
+      if (decltype(full)::value || k < packs) {
+        // The target's place in this pack, or −1: one 64-bit comparison per pack, not per element.
+        const int64_t t = grad.target - (head + k * K);
+        const int at = (t >= 0 && t < K) ? static_cast<int>(t) : -1;
+#pragma unroll
+        for (int e = 0; e < K; ++e) {
+          const float g = grad.no_target(x[j * K + e]);
+          x[j * K + e] = e == at ? grad.c.target + g : g;
+        }
+        P::store(ob + k * K, x + j * K);
+      }
+    }
+  };
+  int64_t i = lane;
+  for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
+    step(i, std::true_type());
+  }
+  if (i < packs) step(i, std::false_type());
+  const int64_t done = head + packs * K;
+  if (lane < V - done) out[done + lane] = P::from_float(grad(P::to_float(z[done + lane]), done + lane));
+}
+
+}  // namespace rows
+}  // namespace rlk_cuda

@@ -1,0 +1,187 @@
+// CUDA backend of the per-token log-prob / entropy primitive (DESIGN.md §2; the contract is in
+// rlkernels/kernels/__init__.py, the launchers in token_logprobs.h). Torch-free.
+//
+// A row is served by a group of kThreads threads: a logical warp of 32 for V ≤ 2048 (8 rows per
+// 256-thread block), else a whole block of 256 or 512. Each thread walks its share of the row in
+// 16-byte packs (the first elements, up to the row's first 16-byte boundary, and the last partial
+// pack one element per thread), kStep elements per iteration with the loads issued together.
+// Forward: per thread an online softmax state (running max m, Σ e^{x−m}, Σ e^{x−m}(x−m)) in fp32,
+// merged across the group with cub's warp/block reduction and rlk::softmax_merge. One read of
+// the logits. Backward: elementwise from the saved lse (and H); one read, one write, and each
+// thread reads every element it owns before writing it, so `out` may be the logits themselves.
+//
+// x = z·(1/τ) is rounded on its own (__fmul_rn, never contracted into the x − m that follows), as
+// on the CPU: the max element then gives x − m = 0 exactly, e^0 = 1, so log Σ ≥ 0 and logp ≤ 0.
+#include <cub/block/block_reduce.cuh>
+#include <cub/warp/warp_reduce.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "row_pass.cuh"
+#include "token_logprobs.h"
+
+namespace rlk_cuda {
+namespace {
+
+using rows::GradOf;
+using rows::Pack;
+using rows::State;
+
+constexpr int kWarpBlock = 256;   // threads per block when a warp serves a row
+constexpr int64_t kMaxGrid = int64_t(1) << 30;  // blocks per launch (gridDim.x < 2^31)
+
+struct Merge {
+  __device__ __forceinline__ State operator()(const State& a, const State& b) const { return rlk::softmax_merge(a, b); }
+};
+
+template <int kThreads> struct Group {  // kThreads threads per row, kRows rows per block
+  static constexpr int kRows = kThreads >= kWarpBlock ? 1 : kWarpBlock / kThreads;
+  static constexpr int kBlock = kThreads * kRows;
+};
+
+template <typename T, int kThreads, bool kEntropy>
+__global__ void __launch_bounds__(Group<kThreads>::kBlock)
+    fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
+               float inv_tau, float* __restrict__ logp, float* __restrict__ entropy, float* __restrict__ lse) {
+  constexpr int kRows = Group<kThreads>::kRows;
+  const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
+  const int64_t row = int64_t(blockIdx.x) * kRows + group;
+  if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
+  const T* z = logits + row * stride;
+  State st = rows::thread_state<T, kThreads, kEntropy>(z, V, inv_tau, lane);
+  if constexpr (kRows == 1) {
+    using Reduce = cub::BlockReduce<State, kThreads>;
+    __shared__ typename Reduce::TempStorage tmp;
+    st = Reduce(tmp).Reduce(st, Merge());
+  } else {
+    using Reduce = cub::WarpReduce<State, kThreads>;
+    __shared__ typename Reduce::TempStorage tmp[kRows];
+    st = Reduce(tmp[group]).Reduce(st, Merge());
+  }
+  if (lane == 0) {
+    const int64_t y = targets[row];
+    const float x_y = (y >= 0 && y < V) ? rows::mul_rn(Pack<T>::to_float(z[y]), inv_tau) : __int_as_float(0x7fc00000);
+    const rlk::RowResult<float> r = rlk::softmax_finalize(st, x_y);
+    logp[row] = r.logp;
+    lse[row] = r.lse;
+    if (kEntropy) entropy[row] = r.entropy;
+  }
+}
+
+template <typename T, int kThreads>
+__global__ void __launch_bounds__(Group<kThreads>::kBlock)
+    bwd_kernel(const T* logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
+               RowGrads grads, float inv_tau, T* out, int64_t out_stride) {
+  constexpr int kRows = Group<kThreads>::kRows;
+  const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
+  const int64_t row = int64_t(blockIdx.x) * kRows + group;
+  if (row >= N) return;
+  const bool has_h = grads.grad_entropy != nullptr;
+  const GradOf grad{grads.lse[row], inv_tau,
+                    rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
+                                            has_h ? grads.entropy[row] : 0.0f, inv_tau),
+                    targets[row]};
+  const T* z = logits + row * stride;
+  T* o = out + row * out_stride;
+  if ((reinterpret_cast<uintptr_t>(z) & 15) == (reinterpret_cast<uintptr_t>(o) & 15)) {
+    rows::grad_row<T, kThreads, true>(z, o, V, grad, lane);
+  } else {
+    rows::grad_row<T, kThreads, false>(z, o, V, grad, lane);
+  }
+}
+
+// Threads per row: one warp up to V = 2048 (≥ 8 packs per thread), then 256, then 512 threads.
+template <typename F>
+cudaError_t with_threads(int64_t V, F&& launch) {
+  if (V <= 2048) {
+    launch(std::integral_constant<int, 32>());
+  } else if (V <= 32768) {
+    launch(std::integral_constant<int, 256>());
+  } else {
+    launch(std::integral_constant<int, 512>());
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp, float* entropy, float* lse,
+                cudaStream_t stream) {
+  return with_threads(logits.v, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    using G = Group<kThreads>;
+    const T* z = static_cast<const T*>(logits.data);
+    for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
+      const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
+      const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
+      const T* zs = z + start * logits.row_stride;
+      if (entropy != nullptr) {
+        fwd_kernel<T, kThreads, true><<<grid, G::kBlock, 0, stream>>>(
+            zs, logits.row_stride, n, logits.v, targets + start, inv_tau, logp + start, entropy + start, lse + start);
+      } else {
+        fwd_kernel<T, kThreads, false><<<grid, G::kBlock, 0, stream>>>(
+            zs, logits.row_stride, n, logits.v, targets + start, inv_tau, logp + start, nullptr, lse + start);
+      }
+    }
+  });
+}
+
+template <typename T>
+cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau, const Rows& out,
+                cudaStream_t stream) {
+  return with_threads(logits.v, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    using G = Group<kThreads>;
+    const T* z = static_cast<const T*>(logits.data);
+    T* o = static_cast<T*>(out.data);
+    for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
+      const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
+      const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
+      RowGrads g = grads;
+      g.lse += start;
+      g.grad_logp += start;
+      if (g.grad_entropy != nullptr) {
+        g.entropy += start;
+        g.grad_entropy += start;
+      }
+      bwd_kernel<T, kThreads><<<grid, G::kBlock, 0, stream>>>(
+          z + start * logits.row_stride, logits.row_stride, n, logits.v, targets + start, g, inv_tau,
+          o + start * out.row_stride, out.row_stride);
+    }
+  });
+}
+
+}  // namespace
+
+cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
+                               float* entropy, float* lse, cudaStream_t stream) {
+  if (logits.n == 0) return cudaSuccess;
+  if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
+  switch (logits.dtype) {
+    case Dtype::kFloat32: return fwd<float>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kBFloat16: return fwd<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kFloat16: return fwd<__half>(logits, targets, inv_tau, logp, entropy, lse, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau,
+                               const Rows& out, cudaStream_t stream) {
+  if (logits.n == 0 || logits.v == 0) return cudaSuccess;
+  if (out.n != logits.n || out.v != logits.v || out.dtype != logits.dtype || logits.row_stride < logits.v ||
+      out.row_stride < out.v) {
+    return cudaErrorInvalidValue;
+  }
+  switch (logits.dtype) {
+    case Dtype::kFloat32: return bwd<float>(logits, targets, grads, inv_tau, out, stream);
+    case Dtype::kBFloat16: return bwd<__nv_bfloat16>(logits, targets, grads, inv_tau, out, stream);
+    case Dtype::kFloat16: return bwd<__half>(logits, targets, grads, inv_tau, out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace rlk_cuda

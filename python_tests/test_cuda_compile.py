@@ -1,0 +1,133 @@
+"""The CUDA sources with nvcc, whether or not this machine has a GPU or a CUDA torch.
+
+* Every csrc/cuda/*.cu compiles for A100 (sm_80) and H100/H200 (sm_90) with the flags of the real
+  build (torch's nvcc flags, -O3). ptxas's register / spill / shared-memory report of every kernel
+  is printed past pytest's output capture, so that it lands in the CI log.
+* csrc/tests/test_row_pass.cu, the kernels' per-row code run lane by lane on the host against a
+  double-precision reference, is built and run: the CUDA kernels' logic is tested without a GPU.
+
+Skipped when nvcc is not on PATH. About 40 s of CPU (sm_80 and sm_90 in one nvcc run, 10 s per arch),
+spread over two cores.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+ARCHS = ["sm_80", "sm_90"]
+NVCC = shutil.which("nvcc")
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+
+def _torch_nvcc_flags():
+    """The flags torch's CUDAExtension gives nvcc (no implicit half/bf16 conversions, ...)."""
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    except ImportError:
+        COMMON_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                             "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+                             "--expt-relaxed-constexpr"]
+    return list(COMMON_NVCC_FLAGS)
+
+
+def _compile(source, out_dir):
+    """One nvcc run for every arch (the host side and front end once, the archs on two threads)."""
+    obj = os.path.join(out_dir, f"{os.path.basename(source)}.o")
+    archs = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHS]
+    cmd = [NVCC, "-c", *archs, "--threads", "2", "-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v",
+           "-I", os.path.join(ROOT, "csrc", "include"), *_torch_nvcc_flags(), source, "-o", obj]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return cmd, proc
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def _demangle(names):
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None or not names:
+        return dict(zip(names, names))
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out if len(out) == len(names) else names))
+
+
+def _short(name):
+    """rlk_cuda::(anonymous namespace)::fwd_kernel<__nv_bfloat16, 512, true>(...) → fwd_kernel<__nv_bfloat16, 512, true>"""
+    name = name.split("(", 1)[0] if "<" not in name else name[: name.rfind(">") + 1]
+    return name.rsplit("::", 1)[-1] if "<" not in name else re.sub(r"^.*::(?=\w+<)", "", name, count=1)
+
+
+def ptxas_report(stderr):
+    """[(kernel, arch, registers, stack, spill stores, spill loads, smem)] from `-Xptxas -v` output."""
+    rows, current = [], None
+    for line in stderr.splitlines():
+        if m := _ENTRY.search(line):
+            current = [m.group(1), m.group(2), None, 0, 0, 0, 0]
+            rows.append(current)
+        elif current is not None and (m := _SPILL.search(line)):
+            current[3:6] = [int(g) for g in m.groups()]
+        elif current is not None and (m := _REGS.search(line)):
+            current[2] = int(m.group(1))
+            current[6] = int(m.group(2) or 0)
+    names = _demangle(sorted({r[0] for r in rows}))
+    return [(_short(names[r[0]]), *r[1:]) for r in rows]
+
+
+def _build_row_pass(out_dir):
+    exe = os.path.join(out_dir, "test_row_pass")
+    cmd = [NVCC, "-O2", "-std=c++17", "-I", os.path.join(ROOT, "csrc", "include"), "-I", os.path.join(ROOT, "csrc", "cuda"),
+           os.path.join(ROOT, "csrc", "tests", "test_row_pass.cu"), "-o", exe]
+    return exe, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """All the nvcc runs of this file at once: {source: (cmd, proc)} and the host test."""
+    out_dir = str(tmp_path_factory.mktemp("nvcc"))
+    with ThreadPoolExecutor(max_workers=len(SOURCES) + 1) as pool:
+        host = pool.submit(_build_row_pass, out_dir)
+        results = list(pool.map(lambda src: _compile(src, out_dir), SOURCES))
+        return dict(zip(SOURCES, results)), host.result()
+
+
+def test_row_pass_on_the_host(builds):
+    exe, proc = builds[1]
+    assert proc.returncode == 0, f"test_row_pass.cu does not compile:\n{proc.stderr[-6000:]}"
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+@pytest.mark.skipif(not SOURCES, reason="no csrc/cuda/*.cu")
+def test_every_cu_file_compiles_for_sm80_and_sm90(builds, capsys):
+    sources, results = list(builds[0]), list(builds[0].values())
+
+    log = ["", f"nvcc ptxas report ({NVCC}):",
+           f"{'file':<20} {'arch':<6} {'kernel':<52} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8} {'smem':>5}"]
+    failures = []
+    for src, (cmd, proc) in zip(sources, results):
+        name = os.path.basename(src)
+        if proc.returncode != 0:
+            failures.append(f"{name} failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+            continue
+        for ln in proc.stderr.splitlines():
+            if "warning" in ln.lower():
+                log.append(f"{name} WARNING: {ln}")
+        reported = {row[1] for row in ptxas_report(proc.stderr)}
+        if reported != set(ARCHS):
+            failures.append(f"{name}: ptxas reported {sorted(reported)}, expected {ARCHS}")
+        for kernel, k_arch, regs, stack, st, ld, smem in ptxas_report(proc.stderr):
+            log.append(f"{name:<20} {k_arch:<6} {kernel:<52} {regs:>4} {stack:>5} {st:>8} {ld:>8} {smem:>5}")
+    with capsys.disabled():  # past pytest's capture (fd-level too): in the CI log with or without -s
+        print("\n".join(log), flush=True)
+    assert not failures, "\n\n".join(failures)
