@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "rlkernels/grad_out_check.h"
+
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -116,30 +118,14 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& logits, const at::Tensor& t
   return grad;
 }
 
-// `out`: the logits themselves, or memory disjoint from them (see the CPU version).
+// `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
 void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
                                  const std::optional<at::Tensor>& grad_entropy, double temperature,
                                  const at::Tensor& out) {
   check_logits(logits);
   TORCH_CHECK(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ", out.device());
-  TORCH_CHECK(out.scalar_type() == logits.scalar_type(), "out: expected dtype ", logits.scalar_type(),
-              " (that of logits), got ", out.scalar_type());
-  TORCH_CHECK(out.sizes() == logits.sizes(), "out: expected shape ", logits.sizes(), " (that of logits), got ",
-              out.sizes());
-  TORCH_CHECK(out.size(1) <= 1 || out.stride(1) == 1, "out: expected unit stride over V, got strides ",
-              out.strides());
-  TORCH_CHECK(out.size(0) <= 1 || out.stride(0) >= out.size(1), "out: expected rows that do not overlap, got strides ",
-              out.strides());
-  const bool same = out.data_ptr() == logits.data_ptr() && (out.size(0) <= 1 || out.stride(0) == logits.stride(0));
-  if (!same && out.numel() > 0) {
-    const char* o_begin = static_cast<const char*>(out.data_ptr());
-    const char* o_end = o_begin + ((out.size(0) - 1) * out.stride(0) + out.size(1)) * out.element_size();
-    const char* z_begin = static_cast<const char*>(logits.data_ptr());
-    const char* z_end = z_begin + logits.nbytes();
-    TORCH_CHECK(o_end <= z_begin || z_end <= o_begin,
-                "out: expected either the logits themselves or memory disjoint from them");
-  }
+  rlk::check_grad_out(logits, out);
   bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out);
 }
 

@@ -1,0 +1,43 @@
+"""The compiled extension `rlkernels._C`, shared by the `cpu` and `cuda` backends.
+
+Its ops `torch.ops.rlkernels_C.*` have a CPU and (in a CUDA build) a CUDA implementation; the
+dispatcher picks by the tensors' device, so both backends call the same wrappers. When the
+extension is missing (a pure-Python install, a failed build, a CPU without the instruction set
+it was compiled for) the import error is kept for `available()` to report.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    from rlkernels import _C
+except ImportError as e:  # not built, or built for another CPU / torch: report why
+    _C = None
+    IMPORT_ERROR: Optional[ImportError] = e
+else:
+    IMPORT_ERROR = None
+
+
+def missing_reason() -> Optional[str]:
+    """Why the extension cannot be used, or None."""
+    if _C is None:
+        return f"rlkernels._C is not importable ({IMPORT_ERROR}); build it with `pip install --no-build-isolation -e .`"
+    return None
+
+
+def token_logprobs_fwd(logits, targets, temperature, need_entropy):
+    """(logp, entropy, lse) of (N, V) logits; see rlkernels/kernels/__init__.py."""
+    return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), bool(need_entropy))
+
+
+def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None):
+    """grad_logits (N, V) in the dtype of logits, written into `out` when given (it may be `logits`
+    itself); see rlkernels/kernels/__init__.py."""
+    if out is None:
+        return torch.ops.rlkernels_C.token_logprobs_bwd(
+            logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature))
+    torch.ops.rlkernels_C.token_logprobs_bwd_out(
+        logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature), out)
+    return out
