@@ -44,12 +44,13 @@ class Config:
     warmup_lr: float = 1e-3
     # RL
     algo: str = "grpo"             # a preset of rlkernels.presets (ppo, grpo, gspo, ...)
-    steps: int = 200
-    prompts_per_step: int = 16
+    steps: int = 150
+    prompts_per_step: int = 32
     num_generations: int = 8       # completions per prompt (the GRPO group)
     max_new_tokens: int = 4
-    temperature: float = 1.0
+    temperature: float = 0.7       # < 1: samples nearer the greedy policy that eval measures
     lr: float = 1e-4
+    lr_warmup_steps: int = 5       # RL learning rate ramps linearly from lr/N to lr over the first N steps
     epochs: int = 1                # μ: optimisation passes over each rollout batch
     minibatches: int = 2           # optimizer steps per epoch (split by prompt groups)
     max_grad_norm: float = 1.0
@@ -190,7 +191,7 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads"):
+    for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
     for name in ("temperature", "lr", "warmup_lr", "max_grad_norm"):

@@ -432,6 +432,10 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                          values=values if algo_ppo else None, returns=returns if algo_ppo else None)
 
             # ==== 5. update: μ epochs over mini-batches of whole prompt groups ================
+            # (the learning rate ramps up linearly over the first `lr_warmup_steps` steps: a fresh
+            # AdamW state after the supervised warm-up otherwise takes too large first steps)
+            for g in optimizer.param_groups:
+                g["lr"] = cfg.lr * min(1.0, step / cfg.lr_warmup_steps) if cfg.lr_warmup_steps else cfg.lr
             policy.train()
             groups = sorted(set(group_ids.tolist()))
             n_groups_global = int(all_sum(len(groups)))
