@@ -1,0 +1,205 @@
+"""`rlkernels.integrations.trl` against TRL's own `GRPOTrainer`, on CPU, with a tiny Llama and a
+word-level tokenizer built here (nothing downloaded).
+
+* Every micro-batch of a real training run (gradient accumulation 2, stale old log-probs, KL to a
+  reference model) is scored by our `_compute_loss` and by TRL's (TRL's log-probs too) for every
+  loss_type × importance_sampling_level: equal loss and equal gradients of every parameter.
+* Two optimizer steps with and without rlkernels, from the same seed: equal logged losses and
+  equal parameters afterwards (the README's code).
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import types
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from rlkernels.integrations import trl as rk_trl  # noqa: E402
+from rlkernels.integrations.trl import RLKernelsGRPOTrainer  # noqa: E402
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_block(name):
+    text = README.read_text()
+    return re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S).group(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: threads only add OpenMP spin-waiting, which on a loaded 2-core machine costs 10-50×."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tokenizer():
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def model_id(tmp_path_factory):
+    """A tiny Llama and its tokenizer saved to a folder, so TRL can also load its reference model from it."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    _tokenizer().save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a sharper head, so the policy is far from uniform and the clip bites
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return datasets.Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(8)]})
+
+
+def reward_fn(completions, **kwargs):
+    return [float(c.count("w7")) - 0.1 * len(c.split()) for c in completions]
+
+
+def _config(tmp_path, **overrides):
+    # 4 completions per prompt, 8 micro-batch rows, gradient accumulation 2; one generation serves 4 micro-batches,
+    # so from the second on the old log-probs differ from the current ones. SGD: parameters follow the gradients.
+    fields = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, gradient_accumulation_steps=2, steps_per_generation=4, max_steps=2,
+                  learning_rate=0.5, optim="sgd", use_cpu=True, bf16=False, report_to="none", logging_steps=1,
+                  save_strategy="no", seed=0, disable_tqdm=True, beta=0.04, use_bias_correction_kl=False,
+                  epsilon=0.02, epsilon_high=0.03)
+    return GRPOConfig(**{**fields, **overrides})
+
+
+# loss_type × importance_sampling_level × beta, with the epsilon_high each needs (TRL's cispo caps the ratio at ε_high)
+CASES = [(t, lvl, 0.03, 0.04) for t in ("grpo", "bnpo", "dr_grpo", "dapo") for lvl in ("token", "sequence")]
+CASES += [("cispo", "token", 1.02, 0.04), ("dapo", "token", 0.03, 0.0), ("grpo", "sequence", 0.03, 0.0)]
+
+
+def _grads(loss, params):
+    return torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
+    """bf16: TRL's default, autocast on CPU; the head's matmul in bf16 on both sides, so looser tolerances."""
+    trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=_config(tmp_path, bf16=bf16),
+                                   train_dataset=dataset)
+    ours_fn = trainer._compute_loss
+    trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+    seen, clipped = [], 0.0
+
+    def checked(model, inputs):
+        nonlocal clipped
+        params = [p for p in model.parameters() if p.requires_grad]
+        for loss_type, level, eps_high, beta in CASES if not bf16 else CASES[::4]:
+            trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high = loss_type, level, eps_high
+            trainer.beta = beta
+            assert rk_trl.loss_config(trainer)[0] is not None, rk_trl.loss_config(trainer)[1]
+            ours = ours_fn(model, inputs)
+            ours_grads = _grads(ours, params)
+            trainer._get_per_token_logps_and_entropies = trl_logps  # TRL all the way down
+            try:
+                ref = GRPOTrainer._compute_loss(trainer, model, inputs)
+            finally:
+                del trainer._get_per_token_logps_and_entropies
+            ref_grads = _grads(ref, params)
+            tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(ours.detach(), ref.detach(), **tol, msg=f"{loss_type}/{level}")
+            for p, a, b in zip(params, ours_grads, ref_grads):
+                scale = b.abs().max().item() + 1e-12
+                assert (a - b).abs().max().item() <= (3e-2 if bf16 else 1e-5) * scale, f"{loss_type}/{level}"
+            seen.append((loss_type, level, "old_per_token_logps" in inputs))
+            clipped = max(clipped, trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+        trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high, trainer.beta = "dapo", "token", 0.03, 0.04
+        return ours_fn(model, inputs)
+
+    trainer._compute_loss = checked
+    trainer.train()
+    assert len(seen) == 4 * (len(CASES) if not bf16 else len(CASES[::4]))  # 2 steps × 2 micro-batches
+    assert any(old for _, _, old in seen), "some micro-batches are off-policy"
+    assert clipped > 0, "the clip is active somewhere"
+
+
+def _losses_and_params(trainer):
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
+    """The README's TRL example against a plain GRPOTrainer, from the same seed: dapo (TRL's default loss),
+    KL to a reference model, gradient accumulation 2, two SGD steps."""
+    grpo_config = _config(tmp_path)
+    plain = GRPOTrainer(model=model_id, reward_funcs=reward_fn, args=grpo_config, train_dataset=dataset)
+    plain.train()
+    ref_losses, ref_params = _losses_and_params(plain)
+
+    namespace = dict(model_id=model_id, reward_fn=reward_fn, grpo_config=grpo_config, dataset=dataset)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(_readme_block("trl"), namespace)  # builds RLKernelsGRPOTrainer, then patches a GRPOTrainer and trains it
+    assert not [w for w in caught if "TRL computes this loss itself" in str(w.message)], "the fused path ran"
+    losses, params = _losses_and_params(namespace["trainer"])
+
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-6, msg=name)
+    start = LlamaForCausalLM.from_pretrained(model_id).state_dict()
+    assert max((ref_params[n] - start[n]).abs().max().item() for n in ref_params) > 1e-3, "the steps moved the model"
+
+
+def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
+    trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=_config(tmp_path, loss_type="sapo"),
+                                   train_dataset=dataset)
+    cfg, why = rk_trl.loss_config(trainer)
+    assert cfg is None and "sapo" in why
+    trainer.loss_type = "dapo"
+    for attr, value, words in [("top_entropy_quantile", 0.5, "top_entropy_quantile"),
+                               ("_entropy_bonus_enabled", True, "entropy bonus"),
+                               ("off_policy_mask_threshold", 0.1, "off_policy_mask_threshold")]:
+        old = getattr(trainer, attr)
+        setattr(trainer, attr, value)
+        assert words in rk_trl.loss_config(trainer)[1]
+        setattr(trainer, attr, old)
+    trainer.loss_type = "sapo"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()  # TRL's sapo loss on rlkernels' log-probs
+    assert any("TRL computes this loss itself" in str(w.message) for w in caught)
+
+
+def test_config_mapping(model_id, dataset, tmp_path):
+    trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, train_dataset=dataset,
+                                   args=_config(tmp_path, loss_type="dr_grpo", delta=1.5, beta=0.0))
+    cfg, _ = rk_trl.loss_config(trainer)
+    assert (cfg.agg, cfg.norm_length, cfg.delta, cfg.kl_coef) == ("constant", 6, 1.5, 0.0)
+    assert (cfg.clip_low, cfg.clip_high) == (0.02, 0.03)
+
+
+def test_rejects_a_softcapped_head(dataset, tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
+    trainer = GRPOTrainer(model=Gemma2ForCausalLM(cfg), reward_funcs=reward_fn, train_dataset=dataset,
+                          processing_class=_tokenizer(), args=_config(tmp_path, beta=0.0))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        rk_trl.patch_trl_grpo_trainer(trainer)
+

@@ -1,0 +1,141 @@
+"""`rlkernels.integrations.verl`: the registered losses equal verl's own policy losses (value and
+gradient w.r.t. log_prob) where the two overlap, under every `loss_agg_mode`, with verl's global
+batch counts and with rollout correction weights. Skipped only when verl cannot be imported."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+from verl.workers.config import ActorConfig  # noqa: E402
+
+from rlkernels import presets  # noqa: E402
+from rlkernels.integrations import verl as rk_verl  # noqa: E402
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# dp_size 2 with global counts (what verl's ppo_loss fills in), or none (the micro-batch's own counts).
+BATCH_INFO = [{}, {"dp_size": 2, "batch_num_tokens": 50, "global_batch_size": 11, "loss_scale_factor": 16}]
+
+
+def _actor_config(**fields):
+    cfg = ActorConfig(strategy="fsdp", rollout_n=3, ppo_micro_batch_size_per_gpu=2, **fields)
+    return cfg
+
+
+def _inputs(B=6, T=13, *, spread=0.3, empty_row=True, seed=0):
+    """fp64 log-probs (leaf), old log-probs off by up to `spread`, per-row advantages as verl's GRPO gives them
+    ((B, T), constant within a row), a right-padded mask with ragged lengths (one empty row if asked)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    # per-row scale, so some rows sit inside a narrow clip band and others outside it
+    scale = spread * torch.rand(B, 1, generator=g, dtype=torch.float64) * torch.linspace(0.05, 2, B, dtype=torch.float64)[:, None]
+    old = logp.detach() + scale * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sign = 1 - 2 * (torch.arange(B, dtype=torch.float64)[:, None] % 2)  # alternate, so both signs meet large ratios
+    adv = (torch.randn(B, 1, generator=g, dtype=torch.float64).abs() * sign).expand(B, T).contiguous()
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    if empty_row:
+        lengths[2] = 0
+    mask = torch.arange(T)[None] < lengths[:, None]
+    weights = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5
+    return logp, old, adv, mask, weights
+
+
+def _loss_and_grad(fn, logp, old, adv, mask, mode, cfg, weights):
+    loss, metrics = fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode=mode,
+                       config=cfg, rollout_is_weights=weights)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad, metrics
+
+
+def _compare(verl_name, ours, mode, cfg, *, weights=False, metrics=(), **input_kw):
+    logp, old, adv, mask, w = _inputs(**input_kw)
+    w = w if weights else None
+    ref = _loss_and_grad(core_algos.get_policy_loss_fn(verl_name), logp, old, adv, mask, mode, cfg, w)
+    got = _loss_and_grad(rk_verl.policy_loss_fn(ours), logp, old, adv, mask, mode, cfg, w)
+    assert ref[0].abs() > 1e-6, "a vacuous comparison"
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-9)
+    for key in metrics:
+        assert got[2][key] == pytest.approx(ref[2][key], rel=1e-6, abs=1e-9), key
+    return ref, got
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("info", BATCH_INFO)
+@pytest.mark.parametrize("weights", [False, True])
+def test_vanilla_dual_clip_is_ppo(mode, info, weights):
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode)
+    cfg.global_batch_info.update(info)
+    ref, _ = _compare("vanilla", "ppo", mode, cfg, weights=weights, spread=3.0,
+                      metrics=("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"))
+    assert ref[2]["actor/pg_clipfrac_lower"] > 0, "the dual clip is active somewhere"
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_vanilla_without_dual_clip(preset, mode):
+    # verl always applies its dual clip; a huge clip_ratio_c turns it off, leaving the plain PPO clip
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1e9, loss_agg_mode=mode)
+    _compare("vanilla", preset, mode, cfg, spread=1.5, metrics=("actor/pg_clipfrac", "actor/ppo_kl"))
+
+
+# verl's gspo is the gspo_token form; our sequence-ratio gspo has the same gradient unless per-token
+# rollout weights vary within a row.
+@pytest.mark.parametrize("ours,weights", [("gspo_token", False), ("gspo_token", True), ("gspo", False)])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gspo(ours, weights, mode):
+    cfg = _actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode=mode)
+    ref, got = _compare("gspo", ours, mode, cfg, weights=weights, spread=1e-2, metrics=("actor/ppo_kl",))
+    assert 0 < ref[2]["actor/pg_clipfrac"] < 1, "both clipped and unclipped rows"
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_cispo(mode, weights):
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
+    _compare("cispo", "cispo", mode, cfg, weights=weights, spread=1.5, metrics=("actor/ppo_kl",))
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_geo_mean_is_gmpo(weights):
+    # verl's geo_mean averages over all rows (it ignores loss_agg_mode): equal without empty rows.
+    # Its pg_clipfrac counts any clipped δ with A > 0 (ours: the clip removes the gradient), so not compared.
+    mode = "seq-mean-token-mean"
+    cfg = _actor_config(clip_ratio_low=0.4, clip_ratio_high=0.4, loss_agg_mode=mode)
+    _compare("geo_mean", "gmpo", mode, cfg, weights=weights, spread=1.0, empty_row=False, metrics=("actor/ppo_kl",))
+
+
+def test_config_mapping():
+    cfg = _actor_config(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=0.35, clip_ratio_c=4.0)
+    assert rk_verl.loss_config("ppo", cfg) == presets.ppo(clip_low=0.3, clip_high=0.35, dual_clip=4.0)
+    # GRPO's KL is verl's use_kl_loss, outside the policy loss; the group size is rollout_n
+    assert rk_verl.loss_config("grpo", cfg) == presets.grpo(clip_low=0.3, clip_high=0.35, kl_estimator=None, kl_coef=0.0)
+    assert rk_verl.loss_config("gepo", cfg).group_size == 3
+    assert rk_verl.loss_config("fspo", cfg) == presets.fspo()  # its √L band is not verl's clip ratio
+    assert rk_verl.loss_config("dapo", cfg, clip_high=0.5).clip_high == 0.5  # overrides come last
+
+
+def test_grouped_presets_run():
+    logp, old, adv, mask, _ = _inputs(empty_row=False)
+    cfg = _actor_config(loss_agg_mode="seq-mean-token-mean")  # rollout_n=3: two groups of three rows
+    for name in ("gepo", "snis", "fspo"):
+        loss, metrics = rk_verl.policy_loss_fn(name)(old, logp, adv, mask, "seq-mean-token-mean", cfg)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert set(metrics) >= {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+def test_bad_agg_mode():
+    logp, old, adv, mask, _ = _inputs()
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        rk_verl.policy_loss_fn("ppo")(old, logp, adv, mask, "token-median", _actor_config())
+
+
+def test_readme_register():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    exec(re.search(r"<!-- example: verl -->\s*```python\n(.*?)```", text, re.S).group(1), {})
+    for name in presets.NAMES:
+        assert core_algos.get_policy_loss_fn(f"rlkernels_{name}").__name__ == f"rlkernels_{name}"

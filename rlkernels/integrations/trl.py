@@ -1,0 +1,293 @@
+"""TRL's `GRPOTrainer` with rlkernels' hidden-state path: `RLKernelsGRPOTrainer`, or
+`patch_trl_grpo_trainer(trainer)` on a trainer already built.
+
+Either way two methods change:
+* `_get_per_token_logps_and_entropies` (old and reference log-probs, and the log-probs of
+  TRL's own loss when that is used): `linear_token_logprobs` on the backbone's last hidden
+  state, never the `(B, T, V)` logits.
+* `_compute_loss`: one `fused_linear_policy_loss` call from the hidden states to the loss, its
+  gradients for the hidden states and the head computed in the same pass (token-level
+  importance sampling) or in a second one (sequence level), with the aggregation set so that
+  value and gradient equal TRL's, gradient accumulation included.
+
+TRL's loss in `PolicyLossConfig` terms (`ε_low = epsilon`, `ε_high = epsilon_high or epsilon`,
+`delta`, KL `k3` with `kl_coef = beta`; `importance_sampling_level` token → `ratio="token"`,
+sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
+`B` = rows of the micro-batch (empty rows included, as TRL's `.mean()`), `G` = gradient
+accumulation steps in training (1 in evaluation):
+
+| `loss_type` | `agg` | counts | DESIGN.md preset it differs from |
+|---|---|---|---|
+| `grpo` | `seq_mean_token_mean` | `num_seqs = B·G` | `grpo` (TRL's β defaults to 0) |
+| `bnpo` | `token_mean` | `num_items = max(local tokens, 1)·G` | none (local-batch token mean) |
+| `dr_grpo` | `constant`, `norm_length = max_completion_length` | `num_seqs = B·G` | `dr_grpo` (norm = padded T) |
+| `dapo` | `token_mean` | `num_items = num_items_in_batch / processes · G / steps_per_generation` (train) | `dapo` (global count) |
+| `cispo` | `objective="cispo"`, `clip_low=None`, `clip_high = epsilon_high − 1` | as `dapo` | `cispo` (TRL caps at ε_high) |
+
+Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
+says why: loss types `sapo`, `luspo`, `vespo`; `cispo` with sequence-level sampling or
+`epsilon_high < 1`; `top_entropy_quantile < 1`; `off_policy_mask_threshold`; vLLM importance
+sampling correction; `use_bias_correction_kl` with `beta ≠ 0` (TRL's default: the KL times the
+ratio *with* its gradient, where `kl_bias_correction` detaches it); an entropy bonus (TRL
+normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
+Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
+ValueError (`integrations/transformers.py`).
+
+The head's matmul runs in the dtype TRL's runs in: the autocast dtype under autocast (TRL's
+default `bf16=True`), fp32 with `cast_lm_head_to_fp32`, else the weight's. Small differences:
+rlkernels clamps log-ratios to ±20 (TRL does not); the clip metrics of sequence-level sampling
+are token-weighted (TRL counts rows); `clip_ratio/low_min` / `high_max` are not logged by the
+fused path. (TRL ≥ 1.x also avoids full logits for its log-probs, with its own chunked head;
+what this adds is the loss and its gradient in the same pass, and one tested definition.)
+"""
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from trl import GRPOTrainer
+
+from ..losses import PolicyLossConfig
+from ..ops import fused_linear_policy_loss, linear_token_logprobs
+from .transformers import output_temperature
+
+_AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
+        "cispo": "token_mean"}
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# keyword arguments of a causal LM's forward that belong to its head, not to the backbone
+_HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head", "return_dict")
+
+
+def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
+    """(the `PolicyLossConfig` equal to the trainer's loss, "") or (None, why TRL's own loss is kept)."""
+    args, loss_type = trainer.args, trainer.loss_type
+    level = trainer.importance_sampling_level
+    reasons = [
+        (loss_type not in _AGG, f"loss_type={loss_type!r}"),
+        (loss_type == "cispo" and level != "token", "loss_type='cispo' with importance_sampling_level='sequence'"),
+        (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
+        (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
+        (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
+        (trainer.use_vllm and args.vllm_importance_sampling_correction, "vLLM importance sampling correction"),
+        (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False),
+         "use_bias_correction_kl=True with beta != 0 (TRL's default: the KL times the differentiable ratio, "
+         "which PolicyLossConfig's kl_bias_correction, a detached ratio, does not express)"),
+        (getattr(trainer, "_entropy_bonus_enabled", False), "an entropy bonus"),
+        (getattr(trainer, "aux_loss_enabled", False), "a MoE auxiliary loss"),
+        (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
+    ]
+    for hit, why in reasons:
+        if hit:
+            return None, why
+    if loss_type == "cispo":
+        clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
+    else:
+        clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
+    kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta)) if trainer.beta != 0.0 else {}
+    norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
+    try:
+        cfg = PolicyLossConfig(ratio=level, agg=_AGG[loss_type], **clip, **kl, **norm)
+    except (TypeError, ValueError) as err:  # e.g. delta <= 1
+        return None, str(err)
+    return cfg, ""
+
+
+def _counts(trainer, loss_type, mask, inputs) -> dict:
+    """num_items / num_seqs that turn our aggregation into TRL's normaliser for this micro-batch."""
+    train = trainer.model.training
+    accum = trainer.current_gradient_accumulation_steps if train else 1
+    rows = mask.shape[0]
+    if loss_type in ("grpo", "dr_grpo"):
+        return {"num_seqs": float(rows * accum)}
+    if loss_type == "bnpo":
+        return {"num_items": max(float(mask.sum()), 1.0) * accum}
+    items = max(float(inputs["num_items_in_batch"]), 1.0) / trainer.accelerator.num_processes
+    if train:  # num_items_in_batch spans the generation batch: rescale it to one accumulation window
+        items = items * accum / trainer.args.steps_per_generation
+    return {"num_items": items}
+
+
+def _head_params(model):
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"model.get_output_embeddings(): expected an nn.Linear head, got {type(head).__name__}")
+    weight, bias = head.weight, head.bias
+    try:  # FSDP2 shards parameters as DTensors; the head is used whole
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    return weight, bias
+
+
+def _install_forward(model) -> None:
+    """`model(..., rlkernels_head=fn)` runs the backbone and returns `fn(model, last_hidden_state)`.
+
+    Going through `model(...)` keeps DDP / FSDP / accelerate wrappers in the loop; without the
+    keyword the forward is the one the model had (TRL's, so generation is unchanged).
+    """
+    if getattr(model, "_rlkernels_forward", False):
+        return
+    output_temperature(model.config, 1.0)  # rejects heads we cannot reproduce, naming the attribute
+    _head_params(model)
+    previous = model.forward
+
+    @functools.wraps(previous)
+    def forward(*args, rlkernels_head=None, **kwargs):
+        if rlkernels_head is None:
+            return previous(*args, **kwargs)
+        for name in _HEAD_KWARGS:
+            kwargs.pop(name, None)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        out = decoder(*args, use_cache=False, **kwargs)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return rlkernels_head(model, hidden)
+
+    model.forward = forward
+    model._rlkernels_forward = True
+
+
+def _models(trainer):
+    """The modules whose forward gets the rlkernels keyword: the policy (its base model under PEFT), the reference."""
+    unwrap = trainer.accelerator.unwrap_model
+    policy = unwrap(trainer.model)
+    policy = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    out = [policy]
+    if getattr(trainer, "ref_model", None) is not None:
+        out.append(unwrap(trainer.ref_model))
+    return out
+
+
+def _head_inputs(trainer, module, hidden, keep):
+    """(hidden states scoring the last `keep` tokens, weight, bias), in the dtype the head's matmul runs in.
+
+    Position t scores token t + 1. Under autocast TRL's head multiplies in the autocast dtype
+    (in fp32 with `cast_lm_head_to_fp32`); rlkernels' ops run with autocast off, so the cast is
+    made here, once: the same numbers as TRL's head.
+    """
+    weight, bias = _head_params(module)
+    dtype, device = weight.dtype, hidden.device.type
+    if torch.is_autocast_enabled(device) and not getattr(trainer.args, "cast_lm_head_to_fp32", False):
+        dtype = torch.get_autocast_dtype(device)
+    hidden = hidden[:, -keep - 1 : -1].to(dtype)
+    return hidden, weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _no_autocast(device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                      compute_entropy=False, compute_aux_loss=False, **multimodal):
+    """TRL's `_get_per_token_logps_and_entropies` from hidden states (masked positions are 0, as TRL's)."""
+    if compute_aux_loss or any(v is not None for v in multimodal.values()):
+        return GRPOTrainer._get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids, am = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        targets = ids[:, -logits_to_keep:]
+
+        def head(module, hidden):
+            hidden, weight, bias = _head_inputs(self, module, hidden, logits_to_keep)
+            with _no_autocast(hidden.device):
+                return linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                             temperature=output_temperature(module.config, self.temperature))
+
+        with self.accelerator.autocast():
+            lp, ent = model(input_ids=ids, attention_mask=am, rlkernels_head=head)
+        pad = am[:, -logits_to_keep:] == 0
+        logps.append(lp.masked_fill(pad, 0.0))
+        entropies.append(ent.masked_fill(pad, 0.0))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+
+def compute_loss(self, model, inputs):
+    """TRL's `_compute_loss` as one `fused_linear_policy_loss` call, or TRL's own where not covered."""
+    cfg, why = loss_config(self)
+    if cfg is None or any(inputs.get(k) is not None for k in _MULTIMODAL):
+        why = why or "multimodal inputs"
+        warned = self.__dict__.setdefault("_rlkernels_warned", set())
+        if why not in warned:
+            warned.add(why)
+            warnings.warn(f"rlkernels: TRL computes this loss itself (log-probs still from rlkernels) because of {why}",
+                          stacklevel=2)
+        return GRPOTrainer._compute_loss(self, model, inputs)
+
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+    mask = mask.bool()
+    keep = completion_ids.size(1)
+    counts = _counts(self, self.loss_type, mask, inputs)
+
+    def head(module, hidden):
+        hidden, weight, bias = _head_inputs(self, module, hidden, keep)
+        with _no_autocast(hidden.device):
+            out = fused_linear_policy_loss(
+                hidden, weight, completion_ids, inputs["advantages"], mask, cfg, bias=bias,
+                old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
+                temperature=output_temperature(module.config, self.temperature), **counts)
+        return {"loss": out.loss, "metrics": out.metrics}
+
+    with self.accelerator.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head)
+    _log_metrics(self, out["metrics"], mask, cfg)
+    return out["loss"]
+
+
+def _log_metrics(self, metrics, mask, cfg):
+    """TRL's metric names, as token-weighted means over all processes."""
+    mode = "train" if self.model.training else "eval"
+    count = mask.sum().to(torch.float32)
+
+    def global_mean(value):
+        totals = self.accelerator.reduce(torch.stack([value.float() * count, count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if self.beta != 0.0:
+        self._metrics[mode]["kl"].append(global_mean(metrics["kl"]))
+    self._metrics[mode]["entropy"].append(global_mean(metrics["entropy"]))
+    if cfg.objective == "cispo":
+        self._metrics[mode]["cispo_clip_ratio"].append(global_mean(metrics["clip_frac_high"]))
+        return
+    low, high = global_mean(metrics["clip_frac_low"]), global_mean(metrics["clip_frac_high"])
+    self._metrics[mode]["clip_ratio/low_mean"].append(low)
+    self._metrics[mode]["clip_ratio/high_mean"].append(high)
+    self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+
+
+class RLKernelsGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose log-probs and loss come from rlkernels' hidden-state path (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for module in _models(self):
+            _install_forward(module)
+
+    _get_per_token_logps_and_entropies = get_per_token_logps_and_entropies
+    _compute_loss = compute_loss
+
+
+def patch_trl_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
+    """Make an existing `GRPOTrainer` compute log-probs and loss like `RLKernelsGRPOTrainer`; returns it."""
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
+    for module in _models(trainer):
+        _install_forward(module)
+    trainer._get_per_token_logps_and_entropies = types.MethodType(get_per_token_logps_and_entropies, trainer)
+    trainer._compute_loss = types.MethodType(compute_loss, trainer)
+    return trainer
+
+
+__all__ = ["RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config"]

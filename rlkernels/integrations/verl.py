@@ -1,0 +1,186 @@
+"""rlkernels' policy losses as verl policy losses: `actor.policy_loss.loss_mode=rlkernels_<preset>`.
+
+`register()` adds one verl policy loss per preset of DESIGN.md §3.6 (`rlkernels_ppo`,
+`rlkernels_grpo`, ..., `rlkernels_snis`) to `verl.trainer.ppo.core_algos`'s registry. Each has
+verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+rollout_is_weights)` and returns what verl's own losses return: `(pg_loss, metrics)`.
+verl computes `log_prob` in its actor; these losses are the `[B, T]` math (`policy_loss`), so
+they bring the presets verl lacks (FSPO, GEPO, SNIS, GSPO's sequence ratio, delta) and one
+definition of each, not the kernels. `register()` must run in every process that computes
+the actor loss; with Ray workers, e.g. `ray.init(runtime_env={"worker_process_setup_hook":
+"rlkernels.integrations.verl.register"})`.
+
+How verl's settings map onto `PolicyLossConfig` (the preset chooses the algorithm, verl's
+config its numbers, as verl's own losses read them):
+
+| verl | rlkernels |
+|---|---|
+| `loss_agg_mode="token-mean"` | `agg="token_mean"`, `num_items = batch_num_tokens / dp_size` |
+| `"token-sum"` | `agg="token_mean"`, `num_items = 1 / dp_size` |
+| `"seq-mean-token-sum"` | `agg="seq_mean_token_sum"`, `num_seqs = global_batch_size / dp_size` |
+| `"seq-mean-token-mean"` | `agg="seq_mean_token_mean"`, `num_seqs = global_batch_size / dp_size` |
+| `"seq-mean-token-sum-norm"` | `agg="constant"`, `norm_length = loss_scale_factor` (None: the padded length) |
+| `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high`, except for `fspo` (its √L band is `fspo_c_*`) and `snis` |
+| `clip_ratio_c` | `dual_clip`, for the presets that have a dual clip (`ppo`) |
+| `rollout_n` | `group_size` of `gepo` / `snis` (rows of a group must be contiguous and whole in each micro-batch) |
+| `rollout_is_weights` | multiplies the per-token loss before aggregation (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`) |
+
+The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
+`global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
+The KL and entropy terms are 0 here: verl adds them outside the policy loss
+(`actor.use_kl_loss`, `kl_loss_type=low_var_kl` is the `grpo` preset's k3; `entropy_coeff`).
+`**overrides` of `register()` / `policy_loss_fn()` replace any field last.
+
+verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies the dual clip;
+`clip_ratio_c` very large turns it off, = `rlkernels_dapo`/`grpo` with verl's clip ratios);
+`gspo` = `rlkernels_gspo_token` (and `rlkernels_gspo`, whose gradient is the same while
+`rollout_is_weights` is constant within a row); `cispo` = `rlkernels_cispo`; `geo_mean` =
+`rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
+averages over all rows, empty ones included). Differences in guards: rlkernels clamps every
+exponentiated log-ratio to ±20 (verl's `gspo` clamps at +10, `geo_mean` not at all) and gives 0,
+not NaN, for an empty mask.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from .. import presets as _presets
+from ..losses import PolicyLossConfig, policy_loss
+from ..losses.aggregation import aggregate, masked_mean
+from ..losses.policy_loss import per_token_loss, prepare_batch
+
+PREFIX = "rlkernels_"
+_NO_CLIP_FIELDS = ("fspo", "snis")  # presets whose clip is not verl's clip_ratio_low/high
+_GROUPED = ("group_expectation", "snis")
+
+
+def _get(config, name, default=None):
+    """A field of verl's ActorConfig, an omegaconf DictConfig or a dict."""
+    if config is None:
+        return default
+    if hasattr(config, "get"):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def aggregation(loss_agg_mode: str, mask: torch.Tensor, config=None) -> Tuple[dict, dict]:
+    """(config fields, counts for `policy_loss`) that reproduce verl's `agg_loss(loss_agg_mode, **global_batch_info)`."""
+    info = dict(_get(config, "global_batch_info", {}) or {})
+    dp = float(info.get("dp_size") or 1)
+    tokens, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
+    seqs = None if seqs is None else float(seqs) / dp
+    if loss_agg_mode == "token-mean":
+        return {"agg": "token_mean"}, {"num_items": None if tokens is None else float(tokens) / dp, "num_seqs": None}
+    if loss_agg_mode == "token-sum":
+        return {"agg": "token_mean"}, {"num_items": 1.0 / dp, "num_seqs": None}
+    if loss_agg_mode == "seq-mean-token-sum":
+        return {"agg": "seq_mean_token_sum"}, {"num_items": None, "num_seqs": seqs}
+    if loss_agg_mode == "seq-mean-token-mean":
+        return {"agg": "seq_mean_token_mean"}, {"num_items": None, "num_seqs": seqs}
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = info.get("loss_scale_factor", _get(config, "loss_scale_factor"))
+        scale = mask.shape[-1] if scale is None else scale
+        if float(scale) != int(scale) or int(scale) < 1:
+            raise ValueError(f"loss_scale_factor: expected a positive integer, got {scale!r}")
+        return {"agg": "constant", "norm_length": int(scale)}, {"num_items": None, "num_seqs": seqs}
+    raise ValueError(
+        "loss_agg_mode: expected one of 'token-mean', 'token-sum', 'seq-mean-token-sum', "
+        f"'seq-mean-token-mean', 'seq-mean-token-sum-norm', got {loss_agg_mode!r}"
+    )
+
+
+def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
+    """The preset with verl's clip settings (module docstring), KL and entropy off, then `overrides`."""
+    base = _presets.get(preset)
+    fields = {"kl_estimator": None, "kl_coef": 0.0, "entropy_coef": 0.0}
+    if preset not in _NO_CLIP_FIELDS and config is not None:
+        clip = _get(config, "clip_ratio")
+        fields["clip_low"] = _get(config, "clip_ratio_low", clip if clip is not None else base.clip_low)
+        fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.clip_high)
+    if base.dual_clip is not None:
+        fields["dual_clip"] = float(_get(config, "clip_ratio_c", base.dual_clip))
+    if base.ratio in _GROUPED and _get(config, "rollout_n") is not None:
+        fields["group_size"] = int(_get(config, "rollout_n"))
+    return base.replace(**{**fields, **overrides})
+
+
+def policy_loss_fn(preset: str, **overrides) -> Callable:
+    """A verl policy loss (verl's signature and return value) for `preset`."""
+    _presets.get(preset)  # validates the name
+
+    def loss_fn(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Dict[str, float]]:
+        agg_fields, counts = aggregation(loss_agg_mode, response_mask, config)
+        cfg = loss_config(preset, config, **{**agg_fields, **overrides})
+        mask = response_mask.bool()
+        logp = log_prob if log_prob.dtype in (torch.float32, torch.float64) else log_prob.float()
+        advantages = advantages.to(logp.dtype)
+        kwargs = dict(old_logp=old_log_prob.to(logp.dtype), **counts)
+        if cfg.ratio == "snis":  # SNIS takes rewards: verl's per-row "advantage" is read as the reward
+            kwargs["rewards"] = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            advantages = None
+        out = policy_loss(logp, advantages, mask, cfg, **kwargs)
+        loss = out.loss
+        if rollout_is_weights is not None:
+            loss = _weighted_loss(logp, advantages, mask, cfg, rollout_is_weights, kwargs)
+        return loss, _metrics(out.metrics, logp, old_log_prob, advantages, mask, cfg)
+
+    loss_fn.__name__ = f"{PREFIX}{preset}"
+    loss_fn.__doc__ = f"verl policy loss for the rlkernels `{preset}` preset (rlkernels.integrations.verl)."
+    return loss_fn
+
+
+def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
+    """verl's rollout correction: the per-token loss times the weights, then aggregated."""
+    b, _, _ = prepare_batch(logp, advantages, mask, cfg, kwargs["old_logp"], None, None, None, kwargs.get("rewards"),
+                            kwargs["num_items"], kwargs["num_seqs"])
+    per_token, _, _ = per_token_loss(b, cfg, None, None)
+    w = torch.where(mask, weights.to(logp.dtype), torch.ones((), dtype=logp.dtype, device=logp.device)).detach()
+    if cfg.ratio == "geometric":  # one weight per row: the geometric mean of its tokens' weights
+        w = torch.exp(b.row_mean(torch.log(w + 1e-10)))[:, None].expand_as(w)
+    return aggregate(per_token * w, b.mask, cfg.agg, num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"],
+                     norm_length=cfg.norm_length)
+
+
+def _metrics(metrics, logp, old_logp, advantages, mask, cfg) -> Dict[str, float]:
+    """verl's three policy-loss metrics, then every rlkernels metric under `actor/rlkernels/`."""
+    with torch.no_grad():
+        log_ratio = (logp.detach() - old_logp.to(logp.dtype)).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        lower = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        if cfg.dual_clip is not None and cfg.ratio == "token" and advantages is not None:
+            adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
+            w = log_ratio.exp()
+            clipped = torch.maximum(-adv * w, -adv * w.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
+            lower = masked_mean(((clipped > -cfg.dual_clip * adv) & (adv < 0)).to(logp.dtype), mask)
+        out = {
+            "actor/pg_clipfrac": float(metrics["clip_frac"]),
+            "actor/ppo_kl": float(masked_mean(-log_ratio, mask)),
+            "actor/pg_clipfrac_lower": float(lower),
+        }
+    out.update({f"actor/rlkernels/{k}": float(v) for k, v in metrics.items()})
+    return out
+
+
+def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, **overrides) -> list:
+    """Register `prefix + name` for each preset (default: all) with verl; returns the names registered."""
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    names = []
+    for preset in _presets.NAMES if presets is None else presets:
+        register_policy_loss(prefix + preset)(policy_loss_fn(preset, **overrides))
+        names.append(prefix + preset)
+    return names
+
+
+__all__ = ["register", "policy_loss_fn", "loss_config", "aggregation", "PREFIX"]
