@@ -1,7 +1,11 @@
 import os
 import sys
 
-import torch
+# Idle OpenMP threads sleep instead of spinning: the tests start several processes (gloo ranks,
+# benchmarks) on few cores, where spinning threads slowed calls 10-50×. Must precede torch's import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # shared input builders (loss_inputs.py)
 
