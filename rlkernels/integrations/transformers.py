@@ -51,6 +51,15 @@ def output_temperature(config, temperature: float) -> float:
     return temperature
 
 
+def backbone_hidden_states(model, *args, **kwargs):
+    """The last hidden states (after the final norm) of a HF causal LM's backbone, without its head."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if decoder is None or decoder is model:
+        raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
+    out = decoder(*args, use_cache=False, **kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
 def causal_lm_token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -78,11 +87,7 @@ def causal_lm_token_logprobs(
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"model.get_output_embeddings(): expected an nn.Linear head, got {type(head).__name__}")
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if decoder is None or decoder is model:
-        raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = backbone_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
     hidden = hidden[:, T - 1 - keep : T - 1].to(head.weight.dtype)  # position t scores token t + 1
     return linear_token_logprobs(hidden, head.weight, input_ids[:, T - keep :], bias=head.bias, temperature=temperature,
                                  return_entropy=return_entropy, backend=backend, chunk_size=chunk_size)

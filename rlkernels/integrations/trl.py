@@ -52,7 +52,7 @@ from trl import GRPOTrainer
 
 from ..losses import PolicyLossConfig
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
-from .transformers import output_temperature
+from .transformers import backbone_hidden_states, output_temperature
 
 _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
         "cispo": "token_mean"}
@@ -145,10 +145,7 @@ def _install_forward(model) -> None:
         for name in _HEAD_KWARGS:
             kwargs.pop(name, None)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-        out = decoder(*args, use_cache=False, **kwargs)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return rlkernels_head(model, hidden)
+        return rlkernels_head(model, backbone_hidden_states(model, *args, **kwargs))
 
     model.forward = forward
     model._rlkernels_forward = True
