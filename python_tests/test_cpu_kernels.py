@@ -49,12 +49,15 @@ def _reference(logits, targets, temperature, grad_logp=None, grad_entropy=None):
     h = torch.zeros_like(g) if grad_entropy is None else grad_entropy.double()
     (grad,) = torch.autograd.grad((logp * g + entropy * h).sum(), x)
     # (1/τ)[g (1[v=y] − p) − h p (log p + H)] is a sum of terms that cancel for some v; an fp32
-    # result can only be relatively exact with respect to the size of those terms.
-    log_p = torch.log_softmax(x.detach() / temperature, dim=-1)
+    # result can only be relatively exact with respect to the size of those terms. log p itself is
+    # z/τ − lse, exact only relative to |z/τ| + |lse| (≫ |log p| where p ≈ 1), and H sums p·log p.
+    z = x.detach() / temperature
+    log_p = torch.log_softmax(z, dim=-1)
     p = log_p.exp()
     onehot = torch.zeros_like(p).scatter_(1, targets[:, None], 1.0)
-    p_log_p = torch.where(p > 0, p * log_p.abs(), torch.zeros_like(p))
-    scale = (g.abs()[:, None] * (onehot + p) + h.abs()[:, None] * (p_log_p + p * entropy.detach()[:, None])) / temperature
+    log_p_size = torch.where(p > 0, log_p.abs() + z.abs() + lse.abs()[:, None], torch.zeros_like(p))
+    entropy_size = (p * log_p_size).sum(-1, keepdim=True)
+    scale = (g.abs()[:, None] * (onehot + p) + h.abs()[:, None] * p * (log_p_size + entropy_size)) / temperature
     return Ref(logp.detach(), entropy.detach(), lse, grad, scale)
 
 

@@ -1,0 +1,57 @@
+"""The benchmarks time the right thing: every provider that runs here computes what eager PyTorch
+computes (value and gradients) on fresh random inputs, and `python -m benchmarks.report` writes its
+table, JSON and plots."""
+import json
+
+import pytest
+import torch
+
+from benchmarks import report
+from benchmarks.providers import check_agrees_with_eager, runnable
+from benchmarks.workloads import MODES, OPS, Case
+
+CPU = torch.device("cpu")
+# torch.compile and Liger (which compiles its chunk function) take tens of seconds here
+SLOW = {"compile", "liger"}
+
+
+def _params():
+    for op in OPS:
+        for provider, reason in runnable(op, CPU):
+            marks = [pytest.mark.slow] if provider.name in SLOW else []
+            if reason:
+                marks.append(pytest.mark.skip(reason=reason))
+            for mode in MODES:
+                yield pytest.param(op, provider, mode, marks=marks, id=f"{op}-{provider.name}-{mode}")
+
+
+@pytest.mark.parametrize("op, provider, mode", list(_params()))
+def test_provider_agrees_with_eager(op, provider, mode):
+    case = Case(op, n=100, vocab=1000, dtype="fp32", mode=mode, hidden=48 if op == "grpo_linear" else 0, seq_len=25)
+    check_agrees_with_eager(case, provider, CPU)
+
+
+def test_agreement_check_catches_a_wrong_provider():
+    """The check is not vacuous: a provider off by a little fails it."""
+    provider = next(p for p, _ in runnable("grpo", CPU, ["eager"]))
+    build = provider.build
+    wrong = type(provider)(provider.name, provider.ops, lambda case, inputs: (
+        lambda logits: build(case, inputs)(logits) * 1.001))
+    with pytest.raises(AssertionError):
+        check_agrees_with_eager(Case("grpo", 64, 500, "fp32", "fwd", seq_len=16), wrong, CPU)
+
+
+def test_report_writes_table_json_and_plots(tmp_path):
+    argv = ["--quick", "--providers", "eager", "rlkernels-cpu", "rlkernels-torch", "--out", str(tmp_path),
+            "--name", "smoke"]
+    assert report.main(argv) == 0
+    md = (tmp_path / "smoke.md").read_text()
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    args = report.parse_args(argv)
+    points = len(set([(v, args.n) for v in args.vocabs] + [(args.vocab, n) for n in args.ns]))
+    providers = {p.name for op in OPS for p, why in runnable(op, CPU, args.providers) if not why}
+    assert len(data["rows"]) == points * len(MODES) * len(OPS) * len(providers)
+    assert all("error" not in r and r["ms"] > 0 and 0 < r["roofline"] for r in data["rows"])
+    for op in OPS:
+        assert f"| {op} | fwd+bwd | {max(args.vocabs)} | {args.n} | rlkernels-cpu |" in md
+        assert (tmp_path / f"smoke_{op}.png").stat().st_size > 10_000
