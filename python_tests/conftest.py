@@ -5,6 +5,7 @@ import sys
 # benchmarks) on few cores, where spinning threads slowed calls 10-50×. Must precede torch's import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # shared input builders (loss_inputs.py)
@@ -13,3 +14,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # shared input builders (loss_inp
 # must be chosen before any test imports rlkernels' Triton kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def restore_verl(monkeypatch):
+    """Whatever a test patches in verl's fused-kernel path (`register()` does) is put back afterwards."""
+    torch_functional = pytest.importorskip("verl.utils.experimental.torch_functional")
+    kernel = pytest.importorskip("verl.utils.kernel.linear_cross_entropy")
+    monkeypatch.setattr(kernel, "linear_cross_entropy", kernel.linear_cross_entropy)
+    monkeypatch.setattr(torch_functional, "FusedLinearForPPO", torch_functional.FusedLinearForPPO)

@@ -134,7 +134,7 @@ def test_bad_agg_mode():
         rk_verl.policy_loss_fn("ppo")(old, logp, adv, mask, "token-median", _actor_config())
 
 
-def test_readme_register():
+def test_readme_register(restore_verl):
     text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     exec(re.search(r"<!-- example: verl -->\s*```python\n(.*?)```", text, re.S).group(1), {})
     for name in presets.NAMES:

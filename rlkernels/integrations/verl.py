@@ -8,7 +8,8 @@ verl computes `log_prob` in its actor; these losses are the `[B, T]` math (`poli
 they bring the presets verl lacks (FSPO, GEPO, SNIS, GSPO's sequence ratio, delta) and one
 definition of each, not the kernels. `register()` must run in every process that computes
 the actor loss; with Ray workers, e.g. `ray.init(runtime_env={"worker_process_setup_hook":
-"rlkernels.integrations.verl.register"})`.
+"rlkernels.integrations.verl.register"})`. It also puts rlkernels' hidden-state log-prob/entropy
+op in verl's fused-kernel path (`model.use_fused_kernels=True`; see verl_fused.py).
 
 How verl's settings map onto `PolicyLossConfig` (the preset chooses the algorithm, verl's
 config its numbers, as verl's own losses read them):
@@ -50,6 +51,7 @@ from .. import presets as _presets
 from ..losses import PolicyLossConfig, policy_loss
 from ..losses.aggregation import aggregate, masked_mean
 from ..losses.policy_loss import per_token_loss, prepare_batch
+from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
 PREFIX = "rlkernels_"
 _NO_CLIP_FIELDS = ("fspo", "snis")  # presets whose clip is not verl's clip_ratio_low/high
@@ -172,10 +174,15 @@ def _metrics(metrics, logp, old_logp, advantages, mask, cfg) -> Dict[str, float]
     return out
 
 
-def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, **overrides) -> list:
-    """Register `prefix + name` for each preset (default: all) with verl; returns the names registered."""
+def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = True,
+             **overrides) -> list:
+    """Register `prefix + name` for each preset (default: all) with verl; returns the names registered.
+    `fused_kernels`: also route verl's fused-kernel log-prob/entropy path (`use_fused_kernels=True`)
+    through rlkernels' hidden-state op (`verl_fused.patch_fused_kernels`)."""
     from verl.trainer.ppo.core_algos import register_policy_loss
 
+    if fused_kernels:
+        patch_fused_kernels()
     names = []
     for preset in _presets.NAMES if presets is None else presets:
         register_policy_loss(prefix + preset)(policy_loss_fn(preset, **overrides))
@@ -183,4 +190,5 @@ def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, **ov
     return names
 
 
-__all__ = ["register", "policy_loss_fn", "loss_config", "aggregation", "PREFIX"]
+__all__ = ["register", "policy_loss_fn", "loss_config", "aggregation", "PREFIX", "patch_fused_kernels",
+           "linear_cross_entropy", "FusedLinearForPPO"]
