@@ -112,14 +112,20 @@ def test_forward_matches_reference(shape, dtype, temperature):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_entropy_grad", [True, False])
 def test_backward_matches_autograd(shape, dtype, with_entropy_grad):
+    check_backward_matches_autograd(cpu, shape, dtype, with_entropy_grad, "cpu")
+
+
+def check_backward_matches_autograd(kernels, shape, dtype, with_entropy_grad, device):
+    """`kernels`' backward on `device` against the fp64 autograd gradient (test_cuda_kernels uses it too)."""
     temperature = 0.8
     logits, targets = _inputs(*shape, dtype)
-    grad_logp = torch.randn(shape[0])
-    grad_entropy = torch.randn(shape[0]) if with_entropy_grad else None
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, temperature, with_entropy_grad)
-    grad = cpu.token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature)
-    assert grad.dtype == dtype and grad.shape == logits.shape
-    _close_grad(grad, _reference(logits, targets, temperature, grad_logp, grad_entropy))
+    g = torch.randn(shape[0])
+    h = torch.randn(shape[0]) if with_entropy_grad else None
+    z, y = logits.to(device), targets.to(device)
+    _, entropy, lse = kernels.token_logprobs_fwd(z, y, temperature, with_entropy_grad)
+    grad = kernels.token_logprobs_bwd(z, y, lse, entropy, g.to(device), None if h is None else h.to(device), temperature)
+    assert grad.dtype == dtype and grad.shape == logits.shape and grad.device.type == device
+    _close_grad(grad.cpu(), _reference(logits, targets, temperature, g, h))
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -11,7 +11,7 @@ import rlkernels
 from rlkernels import presets
 from rlkernels.kernels import cuda
 
-from test_cpu_kernels import DTYPES, _close, _close_grad, _inputs, _reference
+from test_cpu_kernels import DTYPES, _close, _close_grad, _inputs, _reference, check_backward_matches_autograd
 
 _OK, _REASON = cuda.available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
@@ -51,16 +51,7 @@ def test_forward_matches_reference(shape, dtype, temperature):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_entropy_grad", [True, False])
 def test_backward_matches_autograd(shape, dtype, with_entropy_grad):
-    temperature = 0.8
-    logits, targets = _inputs(*shape, dtype)
-    g = torch.randn(shape[0])
-    h = torch.randn(shape[0]) if with_entropy_grad else None
-    ref = _reference(logits, targets, temperature, g, h)
-    z, y = logits.cuda(), targets.cuda()
-    logp, entropy, lse = cuda.token_logprobs_fwd(z, y, temperature, with_entropy_grad)
-    grad = cuda.token_logprobs_bwd(z, y, lse, entropy, g.cuda(), None if h is None else h.cuda(), temperature)
-    assert grad.dtype == dtype and grad.shape == logits.shape and grad.is_cuda
-    _close_grad(grad.cpu(), ref)
+    check_backward_matches_autograd(cuda, shape, dtype, with_entropy_grad, "cuda")
 
 
 @pytest.mark.parametrize("shape", [(9, 7), (13, 4099), (4, 32769)], ids=lambda s: f"{s[0]}x{s[1]}")
