@@ -14,6 +14,7 @@ log-probs), with `leaves` = `inputs.leaves()`. Providers:
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -130,9 +131,7 @@ def _rlkernels(backend):
 
 
 def _liger_unavailable(device, op):
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed (pip install liger-kernel)"
     if op == "grpo" and device.type != "cuda":
         return "Liger's Triton GRPO loss runs on CUDA only"
