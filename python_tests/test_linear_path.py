@@ -333,3 +333,29 @@ def test_triton_backend_loss_tiny(name):
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
     for x, y in ((h, h2), (w, w2), (bb, bb2)):
         assert _rel(x.grad, y.grad) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_under_torch_compile(backend, name):
+    """torch.compile (Dynamo + AOT autograd, no code generation) of a function calling the
+    hidden-state ops gives eager's values and gradients. The chunk loop calls the backend's
+    kernels with `out=` buffers, so the graph breaks there: fullgraph=True is not supported."""
+    hidden, weight, bias, targets = _inputs(shape=(3, 5))
+    batch = random_loss_inputs(3, 5, dtype=torch.float32, seed=1)
+    adv, mask, old, ref = (batch[k] for k in ("advantages", "mask", "old_logp", "ref_logp"))
+
+    def fn(h, w, b):
+        logp, entropy = rlkernels.linear_token_logprobs(h, w, targets, bias=b, return_entropy=True, backend=backend)
+        out = rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(name), bias=b, old_logp=old,
+                                                 ref_logp=ref, backend=backend)
+        return out.loss + (logp * entropy).sum()
+
+    results = []
+    for f in (fn, torch.compile(fn, backend="aot_eager")):
+        leaves = _leaves(hidden, weight, bias)
+        loss = f(*leaves)
+        loss.backward()
+        results.append((loss.detach(), *[x.grad for x in leaves]))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)

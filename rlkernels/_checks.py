@@ -81,6 +81,16 @@ def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
     return mask != 0
 
 
+def check_targets(targets: torch.Tensor, vocab: int, what: str) -> torch.Tensor:
+    """Token ids in [0, vocab); `what` says where V comes from. Skipped under torch.compile: a
+    data-dependent check would break the graph."""
+    if targets.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets: expected values in [0, {vocab}) ({what}), got values in [{lo}, {hi}]")
+    return targets
+
+
 def check_real(
     name: str,
     x,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_real, check_tensor
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_real, check_targets, check_tensor
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
 
@@ -179,11 +179,7 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
         sizes[dist.get_rank(process_group)] = vocab
         dist.all_reduce(sizes, group=process_group)
         start, vocab = int(sizes[: dist.get_rank(process_group)].sum()), int(sizes.sum())
-    if targets.numel():
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"targets: expected values in [0, {vocab}) (V = rows of weight"
-                             f"{', summed over ranks' if process_group is not None else ''}), got values in [{lo}, {hi}]")
+    check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is None:
         rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
     else:

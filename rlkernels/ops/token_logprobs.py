@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_tensor
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_targets, check_tensor
 
 _OPS = {}
 
@@ -118,9 +118,5 @@ def check_token_logprobs_args(logits: Tensor, targets: Tensor, temperature) -> f
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
     temperature = check_real("temperature", temperature, 0, lo_open=True)
-    vocab = logits.shape[-1]
-    if targets.numel() and not torch.compiler.is_compiling():  # a data-dependent check would break the graph
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"targets: expected values in [0, {vocab}) (V = logits.shape[-1]), got values in [{lo}, {hi}]")
+    check_targets(targets, logits.shape[-1], "V = logits.shape[-1]")
     return temperature
