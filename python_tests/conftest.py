@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # shared input builders (loss_inputs.py)
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the benchmarks package
 
 # @triton.jit picks interpreter or compiled mode when a kernel is decorated, so the interpreter
 # must be chosen before any test imports rlkernels' Triton kernels.
