@@ -24,7 +24,7 @@ import time
 import torch
 
 from . import measure
-from .providers import prepare, runnable
+from .providers import all_providers, prepare, runnable
 from .workloads import DTYPES, MODES, OPS, Case
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -37,7 +37,7 @@ DEFAULTS = {  # (vocab sweep, N sweep, the other axis's fixed value, dtype, H)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--providers", nargs="+", help="names as in the table (default: all that can run)")
@@ -55,6 +55,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--name", help="file name stem (default: the machine's)")
     args = p.parse_args(argv)
+    known = [q.name for q in all_providers()]
+    unknown = sorted(set(args.providers or ()) - set(known))
+    if unknown:
+        p.error(f"--providers: unknown {unknown}; expected names from {known}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device: {args.device!r} requested but torch sees no CUDA device")
     defaults = DEFAULTS["quick" if args.quick else ("cuda" if args.device.startswith("cuda") else "cpu")]
     for key, value in defaults.items():
         if getattr(args, key) is None:

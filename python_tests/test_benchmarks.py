@@ -55,3 +55,9 @@ def test_report_writes_table_json_and_plots(tmp_path):
     for op in OPS:
         assert f"| {op} | fwd+bwd | {max(args.vocabs)} | {args.n} | rlkernels-cpu |" in md
         assert (tmp_path / f"smoke_{op}.png").stat().st_size > 10_000
+
+
+def test_report_rejects_unknown_provider(capsys):
+    with pytest.raises(SystemExit):
+        report.parse_args(["--providers", "eagre"])
+    assert "--providers: unknown ['eagre']" in capsys.readouterr().err
