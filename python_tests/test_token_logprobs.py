@@ -85,6 +85,31 @@ def test_empty_and_leading_shapes(backend):
     _check(backend, logits[:, :-1], targets[:, 1:], 1.0, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliced_logits_without_gradient_are_read_in_place(backend):
+    """`logits[:, :-1]` for old/reference log-probs (no gradient): the same numbers as its
+    contiguous copy, without making one (peak memory well under the copy's size)."""
+    from rlkernels._peak_memory import peak_since, reset_peak
+
+    base = torch.randn(8, 129, 65536) * 3  # 270 MB; a copy of the slice: 268 MB
+    logits, targets = base[:, :-1], torch.randint(0, 65536, (8, 128))
+    expected = rlkernels.token_logprobs(logits.contiguous(), targets, return_entropy=True, backend=backend)
+    with torch.no_grad():
+        start = reset_peak()
+        got = rlkernels.token_logprobs(logits, targets, return_entropy=True, backend=backend)
+        extra = peak_since(start)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    if backend == "cpu":  # the torch backend's chunk temporaries, served by a heap that earlier
+        # tests have shaped, make its resident peak an unreliable witness here
+        copy_bytes = logits.numel() * logits.element_size()
+        assert extra < copy_bytes / 2, f"{extra / 2**20:.0f} MB extra: the logits were copied"
+    # with autograd the slice is copied once, and the gradient reaches the base tensor's slice
+    leaf = base[:2, :, :1000].clone().requires_grad_(True)
+    rlkernels.token_logprobs(leaf[:, :-1], targets[:2] % 1000, backend=backend).sum().backward()
+    assert leaf.grad[:, -1].abs().sum() == 0 and leaf.grad[:, :-1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "cpu")])
 def test_gradcheck_fp64(backend):
     logits, targets = _inputs((2, 3), 6, torch.float64, scale=1.0)

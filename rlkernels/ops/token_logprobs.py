@@ -84,6 +84,16 @@ def _resolve(backend: Optional[str], device: torch.device) -> str:
     return name
 
 
+def _blocks_in_place(logits: Tensor) -> bool:
+    """True for (B, T, V) logits that are not contiguous but whose blocks `logits[b]` are (a slice
+    such as `model(x).logits[:, :-1]`), when no gradient is wanted (old or reference log-probs):
+    the kernels then read each block where it is instead of a contiguous copy of all N × V. With
+    autograd, per-block ops would cost more than the copy (each block's backward is a full-size
+    gradient), and under torch.compile one op keeps the graph simple."""
+    return (logits.dim() == 3 and logits.shape[0] > 0 and not logits.is_contiguous() and logits[0].is_contiguous()
+            and not (torch.is_grad_enabled() and logits.requires_grad) and not torch.compiler.is_compiling())
+
+
 def token_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -104,9 +114,14 @@ def token_logprobs(
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     vocab = logits.shape[-1]
     name = _resolve(backend, logits.device)
-    flat_logits = logits.reshape(-1, vocab).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    logp, entropy, _ = _OPS[name](flat_logits, flat_targets, temperature, return_entropy)
+    if _blocks_in_place(logits):
+        T = logits.shape[1]
+        parts = [_OPS[name](block, flat_targets[b * T:(b + 1) * T], temperature, return_entropy)
+                 for b, block in enumerate(logits.unbind(0))]
+        logp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        logp, entropy, _ = _OPS[name](logits.reshape(-1, vocab).contiguous(), flat_targets, temperature, return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
 
