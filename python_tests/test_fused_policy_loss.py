@@ -114,3 +114,32 @@ def test_empty_mask_gives_zero_gradient(backend):
                                       presets.gspo(), backend=backend)
     out.loss.backward()
     assert float(out.loss) == 0.0 and (x.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliced_logits_are_read_in_place(backend):
+    """`fused_policy_loss(model(x).logits[:, :-1], ...)`: the blocks of the slice are read where they
+    are (no N × V copy beside the gradient), with the contiguous copy's loss and gradient."""
+    from rlkernels._peak_memory import peak_since, reset_peak
+
+    B, T, V = 8, 128, 65536
+    base = torch.randn(B, T + 1, V) * 3  # a slice's copy and its gradient: 268 MB each
+    targets = torch.randint(0, V, (B, T))
+    batch = random_loss_inputs(B, T, dtype=torch.float32, seed=3)
+    kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], backend=backend)
+    args = (targets, batch["advantages"], batch["mask"], presets.grpo())
+
+    copy = base[:, :-1].contiguous().requires_grad_(True)
+    expected = rlkernels.fused_policy_loss(copy, *args, **kw)
+    expected.loss.backward()
+    leaf = base.clone().requires_grad_(True)
+    start = reset_peak()
+    got = rlkernels.fused_policy_loss(leaf[:, :-1], *args, **kw)  # ∂logits is computed here
+    extra = peak_since(start)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=0)
+    torch.testing.assert_close(leaf.grad[:, :-1], copy.grad, rtol=0, atol=0)
+    assert leaf.grad[:, -1].abs().sum() == 0
+    if backend == "cpu":  # (the torch backend's chunk temporaries make its resident peak unreliable here)
+        grad_bytes = copy.numel() * copy.element_size()
+        assert extra < 1.5 * grad_bytes, f"{extra / 2**20:.0f} MB extra: more than the gradient, the logits were copied"

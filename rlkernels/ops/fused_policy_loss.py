@@ -12,6 +12,7 @@ DESIGN.md §2. Under `torch.compile` the same values come from the composition
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ._precomputed_grad import attach_grads
-from .token_logprobs import check_token_logprobs_args, token_logprobs
+from .token_logprobs import check_token_logprobs_args, row_blocks, token_logprobs
 
 
 def fused_policy_loss(
@@ -58,13 +59,14 @@ def fused_policy_loss(
     temperature = check_token_logprobs_args(logits, targets, temperature)
     name = _backend.resolve(backend, logits.device)
     kernels = _backend.kernels(name)
-    vocab = logits.shape[-1]
-    flat = logits.detach().reshape(-1, vocab)
-    if inplace and flat.data_ptr() != logits.data_ptr() or inplace and not flat.is_contiguous():
+    if inplace and not logits.is_contiguous():
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
-    flat = flat.contiguous()
+    blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
     flat_targets = targets.reshape(-1).to(torch.int64)
-    logp, entropy, lse = kernels.token_logprobs_fwd(flat, flat_targets, temperature, True)
+    starts = list(itertools.accumulate([0] + [b.shape[0] for b in blocks]))
+    rows = list(zip(starts[:-1], starts[1:]))
+    fwd = [kernels.token_logprobs_fwd(b, flat_targets[s:e], temperature, True) for b, (s, e) in zip(blocks, rows)]
+    logp, entropy, lse = (torch.cat(parts) for parts in zip(*fwd))
 
     with torch.enable_grad():
         logp_leaf = logp.view(targets.shape).requires_grad_(True)
@@ -74,7 +76,11 @@ def fused_policy_loss(
         grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
     grad_logp = torch.zeros_like(logp) if grads[0] is None else grads[0].reshape(-1)
     grad_entropy = grads[1].reshape(-1) if len(grads) > 1 and grads[1] is not None else None
-    grad = kernels.token_logprobs_bwd(flat, flat_targets, lse, entropy, grad_logp.contiguous(),
-                                      grad_entropy, temperature, **({"out": flat} if inplace else {}))
-    loss = attach_grads(out.loss.detach(), (logits,), (grad.view(logits.shape),))
+    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad_blocks = grad.view(-1, logits.shape[-1]).split([e - s for s, e in rows])
+    grad_logp = grad_logp.contiguous()
+    for block, out_block, (s, e) in zip(blocks, grad_blocks, rows):
+        kernels.token_logprobs_bwd(block, flat_targets[s:e], lse[s:e], entropy[s:e], grad_logp[s:e],
+                                   None if grad_entropy is None else grad_entropy[s:e], temperature, out=out_block)
+    loss = attach_grads(out.loss.detach(), (logits,), (grad,))
     return LossOutput(loss, out.metrics)

@@ -8,7 +8,7 @@ themselves rather than an opaque call.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -84,14 +84,15 @@ def _resolve(backend: Optional[str], device: torch.device) -> str:
     return name
 
 
-def _blocks_in_place(logits: Tensor) -> bool:
-    """True for (B, T, V) logits that are not contiguous but whose blocks `logits[b]` are (a slice
-    such as `model(x).logits[:, :-1]`), when no gradient is wanted (old or reference log-probs):
-    the kernels then read each block where it is instead of a contiguous copy of all N × V. With
-    autograd, per-block ops would cost more than the copy (each block's backward is a full-size
-    gradient), and under torch.compile one op keeps the graph simple."""
-    return (logits.dim() == 3 and logits.shape[0] > 0 and not logits.is_contiguous() and logits[0].is_contiguous()
-            and not (torch.is_grad_enabled() and logits.requires_grad) and not torch.compiler.is_compiling())
+def row_blocks(logits: Tensor) -> List[Tensor]:
+    """`logits (..., V)` as 2-D `(rows, V)` pieces the kernels can read where they are: the whole
+    tensor when it is contiguous; the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
+    contiguous (`model(x).logits[:, :-1]`), so that its N × V values are not copied; otherwise
+    one contiguous copy."""
+    vocab = logits.shape[-1]
+    if not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
+        return list(logits.unbind(0))
+    return [logits.reshape(-1, vocab).contiguous()]
 
 
 def token_logprobs(
@@ -115,13 +116,18 @@ def token_logprobs(
     vocab = logits.shape[-1]
     name = _resolve(backend, logits.device)
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    if _blocks_in_place(logits):
-        T = logits.shape[1]
-        parts = [_OPS[name](block, flat_targets[b * T:(b + 1) * T], temperature, return_entropy)
-                 for b, block in enumerate(logits.unbind(0))]
-        logp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    else:
-        logp, entropy, _ = _OPS[name](logits.reshape(-1, vocab).contiguous(), flat_targets, temperature, return_entropy)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad):
+        # One op: with autograd, per-block ops would make each block's backward a full-size
+        # gradient; under torch.compile it keeps the graph simple.
+        blocks = [logits.reshape(-1, vocab).contiguous()]
+    else:  # old / reference log-probs: a sliced tensor is read in place
+        blocks = row_blocks(logits)
+    parts, start = [], 0
+    for block in blocks:
+        parts.append(_OPS[name](block, flat_targets[start:start + block.shape[0]], temperature, return_entropy))
+        start += block.shape[0]
+    logp, entropy = (parts[0][0], parts[0][1]) if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
+                                                                       torch.cat([p[1] for p in parts]))
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
 
