@@ -126,8 +126,7 @@ def token_logprobs(
     for block in blocks:
         parts.append(_OPS[name](block, flat_targets[start:start + block.shape[0]], temperature, return_entropy))
         start += block.shape[0]
-    logp, entropy = (parts[0][0], parts[0][1]) if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
-                                                                       torch.cat([p[1] for p in parts]))
+    logp, entropy, _ = (torch.cat(outputs) for outputs in zip(*parts))
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
 
