@@ -11,7 +11,6 @@ actor's per-token log-probs and entropies from the last hidden states and `lm_he
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 
@@ -44,7 +43,7 @@ class FusedLinearForPPO(torch.nn.Module):
         return linear_cross_entropy(hidden_states, vocab_weights, input_ids, temperature)
 
 
-def patch_fused_kernels(modules: Optional[list] = None) -> list:
+def patch_fused_kernels() -> list:
     """Make verl's fused-kernel model forwards use rlkernels; returns the modules patched.
 
     Replaces `linear_cross_entropy` and `FusedLinearForPPO` in verl's modules that define them,
@@ -56,10 +55,9 @@ def patch_fused_kernels(modules: Optional[list] = None) -> list:
     originals = {"linear_cross_entropy": kernel.linear_cross_entropy,
                  "FusedLinearForPPO": torch_functional.FusedLinearForPPO}
     ours = {"linear_cross_entropy": linear_cross_entropy, "FusedLinearForPPO": FusedLinearForPPO}
-    candidates = modules if modules is not None else [m for name, m in list(sys.modules.items())
-                                                      if name.startswith("verl.") and m is not None]
+    loaded = [m for name, m in list(sys.modules.items()) if name.startswith("verl.") and m is not None]
     patched = []
-    for module in {id(m): m for m in [kernel, torch_functional, *candidates]}.values():
+    for module in {id(m): m for m in [kernel, torch_functional, *loaded]}.values():
         hit = False
         for name, original in originals.items():
             if getattr(module, name, None) is original:
