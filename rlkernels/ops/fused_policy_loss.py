@@ -12,7 +12,6 @@ DESIGN.md §2. Under `torch.compile` the same values come from the composition
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -63,9 +62,7 @@ def fused_policy_loss(
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
     blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
     flat_targets = targets.reshape(-1).to(torch.int64)
-    starts = list(itertools.accumulate([0] + [b.shape[0] for b in blocks]))
-    rows = list(zip(starts[:-1], starts[1:]))
-    fwd = [kernels.token_logprobs_fwd(b, flat_targets[s:e], temperature, True) for b, (s, e) in zip(blocks, rows)]
+    fwd = [kernels.token_logprobs_fwd(block, flat_targets[s:e], temperature, True) for s, e, block in blocks]
     logp, entropy, lse = (torch.cat(parts) for parts in zip(*fwd))
 
     with torch.enable_grad():
@@ -77,9 +74,9 @@ def fused_policy_loss(
     grad_logp = torch.zeros_like(logp) if grads[0] is None else grads[0].reshape(-1)
     grad_entropy = grads[1].reshape(-1) if len(grads) > 1 and grads[1] is not None else None
     grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    grad_blocks = grad.view(-1, logits.shape[-1]).split([e - s for s, e in rows])
+    grad_blocks = grad.view(-1, logits.shape[-1]).split([e - s for s, e, _ in blocks])
     grad_logp = grad_logp.contiguous()
-    for block, out_block, (s, e) in zip(blocks, grad_blocks, rows):
+    for (s, e, block), out_block in zip(blocks, grad_blocks):
         kernels.token_logprobs_bwd(block, flat_targets[s:e], lse[s:e], entropy[s:e], grad_logp[s:e],
                                    None if grad_entropy is None else grad_entropy[s:e], temperature, out=out_block)
     loss = attach_grads(out.loss.detach(), (logits,), (grad,))

@@ -84,15 +84,22 @@ def _resolve(backend: Optional[str], device: torch.device) -> str:
     return name
 
 
-def row_blocks(logits: Tensor) -> List[Tensor]:
-    """`logits (..., V)` as 2-D `(rows, V)` pieces the kernels can read where they are: the whole
-    tensor when it is contiguous; the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
+def row_blocks(logits: Tensor, in_place: bool = True) -> List[Tuple[int, int, Tensor]]:
+    """`logits (..., V)` as `(start, end, block)`: 2-D `(end − start, V)` blocks holding the
+    flattened rows start:end, which the kernels can read where they are. The whole tensor when it
+    is contiguous; with `in_place`, the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
     contiguous (`model(x).logits[:, :-1]`), so that its N × V values are not copied; otherwise
     one contiguous copy."""
     vocab = logits.shape[-1]
-    if not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
-        return list(logits.unbind(0))
-    return [logits.reshape(-1, vocab).contiguous()]
+    if in_place and not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
+        blocks = list(logits.unbind(0))
+    else:
+        blocks = [logits.reshape(-1, vocab).contiguous()]
+    out, start = [], 0
+    for block in blocks:
+        out.append((start, start + block.shape[0], block))
+        start += block.shape[0]
+    return out
 
 
 def token_logprobs(
@@ -113,19 +120,13 @@ def token_logprobs(
     temperature = check_token_logprobs_args(logits, targets, temperature)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    vocab = logits.shape[-1]
     name = _resolve(backend, logits.device)
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad):
-        # One op: with autograd, per-block ops would make each block's backward a full-size
-        # gradient; under torch.compile it keeps the graph simple.
-        blocks = [logits.reshape(-1, vocab).contiguous()]
-    else:  # old / reference log-probs: a sliced tensor is read in place
-        blocks = row_blocks(logits)
-    parts, start = [], 0
-    for block in blocks:
-        parts.append(_OPS[name](block, flat_targets[start:start + block.shape[0]], temperature, return_entropy))
-        start += block.shape[0]
+    # Blocks only without autograd (old / reference log-probs): with it, per-block ops would make
+    # each block's backward a full-size gradient; under torch.compile one op keeps the graph simple.
+    in_place = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad))
+    parts = [_OPS[name](block, flat_targets[s:e], temperature, return_entropy)
+             for s, e, block in row_blocks(logits, in_place)]
     logp, entropy, _ = (torch.cat(outputs) for outputs in zip(*parts))
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
