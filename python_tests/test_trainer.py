@@ -1,10 +1,12 @@
 """The trainer (DESIGN.md §5): short end-to-end runs per algorithm family, exact resume, the
-non-finite guard, the log-probs it records, data parallel equality, and bad-config errors.
+non-finite guard, the log-probs it records, data parallel equality, and errors for bad configs,
+rewards, files and checkpoints (kills and signals: test_trainer_faults.py).
 
 Runs use a 1-layer, 32-wide Llama on 1-digit addition: a few seconds each on 2 cores."""
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -36,7 +38,7 @@ def check_run(tmp, summary, rows, steps):
     for k in ("eval_reward_before", "eval_reward_after"):
         assert 0.0 <= summary[k] <= 1.0 and on_disk[k] == summary[k]
     assert os.path.getsize(os.path.join(tmp, "metrics.png")) > 1000
-    ckpt = torch.load(os.path.join(tmp, "checkpoint.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(tmp, "checkpoint.pt"), weights_only=True)  # what --resume loads
     assert ckpt["step"] == steps and ckpt["config"]["algo"] == summary["algo"]
 
 
@@ -87,16 +89,147 @@ def test_resume_is_exact(tmp_path):
     assert summary["steps"] == 4
 
 
+def strict_json(text):
+    """json.loads without Python's NaN / Infinity extension."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))
+
+
+def _with_loss_head(monkeypatch, change):
+    real = loop.loss_head
+
+    def head(*args, **kw):
+        out = real(*args, **kw)
+        return type(out)(*change(out.loss, dict(out.metrics)))
+
+    monkeypatch.setattr(loop, "loss_head", head)
+
+
+def test_non_finite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
+    _with_loss_head(monkeypatch, lambda loss, metrics: (loss * float("nan"), metrics))
+    summary, rows = run(tmp_path, steps=1)
+    assert rows[0]["skipped"] == 2 and rows[0]["updates"] == 0 and summary["skipped_steps"] == 2
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    for name, w in ckpt["model"].items():  # "ref" is the policy as RL started
+        assert torch.equal(w, ckpt["ref"][name]), name
+
+
+def test_metrics_are_strict_json(tmp_path, monkeypatch):
+    """A non-finite metric is written as null, never as Python's bare NaN (invalid JSON)."""
+    _with_loss_head(monkeypatch, lambda loss, metrics: (loss, {**metrics, "entropy": torch.tensor(float("nan"))}))
+    run(tmp_path, steps=1)
+    rows = [strict_json(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["entropy"] is None and rows[0]["updates"] == 2
+    assert strict_json((tmp_path / "summary.json").read_text())["final_entropy"] is None
+
+
 def nan_reward(prompt, completion, answer):
     return float("nan")
 
 
-def test_non_finite_loss_never_reaches_the_weights(tmp_path):
-    summary, rows = run(tmp_path, steps=1, reward="module:test_trainer:nan_reward")
-    assert rows[0]["skipped"] == 2 and rows[0]["updates"] == 0 and summary["skipped_steps"] == 2
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    for name, w in ckpt["model"].items():  # "ref" is the policy as RL started
+def inf_reward(prompt, completion, answer):
+    return -math.inf
+
+
+def huge_reward(prompt, completion, answer):  # finite in float64, inf in float32
+    return 1e300
+
+
+def none_reward(prompt, completion, answer):
+    return None
+
+
+def list_reward(prompt, completion, answer):
+    return [1.0]
+
+
+def tensor_reward(prompt, completion, answer):
+    return torch.tensor(1.0)
+
+
+def raising_reward(prompt, completion, answer):
+    raise KeyError("no such answer")
+
+
+@pytest.mark.parametrize("name, what", [
+    ("nan_reward", "returned nan"), ("inf_reward", "returned -inf"), ("huge_reward", "returned 1e\\+300"),
+    ("none_reward", "returned None"), ("list_reward", "returned \\[1.0\\]"), ("tensor_reward", "returned tensor"),
+    ("raising_reward", "raised KeyError"),
+])
+def test_bad_rewards_are_errors_naming_the_reward_and_prompt(tmp_path, name, what):
+    with pytest.raises(ValueError, match=rf"^--reward: module:test_trainer:{name} {what}.* on prompt '\d\+\d='"):
+        run(tmp_path, warmup_steps=0, reward=f"module:test_trainer:{name}")
+
+
+def zero_reward(prompt, completion, answer):
+    return 0
+
+
+def one_reward(prompt, completion, answer):
+    return 1.0
+
+
+CALLS = [0]
+
+
+def half_varied_reward(prompt, completion, answer):
+    """Alternating 0, 1 for prompts starting with an odd digit (a group of varied rewards), else 0."""
+    CALLS[0] += 1
+    return float(int(prompt[0]) % 2 == 1 and CALLS[0] % 2 == 0)
+
+
+@pytest.mark.parametrize("reward", ["zero_reward", "one_reward"])
+def test_dynamic_sampling_with_only_uniform_groups_skips_the_update(tmp_path, reward, capsys):
+    summary, rows = run(tmp_path, steps=2, eval_every=5, dynamic_sampling=True, max_gen_batches=3,
+                        reward=f"module:test_trainer:{reward}")
+    for r in rows:
+        assert (r["rows_trained"], r["groups"], r["updates"], r["gen_batches"]) == (0, 0, 0, 3), r
+        assert r["reward_mean"] == float(reward == "one_reward") and r["loss"] is None
+    assert "no group with unequal rewards in 3 rollout batches (--dynamic-sampling); update skipped" in capsys.readouterr().out
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    for name, w in ckpt["model"].items():
         assert torch.equal(w, ckpt["ref"][name]), name
+
+
+def test_dynamic_sampling_refills_the_batch(tmp_path):
+    """DAPO: rollouts continue until prompts_per_step groups with varied rewards are kept."""
+    summary, rows = run(tmp_path, steps=2, eval_every=5, algo="dapo", dynamic_sampling=True, max_gen_batches=8,
+                        reward="module:test_trainer:half_varied_reward")
+    assert any(r["gen_batches"] > 1 for r in rows)
+    for r in rows:
+        assert r["groups"] == TINY["prompts_per_step"] and r["rows_trained"] == TINY["prompts_per_step"] * 4, r
+        assert r["updates"] == 2
+
+
+def test_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):  # unpickling would call os.mkdir(marker)
+            return os.mkdir, (str(marker),)
+
+    (tmp_path / "r").mkdir()
+    torch.save({"config": {}, "step": 1, "model": Payload()}, tmp_path / "r" / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"--resume: refusing .*checkpoint.pt.*posix.mkdir"):
+        train(Config(resume=str(tmp_path / "r")))
+    assert main(["--resume", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlkernels.train: error: --resume: refusing") and err.count("\n") == 1
+    assert not marker.exists()
+
+
+def test_checkpoints_are_fsynced_and_stale_temp_files_removed(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
+    tmp = str(tmp_path / "checkpoint.pt.tmp")
+    loop.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+    assert events == [("fsync", tmp), ("replace", tmp)]
+    # a kill during a save leaves the temp file: the next start removes it
+    open(tmp, "wb").write(b"half a checkpoint")
+    loop.prepare_out_dir(str(tmp_path))
+    assert not os.path.exists(tmp) and os.path.exists(tmp_path / "checkpoint.pt")
 
 
 def test_recorded_logprobs_match_the_sampler():
@@ -203,12 +336,24 @@ def test_two_gloo_processes_match_one(tmp_path):
     (["--pods-keep", "9"], "--pods-keep"),
     (["--config", "/nonexistent.json"], "--config: no such file"),
     (["positional"], "unexpected argument"),
+    (["--lr", "inf"], "--lr: expected a finite number, got inf"),
+    (["--warmup-lr", "-inf"], "--warmup-lr: expected a finite number"),
+    (["--kl-coef", "nan"], "--kl-coef: expected a finite number, got nan"),
+    (["--temperature", "1e-45"], "--temperature: expected a number >= 2.94e-39 (1/τ must fit float32)"),
+    (["--temperature", "inf"], "--temperature: expected a finite number"),
+    (["--lora-alpha", "nan"], "--lora-alpha: expected a finite number, got nan"),
+    (["--lora-alpha", "0"], "--lora-alpha: expected a number > 0"),
+    (["--digits", "4"], "--digits: expected at most 3"),
+    (["--seed", "100000000000000000000"], "--seed: expected an int from 0 to 2\\*\\*32 - 1"),
+    (["--seed", "-1"], "--seed: expected an int from 0"),
+    (["--max-gen-batches", "0"], "--max-gen-batches: expected an int >= 1"),
 ])
 def test_bad_flags(argv, message, capsys):
-    with pytest.raises(ValueError, match=message.replace("?", r"\?")):
+    with pytest.raises(ValueError, match=message.replace("?", r"\?").replace("(", r"\(").replace(")", r"\)")):
         from_args(argv)
     assert main(argv) == 2
-    assert message.split(":")[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message.split(":")[0] in err and err.count("\n") == 1
 
 
 def test_config_file_and_flag_precedence(tmp_path):
@@ -221,6 +366,12 @@ def test_config_file_and_flag_precedence(tmp_path):
         from_args(["--config", str(path)])
     path.write_text("{not json")
     with pytest.raises(ValueError, match="--config: .* is not valid JSON"):
+        from_args(["--config", str(path)])
+    path.write_bytes(b'{"algo": "gr\xe9po"}')  # Latin-1
+    with pytest.raises(ValueError, match="--config: .* is not UTF-8 text"):
+        from_args(["--config", str(path)])
+    path.write_text(json.dumps({"seed": 1e20}))
+    with pytest.raises(ValueError, match="--seed: expected an int from 0"):
         from_args(["--config", str(path)])
 
 
@@ -238,6 +389,104 @@ def test_bad_files(tmp_path):
         train(Config(resume=str(tmp_path / "r")))
     with pytest.raises(ValueError, match="--reward: cannot load"):
         task.make_reward("module:no_such_module_xyz:f")
+    bad.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "\xff", "answer": "3"}\n')
+    with pytest.raises(ValueError, match="--prompts: .* is not UTF-8 text"):
+        train(Config(**{**TINY, "prompts": str(bad), "out": str(tmp_path / "o")}))
+
+
+def _no_work(monkeypatch):
+    """Fail the test if the trainer starts building its task (errors must come before any work)."""
+    monkeypatch.setattr(task, "tiny_model", lambda *a, **k: pytest.fail("the trainer built its model"))
+
+
+def test_out_dir_errors_come_first(tmp_path, monkeypatch, capsys):
+    _no_work(monkeypatch)
+    monkeypatch.setattr(task, "addition_task", lambda *a, **k: pytest.fail("the trainer built its task"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--out: .*file' is a file, not a folder"):
+        train(Config(**{**TINY, "out": str(tmp_path / "file")}))
+    assert main(["--out", str(tmp_path / "file"), "--progress", "false"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(ValueError, match="--out: cannot write in .*file/sub"):  # a file as a parent folder
+        train(Config(**{**TINY, "out": str(tmp_path / "file" / "sub")}))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: simulate the refusal
+        def refuse(*a, **k):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(loop.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(ValueError, match="--out: cannot write in .*ro' \\(Permission denied\\)"):
+        train(Config(**{**TINY, "out": str(ro)}))
+
+
+def test_too_few_prompts_name_the_flag(tmp_path, monkeypatch):
+    _no_work(monkeypatch)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\n" for a in range(6)))
+    base = {**TINY, "prompts": str(prompts), "eval_size": 2, "out": str(tmp_path / "o")}
+    with pytest.raises(ValueError, match=r"--prompts-per-step: 5 is more than the 4 training prompts in .*p.jsonl"):
+        train(Config(**{**base, "prompts_per_step": 5}))
+    with pytest.raises(ValueError, match=r"--warmup-batch: 16 is more than the 4 training prompts"):
+        train(Config(**base))
+    with pytest.raises(ValueError, match=r"--prompts-per-step: 90 is more than the 84 training prompts \(after 16"):
+        train(Config(**{**TINY, "prompts_per_step": 90, "out": str(tmp_path / "o")}))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-step run (copy it before changing it)."""
+    path = tmp_path_factory.mktemp("finished")
+    run(path, steps=2)
+    return path
+
+
+def test_resume_refuses_changed_shape_algo_and_foreign_files(finished_run, tmp_path, capsys):
+    for argv, message in [(["--algo", "ppo"], "--algo: the run in .* has 'grpo' and a resumed run keeps it"),
+                          (["--n-embd", "64"], "--n-embd: the run in .* has 32")]:
+        cfg, explicit = from_args(["--resume", str(finished_run), *argv])
+        with pytest.raises(ValueError, match=message):
+            train(cfg, explicit=explicit)
+    assert main(["--resume", str(finished_run), "--algo", "gspo"]) == 2
+    assert capsys.readouterr().err.startswith("rlkernels.train: error: --algo: the run in")
+    (tmp_path / "f").mkdir()
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "f" / "checkpoint.pt")  # a plain state dict
+    with pytest.raises(ValueError, match="--resume: .* is not a checkpoint of rlkernels.train \\(no config, step"):
+        train(Config(resume=str(tmp_path / "f")))
+    ckpt = torch.load(finished_run / "checkpoint.pt", weights_only=True)
+    ckpt["model"] = {k: v[..., :1] for k, v in ckpt["model"].items()}  # right keys, wrong shapes
+    torch.save(ckpt, tmp_path / "f" / "checkpoint.pt")
+    with pytest.raises(ValueError, match="--resume: the checkpoint in .* does not fit this run \\(RuntimeError: .*size"):
+        train(Config(resume=str(tmp_path / "f"), progress=False))
+    ckpt = torch.load(finished_run / "checkpoint.pt", weights_only=True)
+    ckpt["ref"], ckpt["config"]["kl_coef"] = None, 0.0  # a run without a KL term saves no reference
+    torch.save(ckpt, tmp_path / "f" / "checkpoint.pt")
+    with pytest.raises(ValueError, match="--kl-coef: the run in .* trained without a KL term"):
+        train(Config(resume=str(tmp_path / "f"), kl_coef=0.04, progress=False))
+
+
+def test_resume_of_a_finished_run_keeps_its_summary(finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "run")
+    before = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = train(Config(resume=str(tmp_path / "run"), progress=False))
+    after = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for d in (before, after, summary):  # the copy has another folder
+        for k in ("wall_time_s", "out"):
+            d.pop(k)
+        for k in ("resume", "out"):
+            d["config"].pop(k)
+    assert after == before and summary == before and before["final_reward_mean"] is not None
+
+
+def test_resume_from_a_checkpoint_file_continues_its_folder(finished_run, tmp_path, monkeypatch):
+    shutil.copytree(finished_run, tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "run")  # `--resume checkpoint.pt` from inside the run folder
+    summary = train(Config(resume="checkpoint.pt", steps=3, progress=False))
+    assert summary["out"] == "." and summary["steps"] == 3 and not (tmp_path / "run" / "runs").exists()
+    assert [json.loads(line)["step"] for line in open("metrics.jsonl")] == [1, 2, 3]
+    # into another folder (--out): the metrics before the checkpoint come along
+    train(Config(resume=str(tmp_path / "run" / "checkpoint.pt"), out=str(tmp_path / "other"), steps=4, progress=False))
+    assert [json.loads(line)["step"] for line in open(tmp_path / "other" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def _local_checkpoint(path):
@@ -271,5 +520,5 @@ def test_lora(tmp_path):
     pytest.importorskip("peft")
     summary, rows = run(tmp_path, lora_rank=4, steps=2)
     check_run(tmp_path, summary, rows, 2)
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert any("lora_A" in k for k in ckpt["model"])

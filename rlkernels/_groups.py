@@ -35,18 +35,23 @@ def group_index(
     device: Optional[torch.device] = None,
     *,
     ref_name: str = "rewards",
+    exact_count: bool = True,
 ) -> Tuple[torch.Tensor, int]:
     """``(inverse, num_groups)``: ``inverse[i]`` in ``[0, num_groups)`` is row i's group.
 
     Exactly one of ``group_ids`` / ``group_size`` must be given. Groups from ``group_ids`` are
-    numbered in increasing order of id (``torch.unique``, which synchronises with the device);
-    ``group_size`` groups in row order, without a synchronisation.
+    numbered in increasing order of id; counting them (``torch.unique``) synchronises with the
+    device, so with ``exact_count=False`` ``num_groups`` is the batch size instead, an upper
+    bound that leaves the last groups empty (the losses only gather their rows' groups).
+    ``group_size`` groups are in row order, without a synchronisation.
     """
     if (group_ids is None) == (group_size is None):
         got = "neither" if group_ids is None else "both"
         raise ValueError(f"group_ids/group_size: expected exactly one of them, got {got}")
     if group_ids is not None:
         check_ids("group_ids", group_ids, batch_size, device, ref_name)
+        if not exact_count:
+            return _sorted_group_index(group_ids), batch_size
         uniq, inverse = torch.unique(group_ids, return_inverse=True)
         return inverse, int(uniq.numel())
     k = check_int("group_size", group_size, lo=1, what="a positive int")
@@ -56,6 +61,14 @@ def group_index(
         )
     inverse = torch.arange(batch_size, device=device) // k
     return inverse, batch_size // k
+
+
+def _sorted_group_index(ids: torch.Tensor) -> torch.Tensor:
+    """The group of each row numbered by increasing id, by a sort (no host synchronisation)."""
+    sorted_ids, order = torch.sort(ids, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.int64)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    return torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
 
 
 def pair_index(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, int]:

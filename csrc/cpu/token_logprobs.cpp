@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 #if defined(__linux__)
@@ -31,6 +32,8 @@
 
 #include "rlkernels/grad_out_check.h"
 #include "rlkernels/row_math.h"
+#include "rlkernels/token_loss.h"
+#include "rlkernels/token_loss_args.h"
 
 namespace rlk_cpu {
 namespace {
@@ -393,6 +396,66 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
   token_logprobs_bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
 }
 
+// The forward plus the per-token policy loss (rlkernels/token_loss.h) of each row, evaluated on
+// the row's results while they are at hand: one read of the logits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
+    int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
+    double log_ratio_clamp) {
+  check_logits(logits);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  const at::Tensor tgt = check_targets(targets, N, V);
+  check_temperature(temperature);
+  const at::ScalarType acc = acc_type(logits.scalar_type());
+  rlk::check_token_inputs(logits, mask, weight, adv, old_logp, ref_logp, acc);
+  const auto opts = logits.options().dtype(acc);
+  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
+  at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "policy_token_fwd", [&] {
+    using acc_t = typename Io<scalar_t>::acc_t;
+    // Checked before the N == 0 return, so that bad scalars fail on every batch.
+    const rlk::TokenLossParams<acc_t> params = rlk::token_loss_params<acc_t>(
+        objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
+        entropy_coef, log_ratio_clamp);
+    if (N == 0) return;
+    const scalar_t* z = logits.const_data_ptr<scalar_t>();
+    const int64_t* y = tgt.const_data_ptr<int64_t>();
+    const bool* m_p = mask.const_data_ptr<bool>();
+    const acc_t* w_p = weight.const_data_ptr<acc_t>();
+    const acc_t* a_p = adv.const_data_ptr<acc_t>();
+    const acc_t* old_p = old_logp.has_value() ? old_logp->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* ref_p = ref_logp.has_value() ? ref_logp->const_data_ptr<acc_t>() : nullptr;
+    acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
+    acc_t* ent_p = entropy.mutable_data_ptr<acc_t>();
+    acc_t* lse_p = lse.mutable_data_ptr<acc_t>();
+    acc_t* gl_p = grad_logp.mutable_data_ptr<acc_t>();
+    acc_t* ge_p = grad_entropy.mutable_data_ptr<acc_t>();
+    acc_t* st_p = stats.mutable_data_ptr<acc_t>();
+    const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const auto r = forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau);
+        logp_p[n] = r.logp;
+        ent_p[n] = r.entropy;
+        lse_p[n] = r.lse;
+        const rlk::TokenIn<acc_t> in{r.logp, r.entropy, m_p[n], w_p[n], a_p[n],
+                                     old_p != nullptr, old_p != nullptr ? old_p[n] : acc_t(0),
+                                     ref_p != nullptr, ref_p != nullptr ? ref_p[n] : acc_t(0)};
+        const rlk::TokenOut<acc_t> out = rlk::token_loss(in, params);
+        gl_p[n] = out.grad_logp;
+        ge_p[n] = out.grad_entropy;
+        std::copy(out.stats, out.stats + rlk::kNumStats, st_p + n * rlk::kNumStats);
+      }
+    });
+  });
+  return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+}
+
 }  // namespace
 }  // namespace rlk_cpu
 
@@ -404,12 +467,19 @@ TORCH_LIBRARY(rlkernels_C, m) {
   // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
   m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature, Tensor(a!) out) -> ()");
+  // The forward plus the per-token policy loss; the scalars are those of
+  // rlkernels/kernels/token_loss_params.py. Returns (logp, entropy, lse, grad_logp, grad_entropy, stats).
+  m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
+        " Tensor? ref_logp, float temperature, int objective, float clip_low, float clip_high, float delta,"
+        " float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
+        " float entropy_coef, float log_ratio_clamp) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
   m.impl("token_logprobs_fwd", &rlk_cpu::token_logprobs_fwd_cpu);
   m.impl("token_logprobs_bwd", &rlk_cpu::token_logprobs_bwd_cpu);
   m.impl("token_logprobs_bwd_out", &rlk_cpu::token_logprobs_bwd_out_cpu);
+  m.impl("policy_token_fwd", &rlk_cpu::policy_token_fwd_cpu);
 }
 
 // ---------------------------------------------------------------------------------------------

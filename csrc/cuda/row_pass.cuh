@@ -3,6 +3,8 @@
 // 16-byte packs, kStep elements per step; the last partial pack, one each), the forward's online
 // softmax state over them, and the backward's gradient of them. __host__ __device__ and torch-free,
 // so that csrc/tests/test_row_pass.cu can run every lane of a group on the host, without a GPU.
+// Last, what the thread that finishes a row writes: the forward's results, or those and the
+// per-token policy loss of rlkernels/token_loss.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +17,8 @@
 #include <type_traits>
 
 #include "rlkernels/row_math.h"
+#include "rlkernels/token_loss.h"
+#include "token_logprobs.h"
 
 namespace rlk_cuda {
 namespace rows {
@@ -288,6 +292,39 @@ RLK_HOST_DEVICE __forceinline__ void grad_row(const T* z, T* out, int64_t V, con
   const int64_t done = head + packs * K;
   if (lane < V - done) out[done + lane] = P::from_float(grad(P::to_float(z[done + lane]), done + lane));
 }
+
+// token_logprobs_fwd's row results; `entropy` is written only when kEntropy.
+template <bool kEntropy>
+struct StoreRow {
+  float* logp;
+  float* entropy;
+  float* lse;
+  RLK_HOST_DEVICE __forceinline__ void operator()(int64_t row, const rlk::RowResult<float>& r) const {
+    logp[row] = r.logp;
+    lse[row] = r.lse;
+    if (kEntropy) entropy[row] = r.entropy;
+  }
+};
+
+// policy_token_fwd's: the row results and the token's loss, gradients and statistics.
+struct StorePolicyToken {
+  TokenInputs in;
+  rlk::TokenLossParams<float> params;
+  TokenOutputs out;
+  RLK_HOST_DEVICE __forceinline__ void operator()(int64_t row, const rlk::RowResult<float>& r) const {
+    out.logp[row] = r.logp;
+    out.entropy[row] = r.entropy;
+    out.lse[row] = r.lse;
+    const bool has_old = in.old_logp != nullptr, has_ref = in.ref_logp != nullptr;
+    const rlk::TokenIn<float> t{r.logp, r.entropy, in.mask[row], in.weight[row], in.adv[row],
+                                has_old, has_old ? in.old_logp[row] : 0.0f, has_ref, has_ref ? in.ref_logp[row] : 0.0f};
+    const rlk::TokenOut<float> o = rlk::token_loss(t, params);
+    out.grad_logp[row] = o.grad_logp;
+    out.grad_entropy[row] = o.grad_entropy;
+#pragma unroll
+    for (int j = 0; j < rlk::kNumStats; ++j) out.stats[row * rlk::kNumStats + j] = o.stats[j];
+  }
+};
 
 }  // namespace rows
 }  // namespace rlk_cuda

@@ -1,5 +1,7 @@
 // CUDA backend of the per-token log-prob / entropy primitive (DESIGN.md §2; the contract is in
-// rlkernels/kernels/__init__.py, the launchers in token_logprobs.h). Torch-free.
+// rlkernels/kernels/__init__.py, the launchers in token_logprobs.h), and the same forward with the
+// per-token policy loss (rlkernels/token_loss.h) evaluated by the thread that finishes each row.
+// Torch-free.
 //
 // A row is served by a group of kThreads threads: a logical warp of 32 for V ≤ 2048 (8 rows per
 // 256-thread block), else a whole block of 256 or 512. Each thread walks its share of the row in
@@ -44,13 +46,15 @@ template <int kThreads> struct Group {  // kThreads threads per row, kRows rows 
   static constexpr int kBlock = kThreads * kRows;
 };
 
-template <typename T, int kThreads, bool kEntropy>
+// Rows first_row + blockIdx.x · kRows + (group) of N; lane 0 of the row's group hands its results
+// to `out` (rows::StoreRow, rows::StorePolicyToken).
+template <typename T, int kThreads, bool kEntropy, typename Out>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock)
-    fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
-               float inv_tau, float* __restrict__ logp, float* __restrict__ entropy, float* __restrict__ lse) {
+    fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t first_row, int64_t N, int64_t V,
+               const int64_t* __restrict__ targets, float inv_tau, Out out) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
-  const int64_t row = int64_t(blockIdx.x) * kRows + group;
+  const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
   if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
   const T* z = logits + row * stride;
   State st = rows::thread_state<T, kThreads, kEntropy>(z, V, inv_tau, lane);
@@ -66,10 +70,7 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   if (lane == 0) {
     const int64_t y = targets[row];
     const float x_y = (y >= 0 && y < V) ? rows::mul_rn(Pack<T>::to_float(z[y]), inv_tau) : __int_as_float(0x7fc00000);
-    const rlk::RowResult<float> r = rlk::softmax_finalize(st, x_y);
-    logp[row] = r.logp;
-    lse[row] = r.lse;
-    if (kEntropy) entropy[row] = r.entropy;
+    out(row, rlk::softmax_finalize(st, x_y));
   }
 }
 
@@ -108,26 +109,27 @@ cudaError_t with_threads(int64_t V, F&& launch) {
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp, float* entropy, float* lse,
-                cudaStream_t stream) {
+template <typename T, bool kEntropy, typename Out>
+cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, const Out& out, cudaStream_t stream) {
   return with_threads(logits.v, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
-    const T* z = static_cast<const T*>(logits.data);
     for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
-      const T* zs = z + start * logits.row_stride;
-      if (entropy != nullptr) {
-        fwd_kernel<T, kThreads, true><<<grid, G::kBlock, 0, stream>>>(
-            zs, logits.row_stride, n, logits.v, targets + start, inv_tau, logp + start, entropy + start, lse + start);
-      } else {
-        fwd_kernel<T, kThreads, false><<<grid, G::kBlock, 0, stream>>>(
-            zs, logits.row_stride, n, logits.v, targets + start, inv_tau, logp + start, nullptr, lse + start);
-      }
+      fwd_kernel<T, kThreads, kEntropy, Out><<<grid, G::kBlock, 0, stream>>>(
+          static_cast<const T*>(logits.data), logits.row_stride, start, logits.n, logits.v, targets, inv_tau, out);
     }
   });
+}
+
+template <typename T>
+cudaError_t fwd_rows(const Rows& logits, const int64_t* targets, float inv_tau, float* logp, float* entropy,
+                     float* lse, cudaStream_t stream) {
+  if (entropy != nullptr) {
+    return fwd<T, true>(logits, targets, inv_tau, rows::StoreRow<true>{logp, entropy, lse}, stream);
+  }
+  return fwd<T, false>(logits, targets, inv_tau, rows::StoreRow<false>{logp, nullptr, lse}, stream);
 }
 
 template <typename T>
@@ -162,9 +164,9 @@ cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float
   if (logits.n == 0) return cudaSuccess;
   if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
   switch (logits.dtype) {
-    case Dtype::kFloat32: return fwd<float>(logits, targets, inv_tau, logp, entropy, lse, stream);
-    case Dtype::kBFloat16: return fwd<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse, stream);
-    case Dtype::kFloat16: return fwd<__half>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kFloat32: return fwd_rows<float>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kBFloat16: return fwd_rows<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kFloat16: return fwd_rows<__half>(logits, targets, inv_tau, logp, entropy, lse, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -180,6 +182,20 @@ cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const
     case Dtype::kFloat32: return bwd<float>(logits, targets, grads, inv_tau, out, stream);
     case Dtype::kBFloat16: return bwd<__nv_bfloat16>(logits, targets, grads, inv_tau, out, stream);
     case Dtype::kFloat16: return bwd<__half>(logits, targets, grads, inv_tau, out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, float inv_tau, const TokenInputs& in,
+                             const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
+                             cudaStream_t stream) {
+  if (logits.n == 0) return cudaSuccess;
+  if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
+  const rows::StorePolicyToken store{in, params, out};
+  switch (logits.dtype) {
+    case Dtype::kFloat32: return fwd<float, true>(logits, targets, inv_tau, store, stream);
+    case Dtype::kBFloat16: return fwd<__nv_bfloat16, true>(logits, targets, inv_tau, store, stream);
+    case Dtype::kFloat16: return fwd<__half, true>(logits, targets, inv_tau, store, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "rlkernels/token_loss.h"
+
 namespace rlk_cuda {
 
 enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -40,5 +42,32 @@ struct RowGrads {
 // same data and row stride; every element is read before it is written) or disjoint from it.
 cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau,
                                const Rows& out, cudaStream_t stream);
+
+// Per-token inputs of the policy loss, device arrays of n elements: fp32, the mask bool.
+// old_logp == nullptr means on-policy (ℓ_old = ℓ), ref_logp == nullptr no reference.
+struct TokenInputs {
+  const bool* mask;
+  const float* weight;
+  const float* adv;
+  const float* old_logp;
+  const float* ref_logp;
+};
+
+// Outputs of policy_token_fwd, fp32 device arrays: n elements each, stats n × rlk::kNumStats.
+struct TokenOutputs {
+  float* logp;
+  float* entropy;
+  float* lse;
+  float* grad_logp;
+  float* grad_entropy;
+  float* stats;
+};
+
+// The forward plus the per-token policy loss of rlkernels/token_loss.h on every row (the contract
+// is `policy_token_fwd` in rlkernels/kernels/__init__.py). A row whose target is outside [0, v)
+// gets a NaN logp, and so a NaN loss unless it is masked. Returns the launch error, if any.
+cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, float inv_tau, const TokenInputs& in,
+                             const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
+                             cudaStream_t stream);
 
 }  // namespace rlk_cuda

@@ -50,7 +50,8 @@ import torch
 from .. import presets as _presets
 from ..losses import PolicyLossConfig, policy_loss
 from ..losses.aggregation import aggregate, masked_mean
-from ..losses.policy_loss import per_token_loss, prepare_batch
+from ..losses.inputs import LossInputs
+from ..losses.policy_loss import masked_batch, per_token_loss
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
 PREFIX = "rlkernels_"
@@ -145,8 +146,10 @@ def policy_loss_fn(preset: str, **overrides) -> Callable:
 
 def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
     """verl's rollout correction: the per-token loss times the weights, then aggregated."""
-    b, _, _ = prepare_batch(logp, advantages, mask, cfg, kwargs["old_logp"], None, None, None, kwargs.get("rewards"),
-                            kwargs["num_items"], kwargs["num_seqs"])
+    inputs = LossInputs.build(cfg, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask,
+                              advantages=advantages, old_logp=kwargs["old_logp"], rewards=kwargs.get("rewards"),
+                              num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"])
+    b, _, _ = masked_batch(logp, None, inputs, cfg)
     per_token, _, _ = per_token_loss(b, cfg, None, None)
     w = torch.where(mask, weights.to(logp.dtype), torch.ones((), dtype=logp.dtype, device=logp.device)).detach()
     if cfg.ratio == "geometric":  # one weight per row: the geometric mean of its tokens' weights

@@ -15,4 +15,38 @@ Every backend module exposes the same two functions over flattened rows
     ``logits``, shape ``(N, V)``. ``out``: an ``(N, V)`` tensor with unit stride over V to
     write into instead of a new one; it may be ``logits`` itself (every element is read before
     it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
+
+``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params)``
+``-> (logp, entropy, lse, grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
+    The forward above plus the token-level policy loss of docs/math.md, in the same program
+    that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each
+    token (0 where masked); ``adv (N,)`` the advantage A; ``old_logp (N,)`` ℓ_old or ``None``
+    (on-policy: ℓ_old = ℓ, no gradient through it); ``ref_logp (N,)`` ℓ_ref or ``None``; all
+    contiguous in the accumulation dtype (fp32; fp64 for fp64 logits). ``params`` is a
+    ``kernels.token_loss_params.TokenLossParams``. With ℓ the log-prob and H the entropy of a
+    row (c = log_ratio_clamp; inf means "no bound"):
+
+        r = clamp(ℓ − ℓ_old, −c, c),  w = e^r                      (∂r/∂ℓ = 1 iff |ℓ − ℓ_old| ≤ c)
+        CLIP:      u = −A·min(w, δ),  k = −A·clamp(w, 1 − ε_low, 1 + ε_high),  s = max(u, k),
+                   and for A < 0: s = min(s, −dual_clip·A)
+                   clip_low = w < 1 − ε_low and A < 0,  clip_high = w > 1 + ε_high and A > 0
+        CISPO:     s = −clamp(w, 1 − ε_low, 1 + ε_high)·A·ℓ   (the clamped w is a constant)
+                   clip_low = w < 1 − ε_low,  clip_high = w > 1 + ε_high
+        REINFORCE: s = −A·ℓ,  clip_low = clip_high = false
+        KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
+                   is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
+                   (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w (detached) under
+                   kl_bias_correction, and s += β·k; the `kl` statistic is that k. No ref: kl = 0.
+        entropy:   s −= c_H·H
+        approx_kl = k3(clamp(ℓ_old − ℓ, −c, c)),  ratio = w
+
+    Derivatives follow torch's autograd of `losses/` (clamp passes the gradient on its closed
+    interval, max / min take the larger / smaller branch). Outputs, all in the accumulation dtype:
+    ``logp, entropy, lse (N,)`` as in the forward; ``grad_logp (N,) = w_agg·∂s/∂ℓ``,
+    ``grad_entropy (N,) = w_agg·∂s/∂H = −w_agg·c_H`` (0 where masked); ``stats (N, 7)``, columns
+    ``token_loss_params.STATS``: w_agg·s, then clip_low, clip_high, ratio, approx_kl, kl, H, each
+    0 where masked (so ``stats.sum(0)`` gives the loss and the metrics' masked sums, and
+    ``stats[:, 3].amax()`` the masked ratio max, as every ratio is ≥ 0). A row whose target is
+    outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
+    on the device).
 """

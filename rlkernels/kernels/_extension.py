@@ -41,3 +41,14 @@ def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, t
     torch.ops.rlkernels_C.token_logprobs_bwd_out(
         logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature), out)
     return out
+
+
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params):
+    """(logp, entropy, lse, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
+    loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
+    p = params
+    return torch.ops.rlkernels_C.policy_token_fwd(
+        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), int(p.objective),
+        float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip), int(p.kl_estimator),
+        float(p.kl_coef), float(p.kl_clamp), bool(p.kl_bias_correction), float(p.entropy_coef),
+        float(p.log_ratio_clamp))

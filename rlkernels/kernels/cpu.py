@@ -9,7 +9,9 @@ from typing import Tuple
 
 import torch
 
-from ._extension import _C, missing_reason, token_logprobs_bwd, token_logprobs_fwd  # noqa: F401
+from ._extension import (  # noqa: F401
+    _C, missing_reason, policy_token_fwd, token_logprobs_bwd, token_logprobs_fwd,
+)
 
 
 def available() -> Tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""`policy_loss`: the RL objectives of DESIGN.md §3 over per-token log-probs."""
+"""`policy_loss`: the RL objectives of docs/math.md over per-token log-probs (the spec of every kernel)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,19 +6,18 @@ from typing import Dict, Optional
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_mask, check_real, check_same_shape, check_tensor
-from .._groups import group_index
+from .._checks import FLOAT_DTYPES, check_tensor
 from . import surrogates
-from .aggregation import aggregate, masked_max, masked_mean
-from .config import SEQUENCE_RATIOS, PolicyLossConfig
+from .aggregation import aggregation_weights
+from .config import PolicyLossConfig
+from .inputs import LossInputs
 from .kl import kl_estimate
-
-_GROUPED_RATIOS = ("group_expectation", "snis")
+from .metrics import metrics_from_sums
 
 
 @dataclasses.dataclass
 class LossOutput:
-    """`loss`: 0-d tensor to minimise; `metrics`: detached 0-d tensors (DESIGN.md §3.7)."""
+    """`loss`: 0-d tensor to minimise; `metrics`: detached 0-d tensors (docs/math.md, "Metrics")."""
 
     loss: torch.Tensor
     metrics: Dict[str, torch.Tensor]
@@ -44,35 +43,60 @@ def policy_loss(
     `old_logp=None` means on-policy. `num_items` / `num_seqs` replace the local token / row
     counts of the aggregation (global counts for gradient accumulation and data parallel).
     """
-    b, ref_logp, entropy = prepare_batch(
-        logp, advantages, mask, config, old_logp, ref_logp, entropy, group_ids, rewards, num_items, num_seqs
+    check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
+    inputs = LossInputs.build(
+        config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask, advantages=advantages,
+        old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards, num_items=num_items,
+        num_seqs=num_seqs,
     )
-    cfg = config
-    per_token, sur, k = per_token_loss(b, cfg, ref_logp, entropy)
-    metrics = {"kl": masked_mean(k.detach(), b.mask) if k is not None else torch.zeros((), dtype=logp.dtype, device=logp.device)}
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy.detach(), b.mask)
+    return evaluate(logp, entropy, inputs, config)
 
-    loss = aggregate(
-        per_token, b.mask, cfg.agg, num_items=num_items, num_seqs=num_seqs, norm_length=cfg.norm_length
-    )
-    low, high = masked_mean(sur.clipped_low.to(logp.dtype), b.mask), masked_mean(sur.clipped_high.to(logp.dtype), b.mask)
-    metrics.update(
-        clip_frac=low + high,
-        clip_frac_low=low,
-        clip_frac_high=high,
-        ratio_mean=masked_mean(sur.ratio, b.mask),
-        ratio_max=masked_max(sur.ratio, b.mask),
-        approx_kl=masked_mean(kl_estimate(b.old_logp, b.logp.detach(), "k3", cfg.log_ratio_clamp), b.mask),
-    )
+
+def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossInputs,
+             config: PolicyLossConfig) -> LossOutput:
+    """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
+    b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
+    per_token, sur, k = per_token_loss(b, config, ref_logp, entropy)
+    weights = aggregation_weights(b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                                  norm_length=config.norm_length, dtype=logp.dtype)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    loss = torch.where(b.mask, per_token * weights, zero).sum()
+    with torch.no_grad():
+        approx_kl = kl_estimate(b.old_logp, b.logp, "k3", config.log_ratio_clamp)
+        stats = [sur.clipped_low, sur.clipped_high, sur.ratio, approx_kl, zero.expand_as(logp) if k is None else k]
+        stats.append(zero.expand_as(logp) if entropy is None else entropy)
+        stats = torch.where(b.mask[..., None], torch.stack([s.to(logp.dtype) for s in stats], -1), zero)
+        ratio_max = torch.where(b.mask, sur.ratio, zero).amax() if logp.numel() else zero
+        count = b.mask.sum().clamp(min=1)
+        metrics = metrics_from_sums(stats.sum((0, 1)), count, ratio_max, entropy is not None)
     return LossOutput(loss, metrics)
+
+
+def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
+    """(`surrogates.Batch`, ℓ_ref, H) with every masked position zeroed, so padding can hold anything."""
+    mask = inputs.mask
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    where = lambda t: None if t is None else torch.where(mask, t, zero)  # noqa: E731
+    if entropy is not None:
+        check_tensor("entropy", entropy, dtypes=FLOAT_DTYPES)
+        if entropy.shape != logp.shape:
+            raise ValueError(f"entropy: expected shape {tuple(logp.shape)} matching logp, got {tuple(entropy.shape)}")
+        entropy = entropy.to(logp.dtype)
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={config.entropy_coef})")
+    logp_m = where(logp)
+    old = logp_m.detach() if inputs.old_logp is None else where(inputs.old_logp)
+    lengths = mask.sum(-1).to(logp.dtype)
+    b = surrogates.Batch(logp_m, old, mask, lengths, where(inputs.adv), inputs.adv_row, inputs.group,
+                         inputs.num_groups, inputs.rewards)
+    return b, where(inputs.ref_logp), where(entropy)
 
 
 def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy):
     """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): surrogate + β·k − c_H·H.
 
     For `ratio="token"` every term depends on its own token only, so this may be evaluated on
-    any subset of tokens (the hidden-state path does it chunk by chunk).
+    any subset of tokens (the kernels evaluate it token by token).
     """
     sur = surrogates.BY_RATIO[cfg.ratio](b, cfg)
     per_token, k = sur.loss, None
@@ -89,79 +113,3 @@ def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy
     if entropy is not None and cfg.entropy_coef != 0:
         per_token = per_token - cfg.entropy_coef * entropy
     return per_token, sur, k
-
-
-def prepare_batch(logp, advantages, mask, cfg, old_logp, ref_logp, entropy, group_ids, rewards, num_items, num_seqs):
-    """Validate the inputs and zero every masked position, so padding can hold anything."""
-    if not isinstance(cfg, PolicyLossConfig):
-        raise TypeError(f"config: expected a PolicyLossConfig (see rlkernels.presets), got {type(cfg).__name__}")
-    check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
-    check_tensor("mask", mask, ndim=2)
-    check_same_shape("mask", mask, "logp", logp)
-    mask = check_mask("mask", mask)
-    B, T = logp.shape
-
-    def per_token(name, t):
-        if t is None:
-            return None
-        check_tensor(name, t, dtypes=FLOAT_DTYPES)
-        check_same_shape(name, t, "logp", logp)
-        return torch.where(mask, t.to(logp.dtype), torch.zeros((), dtype=logp.dtype, device=logp.device))
-
-    logp_m = per_token("logp", logp)
-    old = per_token("old_logp", old_logp)
-    old = logp_m.detach() if old is None else old.detach()
-    ref_logp = per_token("ref_logp", ref_logp)
-    entropy = per_token("entropy", entropy)
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp: required when kl_coef > 0 (kl_coef={cfg.kl_coef})")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={cfg.entropy_coef})")
-    if num_items is not None:
-        check_real("num_items", num_items, 0, lo_open=True)
-    if num_seqs is not None:
-        check_real("num_seqs", num_seqs, 0, lo_open=True)
-
-    lengths = mask.sum(-1).to(logp.dtype)
-    adv, adv_row = _advantages(advantages, mask, cfg, logp)
-    if cfg.ratio == "snis":
-        if rewards is None:
-            raise ValueError("rewards: required for ratio='snis' (it takes rewards in place of advantages)")
-        check_tensor("rewards", rewards, shape=(B,), dtypes=FLOAT_DTYPES)
-        rewards = rewards.to(logp.dtype).detach()
-    group, num_groups = None, 0
-    if cfg.ratio in _GROUPED_RATIOS:
-        if group_ids is None and cfg.group_size is None:
-            raise ValueError(f"group_ids: ratio={cfg.ratio!r} needs group_ids or config.group_size")
-        group, num_groups = group_index(
-            B, group_ids, None if group_ids is not None else cfg.group_size, logp.device, ref_name="logp rows"
-        )
-    b = surrogates.Batch(logp_m, old, mask, lengths, adv, adv_row, group, num_groups, rewards)
-    return b, ref_logp, entropy
-
-
-def _advantages(advantages, mask, cfg, logp):
-    """(A per token, A per row or None); sequence-level ratios need one advantage per row."""
-    if advantages is None:
-        if cfg.ratio == "snis":
-            return None, None
-        raise ValueError(f"advantages: required for ratio={cfg.ratio!r}")
-    check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
-    B, T = logp.shape
-    if advantages.shape == (B,):
-        row = advantages.to(logp.dtype).detach()
-        return row[:, None].expand(B, T), row
-    if advantages.shape != (B, T):
-        raise ValueError(f"advantages: expected shape ({B},) or ({B}, {T}) matching logp, got {tuple(advantages.shape)}")
-    adv = torch.where(mask, advantages.to(logp.dtype).detach(), torch.zeros((), dtype=logp.dtype, device=logp.device))
-    if cfg.ratio not in SEQUENCE_RATIOS:
-        return adv, None
-    row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
-    spread = torch.where(mask, adv - row[:, None], torch.zeros_like(adv)).abs().amax()
-    # Not under torch.compile: a data-dependent check would break the graph.
-    if not torch.compiler.is_compiling() and bool(spread > 1e-6 * (1 + row.abs().max())):
-        raise ValueError(
-            f"advantages: ratio={cfg.ratio!r} needs one advantage per row, but a (B, T) advantage varies "
-            "within a row; pass (B,) advantages, or use ratio='sequence_token' for per-token advantages"
-        )
-    return row[:, None].expand(B, T), row

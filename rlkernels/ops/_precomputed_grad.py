@@ -1,8 +1,9 @@
 """`attach_grads`: a loss value whose gradients were already computed in the forward.
 
-The fused losses (logits path and hidden-state path) run the backward passes over the logits
-inside their forward; autograd only has to hand the stored gradients to the inputs, rescaled
-by the incoming gradient of the loss.
+The hidden-state path runs the backward passes over each chunk's logits inside its forward
+(recomputing the logits would cost another matmul); autograd only has to hand the stored
+gradients of hidden, weight and bias to the inputs, rescaled by the incoming gradient of the
+loss: products of their sizes (N × H, V × H), never of N × V, on the device without a sync.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ class _PrecomputedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = ctx.saved_tensors
-        if not bool(grad_out == 1):  # the usual case (loss.backward()) needs no product of the size of the inputs
-            grads = tuple(g * grad_out.to(g.dtype) for g in grads)
+        if torch.is_grad_enabled():
+            raise RuntimeError("create_graph=True is not supported by the fused losses (their gradients come from "
+                               "kernels, not differentiable again); compose policy_loss with token_logprobs / "
+                               "linear_token_logprobs for higher-order gradients")
+        grads = tuple(g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
         return (None, *grads, *(None,) * len(grads))
 
 

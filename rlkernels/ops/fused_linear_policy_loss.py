@@ -1,20 +1,19 @@
 """`fused_linear_policy_loss`: from hidden states to the policy loss, never holding `(N, V)` logits.
 
 Token-level losses (`config.ratio == "token"`: PPO, GRPO, DAPO, CISPO, ...) take ONE pass over
-the rows: per chunk, logits = hidden_c @ weightᵀ → forward kernel (logp, H, lse) → the chunk's
-per-token loss times its aggregation weights (`per_token_loss` and `aggregation_weights`, the
-same code `policy_loss` runs) → ∂loss/∂logp, ∂loss/∂H by autograd on chunk-sized vectors →
-backward kernel over the same logits → ∂hidden_c, ∂weight, ∂bias. This works because each
-token's loss depends on that token alone and every aggregation is a weighted sum.
+the rows, a handful of launches per chunk: logits = hidden_c @ weightᵀ (one matmul into a reused
+buffer) → the backend's fused forward kernel (`policy_token_fwd`: log-probs, the token's loss,
+its derivatives and statistics) → the backward kernel over the same buffer, in place →
+∂hidden_c and ∂weight by matmuls. No autograd graph per chunk: each token's loss depends on that
+token alone and every aggregation is a weighted sum, so the kernel's per-token derivatives are
+final.
 
-Other ratios couple the tokens of a row or group, so they take two passes: log-probs and
-entropy of all rows, the `(B, T)` loss and its autograd step, then a second pass that
-recomputes the logits for the gradients. Vocabulary-parallel heads also take two passes (their
-per-row statistics are merged across ranks once, between the passes).
+Other ratios couple the tokens of a row or group (and vocabulary-parallel heads merge per-row
+statistics across ranks), so they take two passes: log-probs and entropy of all rows, the
+`(B, T)` loss of `losses/` and its autograd step, then a second pass that recomputes the logits
+for the gradients.
 
-Either way the loss value and the metrics come from `policy_loss` on the final `(B, T)` log-probs
-and entropy, so they have one formula; the gradients are attached like those of
-`fused_policy_loss`, and the backward only rescales them.
+The gradients are attached to the loss (`attach_grads`); the backward only rescales them.
 """
 from __future__ import annotations
 
@@ -24,11 +23,15 @@ import torch
 from torch import Tensor
 
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.aggregation import aggregation_weights, masked_sum_rows
-from ..losses.policy_loss import per_token_loss, prepare_batch
-from ..losses.surrogates import Batch
+from ..losses.aggregation import aggregation_weights
+from ..losses.inputs import LossInputs
+from ..losses.metrics import metrics_from_sums
+from ..losses.policy_loss import evaluate
+from ..kernels.token_loss_params import NUM_STATS
 from ._precomputed_grad import attach_grads
+from ._rows import acc_dtype
 from .linear_token_logprobs import LinearHead, head_spec, linear_token_logprobs
+from .token_loss_params import kernel_evaluates, token_loss_params
 
 
 def fused_linear_policy_loss(
@@ -72,66 +75,46 @@ def fused_linear_policy_loss(
 
     spec = head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group)
     head = LinearHead(hidden, weight, bias, targets, spec)
+    inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
+                              mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
     grads = head.new_grads(*need)
-    if config.ratio == "token" and process_group is None:
-        logp, entropy = _token_level_pass(head, grads, advantages, mask, config, loss_kwargs)
-        grads = head.finish(grads)
+    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config):
+        out, grads = _one_pass(head, grads, inputs, config)
     else:
-        logp, entropy, lse = head.forward(True)
-        with torch.enable_grad():
-            logp_leaf = logp.view(targets.shape).requires_grad_(True)
-            entropy_leaf = entropy.view(targets.shape).requires_grad_(config.entropy_coef != 0)
-            out = policy_loss(logp_leaf, advantages, mask, config, entropy=entropy_leaf, **loss_kwargs)
-            leaves = (logp_leaf, entropy_leaf) if entropy_leaf.requires_grad else (logp_leaf,)
-            d = torch.autograd.grad(out.loss, leaves, allow_unused=True)
-        grad_logp = torch.zeros_like(logp) if d[0] is None else d[0].reshape(-1)
-        grad_entropy = d[1].reshape(-1) if len(d) > 1 and d[1] is not None else None
-        grads = head.backward(lse, entropy, grad_logp, grad_entropy, grads)
-    with torch.no_grad():
-        out = policy_loss(logp.view(targets.shape), advantages, mask, config, entropy=entropy.view(targets.shape),
-                          **loss_kwargs)
+        out, grads = _two_passes(head, grads, inputs, config)
     grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
-    loss = attach_grads(out.loss.detach(), (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
+    loss = attach_grads(out.loss, (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
     return LossOutput(loss, out.metrics)
 
 
-def _token_level_pass(head: LinearHead, grads, advantages, mask, config, loss_kwargs):
-    """The one pass of token-level losses; returns the flat (logp, entropy) and fills `grads`."""
-    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] * mask.shape[1] != head.n:
-        raise ValueError(f"mask: expected shape (B, T) matching hidden's (B, T, H), got {tuple(getattr(mask, 'shape', ()))}")
-    acc = torch.float64 if head.hidden.dtype == torch.float64 else torch.float32
-    placeholder = torch.zeros(mask.shape, dtype=acc, device=head.hidden.device)
-    # Validation, masking and broadcasting of the (B, T) inputs, once; the chunks slice the result.
-    b, ref_logp, _ = prepare_batch(placeholder, advantages, mask, config, loss_kwargs["old_logp"], loss_kwargs["ref_logp"],
-                                   placeholder if config.entropy_coef != 0 else None, loss_kwargs["group_ids"],
-                                   loss_kwargs["rewards"], loss_kwargs["num_items"], loss_kwargs["num_seqs"])
-    weights = aggregation_weights(b.mask, config.agg, num_items=loss_kwargs["num_items"],
-                                  num_seqs=loss_kwargs["num_seqs"], norm_length=config.norm_length, dtype=acc)
-    flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
-    on_policy = loss_kwargs["old_logp"] is None
-    mask_f, adv_f, old_f, ref_f, w_f = map(flat, (b.mask, b.adv, b.old_logp, ref_logp, weights))
+def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
+    """Token-level: per chunk, the fused forward kernel, then the backward kernel in place."""
+    acc = inputs.dtype
+    weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                                  norm_length=config.norm_length, dtype=acc).view(-1)
+    per_row = [inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"), inputs.flat("ref_logp")]
+    params = token_loss_params(config)
     need_h = config.entropy_coef != 0
-    zero = torch.zeros((), dtype=acc, device=placeholder.device)
-
-    logp = torch.empty(head.n, dtype=acc, device=placeholder.device)
-    entropy = torch.empty_like(logp)
+    stats = torch.empty(head.n, NUM_STATS, dtype=acc, device=head.hidden.device)
     for s, e in head.chunks():
         buf = head.logits(s, e)
-        lp, ent, lse = head.forward_chunk(buf, s, e, True)
-        logp[s:e], entropy[s:e] = lp, ent
-        m = mask_f[s:e][None]
-        with torch.enable_grad():  # the chunk's share of the loss, as a (1, n) "batch"
-            lp_leaf = lp[None].detach().requires_grad_(True)
-            ent_leaf = ent[None].detach().requires_grad_(need_h)
-            lp_m = torch.where(m, lp_leaf, zero)
-            old = lp_m.detach() if on_policy else old_f[s:e][None]
-            chunk = Batch(lp_m, old, m, None, adv_f[s:e][None], None, None, 0, None)
-            per_token, _, _ = per_token_loss(chunk, config, None if ref_f is None else ref_f[s:e][None],
-                                             torch.where(m, ent_leaf, zero) if need_h else None)
-            share = masked_sum_rows(per_token * w_f[s:e][None], m).sum()
-            leaves = (lp_leaf, ent_leaf) if need_h else (lp_leaf,)
-            d = torch.autograd.grad(share, leaves, allow_unused=True)
-        grad_logp = torch.zeros_like(lp) if d[0] is None else d[0].reshape(-1)
-        grad_entropy = d[1].reshape(-1) if need_h and d[1] is not None else None
-        head.backward_chunk(buf, s, e, lse, ent, grad_logp, grad_entropy, grads)
-    return logp, entropy
+        _, entropy, lse, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
+        head.backward_chunk(buf, s, e, lse, entropy, grad_logp, grad_entropy if need_h else None, grads)
+    sums = stats.sum(0)
+    ratio_max = stats[:, 3].amax() if head.n else sums[3]
+    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[0], metrics), head.finish(grads)
+
+
+def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
+    """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
+    logp, entropy, lse = head.forward(True)
+    need_h = config.entropy_coef != 0
+    with torch.enable_grad():
+        logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
+        entropy_leaf = entropy.view(inputs.mask.shape).requires_grad_(need_h)
+        out = evaluate(logp_leaf, entropy_leaf, inputs, config)
+        leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
+        d = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
+    grads = head.backward(lse, entropy, d[0].reshape(-1), d[1].reshape(-1) if need_h else None, grads)
+    return LossOutput(out.loss.detach(), out.metrics), grads

@@ -1,13 +1,16 @@
-"""`fused_policy_loss`: from logits to the policy loss with ∂logits computed in the forward.
+"""`fused_policy_loss`: from logits to the policy loss in one read of the logits forward and
+one read + one write backward.
 
-One pass reads the logits for log-probs, entropy and logsumexp; the loss of `losses/` runs on
-those `(B, T)` values (its own autograd gives ∂loss/∂logp and ∂loss/∂H, a [B, T]-sized step
-that also covers sequence-level ratios); one more pass writes ∂logits. The backward only
-rescales by the incoming gradient. With `inplace=True` the gradient overwrites the logits, so
-the loss head needs no second N × V buffer: the caller gives up the logits.
+Token-level losses (`ratio="token"`: PPO, GRPO, DAPO, Dr. GRPO, CISPO, ...): the backend's
+`policy_token_fwd` kernel reads each row once and, in the same program, evaluates the token's
+loss, its derivatives w.r.t. log-prob and entropy and the token's statistics; a few ops reduce
+those to the loss and the metrics. Other ratios couple the tokens of a row or group: the forward
+kernel gives log-probs and entropy, and `losses/` (the spec) computes the `(B, T)`-sized loss and
+its derivatives by autograd. Either way the backward is one kernel over the logits from the
+per-token derivatives times the incoming gradient (an `(N,)` product, no N × V pass), written
+into a new buffer or, with `inplace=True`, into the logits themselves.
 
-The loss formula lives only in `losses/`; the kernels know only the per-token derivative of
-DESIGN.md §2. Under `torch.compile` the same values come from the composition
+Under `torch.compile` (and without autograd) the value is the composition
 `policy_loss(token_logprobs(...))`, which traces through the registered ops.
 """
 from __future__ import annotations
@@ -19,9 +22,14 @@ from torch import Tensor
 
 from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ._precomputed_grad import attach_grads
-from .token_logprobs import check_token_logprobs_args, row_blocks, token_logprobs
-
+from ..losses.aggregation import aggregation_weights
+from ..losses.inputs import LossInputs
+from ..losses.metrics import metrics_from_sums
+from ..losses.policy_loss import evaluate
+from ._logits_grad import deferred_logits_grad
+from ._rows import acc_dtype, check_logits_args, row_blocks, run_blocks
+from .token_logprobs import token_logprobs
+from .token_loss_params import kernel_evaluates, token_loss_params
 
 def fused_policy_loss(
     logits: Tensor,
@@ -44,40 +52,64 @@ def fused_policy_loss(
 
     logits `(B, T, V)`, targets `(B, T)`; the other arguments are those of `policy_loss`. The
     entropy is always computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
+    `inplace=True`: the backward writes ∂logits over the logits (the caller gives them up).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
                        num_items=num_items, num_seqs=num_seqs)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
-    if logits.dim() != 3:
-        raise ValueError(f"logits: expected shape (B, T, V), got {tuple(logits.shape)}")
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError(f"logits: expected a tensor of shape (B, T, V), got {_describe(logits)}")
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
         logp, entropy = token_logprobs(logits, targets, temperature=temperature, return_entropy=True, backend=backend)
         return policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
 
-    temperature = check_token_logprobs_args(logits, targets, temperature)
     name = _backend.resolve(backend, logits.device)
+    temperature = check_logits_args(logits, targets, temperature, name)
     kernels = _backend.kernels(name)
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
+    acc = acc_dtype(logits)
+    inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc, device=logits.device, mask=mask,
+                              advantages=advantages, what="logits (B, T, V)", **loss_kwargs)
     blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
     flat_targets = targets.reshape(-1).to(torch.int64)
-    fwd = [kernels.token_logprobs_fwd(block, flat_targets[s:e], temperature, True) for s, e, block in blocks]
-    logp, entropy, lse = (torch.cat(parts) for parts in zip(*fwd))
-
-    with torch.enable_grad():
-        logp_leaf = logp.view(targets.shape).requires_grad_(True)
-        entropy_leaf = entropy.view(targets.shape).requires_grad_(config.entropy_coef != 0)
-        out = policy_loss(logp_leaf, advantages, mask, config, entropy=entropy_leaf, **loss_kwargs)
-        leaves = (logp_leaf, entropy_leaf) if entropy_leaf.requires_grad else (logp_leaf,)
-        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
-    grad_logp = torch.zeros_like(logp) if grads[0] is None else grads[0].reshape(-1)
-    grad_entropy = grads[1].reshape(-1) if len(grads) > 1 and grads[1] is not None else None
-    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    grad_blocks = grad.view(-1, logits.shape[-1]).split([e - s for s, e, _ in blocks])
-    grad_logp = grad_logp.contiguous()
-    for (s, e, block), out_block in zip(blocks, grad_blocks):
-        kernels.token_logprobs_bwd(block, flat_targets[s:e], lse[s:e], entropy[s:e], grad_logp[s:e],
-                                   None if grad_entropy is None else grad_entropy[s:e], temperature, out=out_block)
-    loss = attach_grads(out.loss.detach(), (logits,), (grad,))
+    if kernel_evaluates(kernels, name, config):
+        out, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+    else:
+        out, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+    loss = deferred_logits_grad(out.loss, logits, blocks, flat_targets, rows, temperature, kernels, inplace)
     return LossOutput(loss, out.metrics)
+
+
+def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
+    """Token-level: the loss, its derivatives and the statistics from the forward kernel."""
+    weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                                  norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
+    per_row = [targets, inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"),
+               inputs.flat("ref_logp")]
+    _, entropy, lse, grad_logp, grad_entropy, stats = run_blocks(
+        kernels.policy_token_fwd, blocks, per_row, temperature, token_loss_params(config))
+    sums = stats.sum(0)
+    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]
+    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    rows = (lse, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
+    return LossOutput(sums[0], metrics), rows
+
+
+def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
+    """Any ratio: log-probs and entropy from the kernel, then `losses/` and its autograd on (B, T)."""
+    logp, entropy, lse = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
+    need_h = config.entropy_coef != 0
+    with torch.enable_grad():
+        logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
+        entropy_leaf = entropy.view(inputs.mask.shape).requires_grad_(need_h)
+        out = evaluate(logp_leaf, entropy_leaf, inputs, config)
+        leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
+        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
+    rows = (lse, entropy, grads[0].view(-1), grads[1].view(-1) if need_h else None)
+    return LossOutput(out.loss.detach(), out.metrics), rows
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__

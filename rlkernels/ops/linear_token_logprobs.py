@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_real, check_targets, check_tensor
+from ._rows import acc_dtype
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
 
@@ -75,13 +76,19 @@ class LinearHead:
             buf[:, self.vocab] = float("-inf")
         return buf
 
+    def policy_chunk(self, buf: Tensor, s: int, e: int, per_row, params):
+        """The fused forward (log-probs and the token-level loss) of rows s:e; `per_row` are the
+        kernel's flat per-token inputs (mask, weight, adv, old_logp, ref_logp), sliced here."""
+        sliced = [None if x is None else x[s:e] for x in per_row]
+        return self.kernels.policy_token_fwd(buf, self.targets[s:e], *sliced, self.spec.temperature, params)
+
     def forward_chunk(self, buf: Tensor, s: int, e: int, need_entropy: bool):
         """(logp, entropy, lse) of rows s:e; this rank's slice only when sharded (see `merge_shards`)."""
         return self.kernels.token_logprobs_fwd(buf, self.targets[s:e], self.spec.temperature, need_entropy)
 
     def forward(self, need_entropy: bool):
         """(logp, entropy, lse) of all rows, over the whole vocabulary (merged across ranks)."""
-        acc = torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(self.hidden)
         logp = torch.empty(self.n, dtype=acc, device=self.hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty(self.n if need_entropy else 0, dtype=acc, device=logp.device)
@@ -113,7 +120,7 @@ class LinearHead:
         return sums[0] - lse_all, entropy_all, lse_all
 
     def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
-        acc = torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(self.hidden)
         return HeadGrads(
             hidden=torch.empty_like(self.hidden) if need_hidden else None,
             weight=torch.zeros(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
@@ -179,12 +186,13 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
         sizes[dist.get_rank(process_group)] = vocab
         dist.all_reduce(sizes, group=process_group)
         start, vocab = int(sizes[: dist.get_rank(process_group)].sum()), int(sizes.sum())
-    check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
+    name = _backend.resolve(backend, hidden.device)
+    if process_group is not None or name != "cpu":  # the CPU kernels check their (local) targets on the host
+        check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is None:
         rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
     else:
         rows = check_int("chunk_size", chunk_size, 1)
-    name = _backend.resolve(backend, hidden.device)
     return HeadSpec(temperature, name, rows, process_group, start)
 
 

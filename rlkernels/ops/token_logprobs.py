@@ -8,19 +8,16 @@ themselves rather than an opaque call.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_targets, check_tensor
+from .._checks import FLOAT_DTYPES, check_tensor
+from ._rows import acc_dtype, check_logits_args, row_blocks, run_blocks
 
 _OPS = {}
-
-
-def _out_dtype(logits: Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _define(name: str):
@@ -39,7 +36,7 @@ def _define(name: str):
     # For triton this replaces triton_op's fake (the body traced), which the interpreter cannot run.
     @fwd.register_fake
     def _(logits, targets, temperature, need_entropy):
-        n, dtype = logits.shape[0], _out_dtype(logits)
+        n, dtype = logits.shape[0], acc_dtype(logits)
         return logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype), logits.new_empty(n, dtype=dtype)
 
     @register(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
@@ -84,24 +81,6 @@ def _resolve(backend: Optional[str], device: torch.device) -> str:
     return name
 
 
-def row_blocks(logits: Tensor, in_place: bool = True) -> List[Tuple[int, int, Tensor]]:
-    """`logits (..., V)` as `(start, end, block)`: 2-D `(end − start, V)` blocks holding the
-    flattened rows start:end, which the kernels can read where they are. The whole tensor when it
-    is contiguous; with `in_place`, the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
-    contiguous (`model(x).logits[:, :-1]`), so that its N × V values are not copied; otherwise
-    one contiguous copy."""
-    vocab = logits.shape[-1]
-    if in_place and not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
-        blocks = list(logits.unbind(0))
-    else:
-        blocks = [logits.reshape(-1, vocab).contiguous()]
-    out, start = [], 0
-    for block in blocks:
-        out.append((start, start + block.shape[0], block))
-        start += block.shape[0]
-    return out
-
-
 def token_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -117,27 +96,15 @@ def token_logprobs(
     `return_entropy` is set. Differentiable w.r.t. `logits` through both outputs; the logits
     are read once forward and once backward, and nothing of size V is kept per token.
     """
-    temperature = check_token_logprobs_args(logits, targets, temperature)
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    name = _resolve(backend, logits.device)
+    temperature = check_logits_args(logits, targets, temperature, name)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    name = _resolve(backend, logits.device)
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     # Blocks only without autograd (old / reference log-probs): with it, per-block ops would make
     # each block's backward a full-size gradient; under torch.compile one op keeps the graph simple.
     in_place = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad))
-    parts = [_OPS[name](block, flat_targets[s:e], temperature, return_entropy)
-             for s, e, block in row_blocks(logits, in_place)]
-    logp, entropy, _ = (torch.cat(outputs) for outputs in zip(*parts))
+    logp, entropy, _ = run_blocks(_OPS[name], row_blocks(logits, in_place), [flat_targets], temperature, return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
-
-
-def check_token_logprobs_args(logits: Tensor, targets: Tensor, temperature) -> float:
-    """Validate the inputs of the log-prob pass; returns the temperature as a float."""
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
-    temperature = check_real("temperature", temperature, 0, lo_open=True)
-    check_targets(targets, logits.shape[-1], "V = logits.shape[-1]")
-    return temperature

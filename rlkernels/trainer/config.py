@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
 import typing
 from typing import List, Optional
@@ -16,6 +17,8 @@ from typing import List, Optional
 from ..losses.presets import NAMES as ALGOS
 
 REWARD_KINDS = "exact | regex:PATTERN | module:function"
+FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
+MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
 
 
 @dataclasses.dataclass
@@ -68,7 +71,8 @@ class Config:
     lam: float = 0.95
     # options
     pods_keep: int = 0             # > 0: PODS, keep m of the num_generations rollouts per prompt
-    dynamic_sampling: bool = False # DAPO: drop groups whose rewards are all equal
+    dynamic_sampling: bool = False # DAPO: drop groups whose rewards are all equal, sample more to refill
+    max_gen_batches: int = 4       # dynamic sampling: rollout batches per step at most (then train on what is kept)
     overlong_buffer: int = 0       # > 0: DAPO overlong penalty over the last `buffer` tokens
     tree: bool = False             # Tree-GRPO: branch continuations from sampled prefixes
     tree_roots: int = 2            # trees per prompt (num_generations = roots × branches)
@@ -156,8 +160,10 @@ def load_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--config: no such file {path!r}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -185,18 +191,30 @@ def validate(cfg: Config) -> None:
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{_flag(name)}: expected one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
+        v = getattr(cfg, name)
+        if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
+            raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
     positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
-                "eval_every", "ckpt_every", "tree_roots")
+                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
     for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
-    for name in ("temperature", "lr", "warmup_lr", "max_grad_norm"):
+    if not 0 <= cfg.seed < 2**32:  # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
+        raise ValueError(f"--seed: expected an int from 0 to 2**32 - 1, got {cfg.seed}")
+    if not cfg.prompts and cfg.digits > MAX_DIGITS:
+        raise ValueError(f"--digits: expected at most {MAX_DIGITS} (the demo task lists all 10^(2·digits) "
+                         f"operand pairs in memory, and a tiny model learns no more), got {cfg.digits}")
+    for name in ("temperature", "lr", "warmup_lr", "max_grad_norm", "lora_alpha"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{_flag(name)}: expected a number > 0, got {getattr(cfg, name)}")
+    if 1 / cfg.temperature > FLOAT32_MAX:  # the ops scale float32 logits by 1/τ
+        raise ValueError(f"--temperature: expected a number >= {1 / FLOAT32_MAX:.3g} (1/τ must fit float32), "
+                         f"got {cfg.temperature}")
     for name in ("kl_coef", "kl_target", "vf_clip", "clip_low", "clip_high"):
         v = getattr(cfg, name)
         if v is not None and not v >= 0:

@@ -11,13 +11,18 @@ Every RL step:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import json
 import math
+import numbers
 import os
+import pickle
 import random
+import re
+import reprlib
 import signal
+import tempfile
 import time
 from typing import Optional
 
@@ -30,10 +35,12 @@ from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
 from . import report, task
-from .config import Config, describe, validate
+from .config import FLOAT32_MAX, Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
-
+CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
+# what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
+RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "algo", "critic")
 
 # ----------------------------------------------------------------------------------------------
 # The loss head: the ONE place the policy loss is called. Switching to the hidden-state path is
@@ -67,6 +74,8 @@ def _parts(model):
 
 def hidden_states(trunk, seq, attn):
     """Last hidden states (B, S, H); positions count only attended tokens (as `generate` does)."""
+    if not len(seq):  # no rows (dynamic sampling kept no group): HF attention cannot reshape an empty batch
+        return seq.new_zeros(*seq.shape, trunk.config.hidden_size, dtype=next(trunk.parameters()).dtype)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return trunk(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
 
@@ -113,6 +122,26 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
     return out, full_attn
 
 
+def checked_reward(reward_fn, name: str):
+    """`reward_fn` returning a float, or an error naming `--reward` and the prompt when it raises or
+    returns anything but a finite number within float32 (a NaN reward would silently train nothing)."""
+    def reward(prompt, completion, answer):
+        try:
+            r = reward_fn(prompt, completion, answer)
+        except Exception as e:
+            raise ValueError(f"--reward: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
+        try:
+            value = float(r) if isinstance(r, numbers.Real) else None  # numbers.Real: no None, list, tensor
+        except OverflowError:  # an int beyond float64
+            value = None
+        if value is None or not abs(value) <= FLOAT32_MAX:
+            raise ValueError(f"--reward: {name} returned {reprlib.repr(r)} on prompt {prompt!r}; expected a "
+                             f"finite number within float32 range")
+        return value
+
+    return reward
+
+
 @torch.no_grad()
 def evaluate(model, tok, examples, reward_fn, cfg, batch=256):
     """Mean reward of greedy completions over held-out examples (accuracy for `exact`)."""
@@ -155,6 +184,52 @@ def rollout(model, tok, prompts, cfg, rng):
     return seq, full_attn, P, tree_ids
 
 
+def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group):
+    """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
+    overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
+    drop of the groups whose rewards are all equal (their advantages are zero).
+    Returns the chosen rows (a dict of tensors), with P and the verifier's rewards of all rows."""
+    G = cfg.num_generations
+    seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
+    targets = seq[:, P:]
+    mask = task.first_eos_mask(targets, tok.eos_id)
+    group_ids = torch.arange(len(prompts)).repeat_interleave(G) + first_group
+    answers = [a for _, a in prompts for _ in range(G)]
+    texts = [tok.decode(row) for row in targets]
+    rewards = torch.tensor([reward_fn(prompts[i // G][0], texts[i], answers[i]) for i in range(len(texts))],
+                           dtype=torch.float32)
+    score = rewards.clone()  # the verifier's reward, reported as reward_mean
+    lengths = mask.sum(-1)
+    if cfg.overlong_buffer:
+        rewards = rewards + sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
+    keep = torch.arange(len(rewards))
+    if cfg.pods_keep:  # the m rollouts per prompt with the largest reward variance
+        keep = sampling.pods_select(rewards, cfg.pods_keep, group_ids)
+    if cfg.dynamic_sampling:
+        keep = keep[sampling.filter_uniform_groups(rewards[keep], group_ids[keep])]
+    rows = dict(seq=seq, attn=attn, targets=targets, mask=mask, rewards=rewards, group_ids=group_ids,
+                lengths=lengths, tree_ids=tree_ids)
+    rows = {k: v[keep] if v is not None else None for k, v in rows.items()}
+    return dict(rows, P=P, score=score, all_lengths=lengths)
+
+
+def concat_rows(parts, pad_id):
+    """One batch of `sample_groups` results; prompts left-padded to the longest, so that every
+    completion starts at column P."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p["P"] for p in parts)
+
+    def pad(x, width, value):
+        return torch.cat([x.new_full((x.shape[0], width), value), x], 1)
+
+    out = {k: torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
+           for k in parts[0] if k not in ("P", "seq", "attn")}
+    out["seq"] = torch.cat([pad(p["seq"], P - p["P"], pad_id) for p in parts])
+    out["attn"] = torch.cat([pad(p["attn"], P - p["P"], 0) for p in parts])
+    return dict(out, P=P)
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed helpers (torchrun; gloo on CPU). Gradients are SUMMED over ranks, not averaged:
 # the loss is already divided by the global token / row count (`num_items` / `num_seqs`).
@@ -186,9 +261,43 @@ def sync_grads(params) -> None:
 # Checkpoints: model(s), optimizer, RNG states, step; the config rides along
 
 def save_checkpoint(path, state):
+    """Write `path` atomically: a kill leaves the previous checkpoint or this one, never a torn file."""
     tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint (else a crash can leave it empty)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # e.g. a full disk, which torch reports as "basic_ios::clear"
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(f"--out: cannot write {path} ({e})") from None
+
+
+def prepare_out_dir(out: str) -> None:
+    """Create `out` and check that it takes files: now, not after warm-up and evaluation."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: {out!r} is a file, not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out: cannot write in {out!r} ({e.strerror or e})") from None
+    stale = os.path.join(out, CHECKPOINT + ".tmp")
+    if os.path.exists(stale):  # a checkpoint write cut short; the checkpoint beside it is the last whole one
+        os.remove(stale)
+        print(f"removed {stale}: a checkpoint write that did not finish")
+
+
+def run_dir(resume: str) -> str:
+    """The folder of the run that `--resume` (a run folder or its checkpoint file) points at."""
+    return resume if os.path.isdir(resume) else os.path.dirname(resume) or "."
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
 
 
 def load_checkpoint(resume: str) -> dict:
@@ -196,20 +305,38 @@ def load_checkpoint(resume: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--resume: no {CHECKPOINT} in {resume!r}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file: say which flag pointed at it
-        raise ValueError(f"--resume: cannot read checkpoint {path!r} ({type(e).__name__}: {e})") from None
+        # tensors and plain Python values only (all a trainer checkpoint holds): a crafted file runs no code
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated, foreign or crafted file: say which flag pointed at it
+        msg = str(e)
+        name = re.search(r"GLOBAL (\S+)", msg)
+        if isinstance(e, pickle.UnpicklingError) and name:
+            raise ValueError(f"--resume: refusing {path!r}: it asks for {name.group(1)}, and a checkpoint of "
+                             f"rlkernels.train holds only tensors and plain values (nothing in it was run)") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", msg)
+        raise ValueError(f"--resume: cannot read checkpoint {path!r} "
+                         f"({type(e).__name__}: {reason.group(1) if reason else _one_line(e)})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(saved, dict) or k not in saved]
+    if missing or not isinstance(saved["config"], dict):
+        raise ValueError(f"--resume: {path!r} is not a checkpoint of rlkernels.train "
+                         f"(no {', '.join(missing or ['config'])})")
+    return saved
 
 
 def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Config:
     """The checkpoint's config, with the fields set explicitly (by default: those that differ
-    from the defaults) taken from `cfg`. `resume` and `out` always come from `cfg`."""
+    from the defaults) taken from `cfg`. `resume` always comes from `cfg`, and `out` unless
+    given is the run's own folder."""
     default = Config()
     if explicit is None:
         explicit = {f for f in saved if getattr(cfg, f, None) != getattr(default, f, None)}
+    for f in RESUME_FIXED:
+        if f in explicit and f in saved and getattr(cfg, f) != saved[f]:
+            raise ValueError(f"{_flag(f)}: the run in {cfg.resume!r} has {saved[f]!r} and a resumed run keeps it "
+                             f"(start a new run to change it), got {getattr(cfg, f)!r}")
     merged = {**saved, **{f: getattr(cfg, f) for f in explicit if f in saved}}
     merged["resume"] = cfg.resume
-    merged["out"] = cfg.out or (cfg.resume if os.path.isdir(cfg.resume) else os.path.dirname(cfg.resume))
+    merged["out"] = cfg.out or run_dir(cfg.resume)
     out = Config(**{k: v for k, v in merged.items() if k in Config.__dataclass_fields__})
     validate(out)
     return out
@@ -252,7 +379,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     cfg = dataclasses.replace(cfg, out=out_dir)
     log = print if master else (lambda *a, **k: None)
     if master:
-        os.makedirs(out_dir, exist_ok=True)
+        prepare_out_dir(out_dir)
     log(f"rlkernels.train: {'resuming ' + cfg.resume if saved else 'config'}\n{describe(cfg)}")
 
     # ---- seeds: model init and data order are identical on every rank; sampling differs per rank
@@ -261,21 +388,31 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     rng = random.Random(cfg.seed)  # prompt order, mini-batch order, tree cut depths
 
     # ---- task, tokenizer, policy
-    reward_fn = reward_fn or task.make_reward(cfg.reward)
+    reward_name = cfg.reward if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn))
+    reward_fn = checked_reward(reward_fn or task.make_reward(cfg.reward), reward_name)
+    if cfg.model and not cfg.prompts:
+        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
+    if cfg.prompts:
+        train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed)
+    else:
+        train_set, eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
     if cfg.model:
         policy, tok = task.load_model(cfg.model)
-        train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed) if cfg.prompts else (None, None)
-        if train_set is None:
-            raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
     else:
         tok = task.CharTokenizer()
-        if cfg.prompts:
-            train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed)
-        else:
-            train_set, eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
         for p, _ in train_set[:1] + eval_set[:1]:
             tok.encode(p)  # a clear error for characters outside the demo vocabulary
         prompt_len = max(len(tok.encode(p)) for p, _ in train_set + eval_set)
+    source = f" in {cfg.prompts}" if cfg.prompts else ""
+    if cfg.prompts_per_step * world > len(train_set):
+        ranks = f" × {world} ranks" if world > 1 else ""
+        raise ValueError(f"--prompts-per-step: {cfg.prompts_per_step}{ranks} is more than the {len(train_set)} "
+                         f"training prompts{source} (after {len(eval_set)} held out for eval)")
+    warmup = not saved and not cfg.model and cfg.warmup_steps
+    if warmup and cfg.warmup_batch > len(train_set):
+        raise ValueError(f"--warmup-batch: {cfg.warmup_batch} is more than the {len(train_set)} training "
+                         f"prompts{source} (after {len(eval_set)} held out for eval)")
+    if not cfg.model:
         policy = task.tiny_model(cfg, tok, prompt_len)
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
     n_params = sum(p.numel() for p in policy.parameters())
@@ -284,7 +421,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     # ---- supervised warm-up (demo model only; a resumed run loads the weights instead)
     eval_before = saved["eval_reward_before"] if saved else None
-    if not saved and not cfg.model and cfg.warmup_steps:
+    if warmup:
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
         for it in range(cfg.warmup_steps):
@@ -303,9 +440,16 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     beta = (0.05 if cfg.kl_coef is None else cfg.kl_coef) if algo_ppo else loss_cfg.kl_coef  # PPO: β in the reward
     ref = None
     if beta > 0:
+        if saved and saved["ref"] is None and not cfg.model:  # the demo's reference lives only in checkpoints
+            raise ValueError(f"--kl-coef: the run in {cfg.resume!r} trained without a KL term, so its checkpoint "
+                             f"has no reference model; resume it with --kl-coef 0")
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
-        if saved and saved.get("ref") is not None:
-            ref.load_state_dict(saved["ref"])
+        if saved and saved["ref"] is not None:
+            try:
+                ref.load_state_dict(saved["ref"])
+            except RuntimeError as e:
+                raise ValueError(f"--resume: the checkpoint in {cfg.resume!r} does not fit this run "
+                                 f"({type(e).__name__}: {_one_line(e)})") from None
     if cfg.lora_rank:
         policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
     trunk, _ = _parts(policy)
@@ -317,14 +461,18 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     start = 0
     if saved:
-        policy.load_state_dict(saved["model"])
-        if critic is not None:
-            critic.load_state_dict(saved["critic"])
-        optimizer.load_state_dict(saved["optimizer"])
-        start, beta = saved["step"], saved["kl_coef"]
-        rng.setstate(saved["rng"]["python"])
-        random.setstate(saved["rng"]["python_global"])
-        torch.set_rng_state(saved["rng"]["torch"][rank])
+        try:
+            policy.load_state_dict(saved["model"])
+            if critic is not None:
+                critic.load_state_dict(saved["critic"])
+            optimizer.load_state_dict(saved["optimizer"])
+            start, beta = saved["step"], saved["kl_coef"]
+            rng.setstate(saved["rng"]["python"])
+            random.setstate(saved["rng"]["python_global"])
+            torch.set_rng_state(saved["rng"]["torch"][rank])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ValueError(f"--resume: the checkpoint in {cfg.resume!r} does not fit this run "
+                             f"({type(e).__name__}: {_one_line(e)})") from None
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams
@@ -332,9 +480,14 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg)
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
 
+    # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    history = []
     if master:
-        report.truncate_metrics(metrics_path, start) if saved else open(metrics_path, "w").close()
+        if saved:
+            history = report.truncate_metrics(os.path.join(run_dir(cfg.resume), "metrics.jsonl"), metrics_path, start)
+        else:
+            open(metrics_path, "w").close()
 
     def checkpoint(step):
         rngs = [torch.get_rng_state()]
@@ -350,56 +503,63 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 "rng": {"torch": rngs, "python": rng.getstate(), "python_global": random.getstate()},
             })
 
-    # Ctrl-C: finish the current step, checkpoint, stop. A second Ctrl-C interrupts at once.
+    # Ctrl-C, or SIGTERM (what batch schedulers send): finish the current step, checkpoint, stop.
+    # A second one interrupts at once.
     stop = {"now": False}
 
-    def on_sigint(signum, frame):
+    def on_signal(signum, frame):
         if stop["now"]:
             raise KeyboardInterrupt
         stop["now"] = True
-        log("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to abort)")
 
-    try:
-        old_handler = signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:  # not the main thread
-        old_handler = None
+    old_handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old_handlers[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread
+            pass
 
     from tqdm.auto import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and master),
                dynamic_ncols=True, desc=cfg.algo)
-    skipped_total, last = 0, {}
+    # a resumed run's summary counts the steps before its checkpoint too
+    skipped_total, last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
     policy.train()
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.time()
-            # ==== 1. rollout: this rank's share of the step's prompts ========================
-            chosen = rng.sample(train_set, cfg.prompts_per_step * world)
-            prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
+            # ==== 1. rollout and 2. reward: this rank's share of the step's prompts ==========
+            # Dynamic sampling (DAPO) drops the groups whose rewards are all equal, then samples more
+            # prompts while some rank has fewer than prompts_per_step groups, up to max_gen_batches
+            # rollouts; the decision is global, so the ranks stay in step.
             policy.eval()
-            seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
-            targets = seq[:, P:]
-            mask = task.first_eos_mask(targets, tok.eos_id)
-            group_ids = torch.arange(len(prompts)).repeat_interleave(G) + rank * cfg.prompts_per_step
-
-            # ==== 2. reward: a verifier per completion (+ DAPO's overlong penalty) ============
-            answers = [a for _, a in prompts for _ in range(G)]
-            texts = [tok.decode(row) for row in targets]
-            rewards = torch.tensor([float(reward_fn(prompts[i // G][0], texts[i], answers[i]))
-                                    for i in range(len(texts))], dtype=torch.float32)
-            score = rewards.clone()  # the verifier's reward, reported as reward_mean
-            lengths = mask.sum(-1)
-            if cfg.overlong_buffer:
-                rewards = rewards + sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-
-            # ==== PODS / dynamic sampling: choose the rows the update trains on ================
-            keep = torch.arange(len(rewards))
-            if cfg.pods_keep:  # the m rollouts per prompt with the largest reward variance
-                keep = sampling.pods_select(rewards, cfg.pods_keep, group_ids)
-            if cfg.dynamic_sampling:  # a group whose rewards are all equal has zero advantage
-                keep = keep[sampling.filter_uniform_groups(rewards[keep], group_ids[keep])]
+            parts = []
+            while True:
+                chosen = rng.sample(train_set, cfg.prompts_per_step * world)
+                prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
+                first_group = (len(parts) * world + rank) * cfg.prompts_per_step
+                parts.append(sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group))
+                if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
+                    break
+                n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
+                if all_sum(float(n_kept < cfg.prompts_per_step)) == 0:
+                    break
+            b = concat_rows(parts, tok.pad_id)
+            P, score, all_lengths = b["P"], b["score"], b["all_lengths"]
+            train_rows = torch.arange(len(b["rewards"]))
+            if cfg.dynamic_sampling:  # the first prompts_per_step groups kept; none when a rank has none
+                first_groups = b["group_ids"].unique()[:cfg.prompts_per_step]
+                train_rows = train_rows[torch.isin(b["group_ids"], first_groups)]
+                if all_sum(float(len(train_rows) == 0)) > 0:
+                    train_rows = train_rows[:0]
+                    if master:
+                        bar.write(f"step {step}: no group with unequal rewards{' on some rank' if world > 1 else ''} "
+                                  f"in {len(parts)} rollout batches (--dynamic-sampling); update skipped")
             seq, attn, targets, mask, rewards, group_ids, lengths = (
-                x[keep] for x in (seq, attn, targets, mask, rewards, group_ids, lengths))
-            tree_ids = tree_ids[keep] if tree_ids is not None else None
+                b[k][train_rows] for k in ("seq", "attn", "targets", "mask", "rewards", "group_ids", "lengths"))
+            tree_ids = b["tree_ids"][train_rows] if b["tree_ids"] is not None else None
 
             # ==== 3. behaviour log-probs ℓ_old: a forward pass at the sampling temperature ====
             # (not generate's scores: the same forward as the update, so the first ratio is 1 up
@@ -495,9 +655,11 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             n_rows = all_sum(len(score))
             row = {"step": step, "reward_mean": all_sum(score.sum()) / max(n_rows, 1),
                    "reward_std": float(score.std()) if len(score) > 1 else 0.0,
-                   "response_len": all_sum(lengths.float().sum()) / max(all_sum(len(lengths)), 1),
+                   "response_len": all_sum(all_lengths.float().sum()) / max(all_sum(len(all_lengths)), 1),
                    "rows_trained": int(all_sum(len(rewards))), "groups": n_groups_global,
                    "updates": n_updates, "skipped": skipped, "kl_coef": beta, "rollout_kl": kl_obs}
+            if cfg.dynamic_sampling:
+                row["gen_batches"] = len(parts)
             keys = sorted({k for m in collected for k in m})
             for k in keys:
                 row[k] = all_sum(sum(m[k] for m in collected if k in m) / len(collected)) / world
@@ -506,24 +668,26 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["eval_reward"] = evaluate(policy, tok, eval_set, reward_fn, cfg)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
-            row["tokens_per_s"] = round(all_sum(lengths.sum()) / row["time_s"], 1)
+            row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
             if master:
                 with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(report.dumps(row) + "\n")
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                             ent=f"{row['entropy'] or 0:.3f}",
                             **({"eval": f"{row['eval_reward']:.3f}"} if "eval_reward" in row else {}))
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or stop["now"]:
+            stopping = all_sum(float(stop["now"])) > 0  # a signal that reached only some ranks stops them all
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or stopping:
                 checkpoint(step)
-            if stop["now"]:
+            if stopping:
                 log(f"stopped at step {step}; continue with: python -m rlkernels.train --resume {out_dir}")
                 break
     finally:
         bar.close()
-        if old_handler is not None:
-            signal.signal(signal.SIGINT, old_handler)
+        for sig, handler in old_handlers.items():
+            if handler is not None:  # None: a handler installed outside Python, which cannot be restored
+                signal.signal(sig, handler)
 
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
@@ -534,7 +698,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                "wall_time_s": round(time.time() - t_start, 1), "out": out_dir, "config": dataclasses.asdict(cfg)}
     if master:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            f.write(report.dumps(summary, indent=2))
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
                               f"rlkernels.train --algo {cfg.algo}")
         log(report.summary_table(summary))

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from typing import List
 
 PLOTTED = (("reward_mean", "reward (train) / accuracy (eval)"), ("kl", "KL to reference"),
@@ -10,18 +12,53 @@ PLOTTED = (("reward_mean", "reward (train) / accuracy (eval)"), ("kl", "KL to re
 
 
 def read_metrics(path: str) -> List[dict]:
+    """The rows of a metrics file. A torn last line (a write cut short by a kill) is dropped with a
+    warning naming the file; an unparsable line before it is an error."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for n, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n != lines[-1][0]:
+                raise ValueError(f"{path} line {n} is not valid JSON ({e})") from None
+            warnings.warn(f"{path}: dropping its unparsable last line {n} (a write cut short): {line[:60]!r}",
+                          stacklevel=2)
+    return rows
 
 
-def truncate_metrics(path: str, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (a resumed run rewrites what came after its checkpoint)."""
-    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
-    with open(path, "w") as f:
+def truncate_metrics(src: str, dst: str, last_step: int) -> List[dict]:
+    """Write to `dst` the rows of `src` up to `last_step` (a resumed run rewrites what came after its
+    checkpoint) and return them."""
+    try:
+        rows = [r for r in read_metrics(src) if r["step"] <= last_step]
+    except ValueError as e:
+        raise ValueError(f"--resume: {e}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"--resume: {src} holds rows without a step number") from None
+    with open(dst, "w") as f:
         for r in rows:
-            f.write(json.dumps(r) + "\n")
+            f.write(dumps(r) + "\n")
+    return rows
+
+
+def finite(obj):
+    """`obj` with NaN and ±inf floats as None: JSON has no such numbers (Python would write bare NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON of `obj`, non-finite floats as null."""
+    return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
 def plot(rows: List[dict], path: str, title: str) -> bool:

@@ -81,18 +81,22 @@ def addition_task(digits: int, eval_size: int, seed: int) -> Tuple[list, list]:
 
 def jsonl_task(path: str, eval_size: int, seed: int) -> Tuple[list, list]:
     """(train, eval) from a JSONL file of {"prompt": str, "answer": str}; the last eval_size held out."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--prompts: {path} line {n} is not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
-                raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str, "answer": ...}}')
-            rows.append((obj["prompt"], str(obj["answer"])))
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts: {path} line {n} is not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
+            raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str, "answer": ...}}')
+        rows.append((obj["prompt"], str(obj["answer"])))
     if len(rows) < 2:
         raise ValueError(f"--prompts: {path} needs at least 2 prompts, has {len(rows)}")
     random.Random(seed + 12345).shuffle(rows)

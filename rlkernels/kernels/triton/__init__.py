@@ -1,5 +1,6 @@
 """The `triton` backend: Triton kernels on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
 
+from .policy_token import policy_token_fwd
 from .token_logprobs import available, launch_config, token_logprobs_bwd, token_logprobs_fwd
 
-__all__ = ["available", "launch_config", "token_logprobs_fwd", "token_logprobs_bwd"]
+__all__ = ["available", "launch_config", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd"]

@@ -24,15 +24,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _token_logprobs_fwd_kernel(
-    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
-    V, stride_row, inv_temp,
-    NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
-    row_ptr = logits_ptr + row * stride_row
+def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(logp, entropy, lse) of the row at ``row_ptr``, streamed once; entropy is 0 unless
+    NEED_ENTROPY. The one pass over the logits that every forward kernel makes."""
     cols = tl.arange(0, BLOCK_V)
-
     m = -float("inf")
     s = 0.0
     t = 0.0
@@ -45,13 +40,30 @@ def _token_logprobs_fwd_kernel(
             m, s = row_math.tile_update(m, s, x)
 
     lse = row_math.row_lse(m, s)
-    target = tl.load(targets_ptr + row)
+    # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
+    in_row = (target >= 0) & (target < V)
     # Same fp32 product as in the loop, so x_y ≤ m ≤ lse and logp ≤ 0 exactly.
-    x_y = tl.load(row_ptr + target).to(tl.float32) * inv_temp
-    tl.store(logp_ptr + row, x_y - lse)
+    x_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32) * inv_temp
+    entropy = 0.0
+    if NEED_ENTROPY:
+        entropy = row_math.row_entropy(s, t)
+    return x_y - lse, entropy, lse
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    V, stride_row, inv_temp,
+    NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
+    target = tl.load(targets_ptr + row)
+    logp, entropy, lse = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
+                                     NEED_ENTROPY, BLOCK_V)
+    tl.store(logp_ptr + row, logp)
     tl.store(lse_ptr + row, lse)
     if NEED_ENTROPY:
-        tl.store(entropy_ptr + row, row_math.row_entropy(s, t))
+        tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit

@@ -1,0 +1,157 @@
+"""Device ops and host syncs per loss call, forward + backward, counted by a TorchDispatchMode.
+
+On a GPU every counted op is a kernel launch (~5 µs each) and every sync stalls the stream, so
+these counts are the launch overhead of the loss head, measured deterministically on CPU:
+
+    python -m benchmarks.launches                  # every preset, both paths, cpu backend
+    python -m benchmarks.launches --backend torch  # another backend
+
+Counted: every aten op that is not a view (views, `detach` and `empty*` allocate nothing and
+launch nothing) and every custom op (one launch each; what runs inside it is not seen). A sync
+is an op that copies a device value to the host: `_local_scalar_dense` (`.item()`, `bool(t)`),
+`nonzero`, `equal`, `unique`, `masked_select`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FREE = ("detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "alias",
+        "_unsafe_view")
+SYNCS = ("_local_scalar_dense", "nonzero", "equal", "unique", "_unique", "_unique2", "unique_dim",
+         "unique_consecutive", "masked_select", "item")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts launches (`ops`) and host syncs (`syncs`); `names` keeps each op's count."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: Dict[str, int] = collections.Counter()
+        self.sync_names: Dict[str, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        name = packet.__name__
+        namespace = func.namespace
+        if namespace == "aten" and name in SYNCS:
+            self.sync_names[name] += 1
+        if namespace != "aten" or not (func.is_view or name in FREE):
+            self.names[f"{namespace}::{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def ops(self) -> int:
+        return sum(self.names.values())
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.sync_names.values())
+
+
+@dataclasses.dataclass
+class Count:
+    ops: int
+    syncs: int
+    names: Dict[str, int]
+
+
+def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0):
+    """Inputs of one call with every argument the preset uses (ragged masks, off-policy)."""
+    from rlkernels import presets
+
+    g = torch.Generator().manual_seed(seed)
+    config = presets.get(preset)
+    if config.ratio in ("group_expectation", "snis"):
+        config = config.replace(group_size=4)
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    targets = torch.randint(0, 1000, (B, T), generator=g)
+    old_logp = -torch.rand(B, T, generator=g) * 5
+    kwargs = dict(old_logp=old_logp, ref_logp=old_logp + 0.1 * torch.randn(B, T, generator=g))
+    advantages = torch.randn(B, generator=g)
+    if config.ratio == "snis":
+        kwargs["rewards"], advantages = torch.randint(0, 2, (B,), generator=g).float(), None
+    return config, targets, advantages, mask, kwargs
+
+
+def count(fn) -> Count:
+    """Ops and syncs of `fn()` (which runs one forward and backward)."""
+    with OpCounter() as counter:
+        fn()
+    return Count(counter.ops, counter.syncs, dict(counter.names) | {f"SYNC {k}": v for k, v in counter.sync_names.items()})
+
+
+def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000) -> Count:
+    import rlkernels
+
+    config, targets, advantages, mask, kwargs = loss_inputs(preset)
+    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+
+    def call():
+        out = rlkernels.fused_policy_loss(logits, targets, advantages, mask, config, backend=backend, **kwargs)
+        out.loss.backward()
+
+    call()  # first call: op registration and lazy imports are not part of the count
+    return count(call)
+
+
+def fused_linear_policy_loss_count(preset: str, chunk_size: int, backend: Optional[str] = None,
+                                   vocab: int = 1000, hidden: int = 64) -> Count:
+    import rlkernels
+
+    config, targets, advantages, mask, kwargs = loss_inputs(preset)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(*targets.shape, hidden, generator=g).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).requires_grad_(True)
+
+    def call():
+        out = rlkernels.fused_linear_policy_loss(h, w, targets, advantages, mask, config, backend=backend,
+                                                 chunk_size=chunk_size, **kwargs)
+        out.loss.backward()
+
+    call()
+    return count(call)
+
+
+def linear_split(preset: str, backend: Optional[str] = None, rows: int = 8 * 256):
+    """(ops per chunk, ops besides the chunks, syncs) from two chunk sizes: ops = a + b·chunks."""
+    c1 = fused_linear_policy_loss_count(preset, rows // 4, backend)
+    c2 = fused_linear_policy_loss_count(preset, rows // 8, backend)
+    per_chunk = (c2.ops - c1.ops) / 4
+    return per_chunk, c1.ops - 4 * per_chunk, max(c1.syncs, c2.syncs)
+
+
+def table(backend: Optional[str] = None) -> str:
+    from rlkernels import presets
+
+    lines = ["| preset | ratio | fused_policy_loss ops | syncs | fused_linear_policy_loss ops per chunk | besides | syncs |",
+             "|---|---|---|---|---|---|---|"]
+    for name in presets.NAMES:
+        c = fused_policy_loss_count(name, backend)
+        per_chunk, besides, lsyncs = linear_split(name, backend)
+        lines.append(f"| {name} | {presets.get(name).ratio} | {c.ops} | {c.syncs} | {per_chunk:g} | {besides:g} | {lsyncs} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default=None, help="rlkernels backend (default: automatic, cpu on CPU)")
+    parser.add_argument("--preset", default=None, help="print the op names of one preset's fused_policy_loss call")
+    args = parser.parse_args(argv)
+    if args.preset:
+        c = fused_policy_loss_count(args.preset, args.backend)
+        for name, n in sorted(c.names.items(), key=lambda kv: -kv[1]):
+            print(f"{n:5d}  {name}")
+        print(f"{c.ops} ops, {c.syncs} syncs")
+        return
+    print(table(args.backend))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+// The token-level policy loss of one token (docs/math.md; the contract is `policy_token_fwd` in
+// rlkernels/kernels/__init__.py): its value, its derivatives with respect to the token's log-prob
+// ℓ and entropy H, and the 7 statistics. Written once for the CPU (T = float, double) and CUDA
+// (T = float) kernels, which call it on the row's results of the forward pass. No torch includes.
+//
+// The derivatives are those torch's autograd gives for rlkernels/losses/ (the specification):
+//   * clamp(x, lo, hi) passes the gradient on the closed interval lo ≤ x ≤ hi;
+//   * max / min pass it to the larger / smaller branch. On an exact tie torch gives each branch
+//     half; in max(u, k) of the clipped surrogate both branches then have the same derivative,
+//     so taking all of it from u is the same. Only the dual clip's min(s, −dual_clip·A) can tie
+//     with a branch of another slope (torch: half of ∂s/∂ℓ); there we keep s, the unclipped
+//     branch, as the kink's one-sided derivative.
+// "No bound" is +inf (1 − inf = −inf, min(w, inf) = w), so the formula has no special cases.
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+
+#include "rlkernels/row_math.h"
+
+namespace rlk {
+
+// Mirrors rlkernels/kernels/token_loss_params.py.
+enum TokenObjective : int { kClip = 0, kCispo = 1, kReinforce = 2 };
+enum KlEstimator : int { kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
+enum TokenStat : int {
+  kStatLoss = 0,
+  kStatClipLow,
+  kStatClipHigh,
+  kStatRatio,
+  kStatApproxKl,
+  kStatKl,
+  kStatEntropy,
+  kNumStats
+};
+
+template <typename T>
+struct TokenLossParams {
+  int objective;          // kClip, kCispo, kReinforce
+  T clip_low;             // the ratio's lower bound is 1 − clip_low (inf: none)
+  T clip_high;            // upper bound 1 + clip_high (inf: none)
+  T delta;                // the unclipped branch uses min(w, delta) (inf: none)
+  T dual_clip;            // for A < 0 the loss is min(loss, −dual_clip·A) (inf: none)
+  int kl_estimator;       // kKlNone, kKlK1, kKlK2, kKlK3: the estimator of the KL loss term
+  T kl_coef;              // β ≥ 0
+  T kl_clamp;             // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
+  bool kl_bias_correction;  // the KL term times the (detached) ratio w
+  T entropy_coef;         // c_H
+  T log_ratio_clamp;      // c: ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
+};
+
+// One token's inputs. `old_logp` is read only when has_old (else on-policy: ℓ_old = ℓ, without
+// gradient), `ref_logp` only when has_ref.
+template <typename T>
+struct TokenIn {
+  T logp;
+  T entropy;
+  bool mask;
+  T weight;  // w_agg
+  T adv;     // A
+  bool has_old;
+  T old_logp;
+  bool has_ref;
+  T ref_logp;
+};
+
+template <typename T>
+struct TokenOut {
+  T grad_logp;     // w_agg·∂s/∂ℓ
+  T grad_entropy;  // w_agg·∂s/∂H
+  T stats[kNumStats];
+};
+
+RLK_HOST_DEVICE inline float expm1_(float x) { return ::expm1f(x); }
+RLK_HOST_DEVICE inline double expm1_(double x) { return ::expm1(x); }
+
+// torch.clamp's value: NaN stays NaN.
+template <typename T>
+RLK_HOST_DEVICE inline T clamp_(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Where torch.clamp passes the gradient: the closed interval (false for NaN).
+template <typename T>
+RLK_HOST_DEVICE inline bool passes_(T x, T lo, T hi) {
+  return x >= lo && x <= hi;
+}
+
+template <typename T>
+RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenLossParams<T>& p) {
+  static const int MUT = std::getenv("RLK_MUT") ? std::atoi(std::getenv("RLK_MUT")) : 0;
+  TokenOut<T> out;
+  out.grad_logp = T(0);
+  out.grad_entropy = T(0);
+  for (int j = 0; j < kNumStats; ++j) out.stats[j] = T(0);
+  if (MUT != 8 && !in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
+  const T c = p.log_ratio_clamp;
+  const T adv = in.adv;
+
+  // Importance weight w = e^r, r = clamp(ℓ − ℓ_old, −c, c); dw = ∂w/∂ℓ.
+  const T d = in.logp - (in.has_old ? in.old_logp : in.logp);
+  const T r = clamp_(d, -c, c);
+  const T w = exp_(r);
+  const T dw = (MUT==1 || passes_(d, -c, c)) ? w : T(0);
+
+  // The surrogate s and ds = ∂s/∂ℓ.
+  T s, ds;
+  const T lo = T(1) - p.clip_low, hi = T(1) + p.clip_high;
+  const T w_clip = clamp_(w, lo, hi);
+  bool clip_low = false, clip_high = false;
+  if (p.objective == kClip) {
+    const T neg_adv = -adv;
+    // max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi); u on a tie (see the top).
+    const T u = neg_adv * (w <= p.delta ? w : p.delta);
+    const T k = neg_adv * w_clip;
+    if (k > u) {
+      s = k;
+      ds = (MUT == 9 || passes_(w, lo, hi)) ? neg_adv * dw : T(0);
+    } else {
+      s = u;
+      ds = (MUT==2 || w <= p.delta) ? neg_adv * dw : T(0);
+    }
+    if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
+      const T cap = -p.dual_clip * adv;
+      if (MUT != 3 && cap < s) {
+        s = cap;
+        ds = T(0);
+      }
+    }
+    clip_low = w < lo && adv < T(0);
+    clip_high = w > hi && (MUT == 10 || adv > T(0));
+  } else if (p.objective == kCispo) {
+    ds = MUT == 13 ? -w * adv : -w_clip * adv;  // the clamped weight is a constant: a scaled REINFORCE gradient
+    s = ds * in.logp;
+    clip_low = w < lo;
+    clip_high = w > hi;
+  } else {  // kReinforce
+    ds = -adv;
+    s = ds * in.logp;
+  }
+
+  // KL to the reference: Δ = clamp(ℓ_ref − ℓ, −c, c); kl is the statistic.
+  T kl = T(0);
+  if (in.has_ref) {
+    const T e = in.ref_logp - in.logp;
+    const T delta = clamp_(e, -c, c);
+    const T em1 = expm1_(delta);  // k3 = e^Δ − 1 − Δ without cancellation for small Δ
+    if (p.kl_estimator == kKlNone || !(p.kl_coef > T(0))) {
+      kl = MUT == 12 ? T(0) : em1 - delta;  // no KL in the loss: the statistic is k3
+    } else {
+      T k, dk;  // the estimate and ∂k/∂Δ
+      if (p.kl_estimator == kKlK1) {
+        k = -delta;
+        dk = T(-1);
+      } else if (p.kl_estimator == kKlK2) {
+        k = T(0.5) * delta * delta;
+        dk = delta;
+      } else {
+        k = em1 - delta;
+        dk = em1;
+      }
+      if (MUT != 4 && !passes_(k, -p.kl_clamp, p.kl_clamp)) dk = T(0);
+      k = clamp_(k, -p.kl_clamp, p.kl_clamp);
+      if (p.kl_bias_correction) {  // times w, detached
+        k = k * w;
+        if (MUT != 5) dk = dk * w;
+      }
+      kl = k;
+      s = s + p.kl_coef * k;
+      if (MUT == 6 || passes_(e, -c, c)) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
+    }
+  }
+
+  if (p.entropy_coef != T(0)) {
+    s = s - p.entropy_coef * in.entropy;
+    out.grad_entropy = MUT == 11 ? -p.entropy_coef : -in.weight * p.entropy_coef;
+  }
+  out.grad_logp = in.weight * ds;
+  out.stats[kStatLoss] = in.weight * s;
+  out.stats[kStatClipLow] = clip_low ? T(1) : T(0);
+  out.stats[kStatClipHigh] = clip_high ? T(1) : T(0);
+  out.stats[kStatRatio] = w;
+  out.stats[kStatApproxKl] = MUT == 7 ? expm1_(r) - r : expm1_(-r) + r;  // k3(clamp(ℓ_old − ℓ, −c, c)), and that clamp is −r
+  out.stats[kStatKl] = kl;
+  out.stats[kStatEntropy] = in.entropy;
+  return out;
+}
+
+}  // namespace rlk

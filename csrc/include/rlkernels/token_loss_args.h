@@ -1,0 +1,73 @@
+// Checks of the arguments of policy_token_fwd, shared by the CPU and CUDA bindings, and the
+// op's scalars turned into rlk::TokenLossParams. C++ with torch (never included by .cu files).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "rlkernels/token_loss.h"
+
+namespace rlk {
+
+// A per-token input (N,): on the logits' device, of exactly `dtype`, contiguous. Never converted:
+// a copy per call would hide a caller that keeps these in the wrong dtype.
+inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType dtype) {
+  TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), " (that of logits), got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", logits.scalar_type(), " logits, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, ": expected shape (", logits.size(0),
+              ",) matching logits (N, V), got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+// mask (bool) and weight, adv, old_logp, ref_logp (the accumulation dtype `acc`).
+inline void check_token_inputs(const at::Tensor& logits, const at::Tensor& mask, const at::Tensor& weight,
+                               const at::Tensor& adv, const std::optional<at::Tensor>& old_logp,
+                               const std::optional<at::Tensor>& ref_logp, at::ScalarType acc) {
+  check_token_tensor(mask, "mask", logits, at::kBool);
+  check_token_tensor(weight, "weight", logits, acc);
+  check_token_tensor(adv, "adv", logits, acc);
+  if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", logits, acc);
+  if (ref_logp.has_value()) check_token_tensor(*ref_logp, "ref_logp", logits, acc);
+}
+
+// `value` ≥ low (> low when strict); +inf is allowed only where it means "no bound".
+inline double check_scalar(const char* name, double value, double low, bool strict, bool inf_ok) {
+  TORCH_CHECK(!std::isnan(value), name, ": expected a number, got nan");
+  TORCH_CHECK(inf_ok || std::isfinite(value), name, ": expected a finite number, got ", value);
+  TORCH_CHECK(strict ? value > low : value >= low, name, ": expected a value ", strict ? ">" : ">=", " ", low,
+              ", got ", value);
+  return value;
+}
+
+// The ranges are those of PolicyLossConfig (rlkernels/losses/config.py).
+template <typename T>
+TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double clip_high, double delta,
+                                     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp,
+                                     bool kl_bias_correction, double entropy_coef, double log_ratio_clamp) {
+  TORCH_CHECK(objective == kClip || objective == kCispo || objective == kReinforce,
+              "objective: expected 0 (clip), 1 (cispo) or 2 (reinforce), got ", objective);
+  TORCH_CHECK(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
+              "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
+  TORCH_CHECK(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
+  TokenLossParams<T> p;
+  p.objective = static_cast<int>(objective);
+  p.clip_low = static_cast<T>(check_scalar("clip_low", clip_low, 0.0, false, true));
+  p.clip_high = static_cast<T>(check_scalar("clip_high", clip_high, 0.0, false, true));
+  p.delta = static_cast<T>(check_scalar("delta", delta, 1.0, true, true));
+  p.dual_clip = static_cast<T>(check_scalar("dual_clip", dual_clip, 1.0, true, true));
+  p.kl_estimator = static_cast<int>(kl_estimator);
+  p.kl_coef = static_cast<T>(check_scalar("kl_coef", kl_coef, 0.0, false, false));
+  p.kl_clamp = static_cast<T>(check_scalar("kl_clamp", kl_clamp, 0.0, true, true));
+  p.kl_bias_correction = kl_bias_correction;
+  p.entropy_coef = static_cast<T>(entropy_coef);
+  p.log_ratio_clamp = static_cast<T>(check_scalar("log_ratio_clamp", log_ratio_clamp, 0.0, true, true));
+  return p;
+}
+
+}  // namespace rlk

@@ -1,0 +1,29 @@
+"""The scalars of the per-token loss that the fused forward kernels evaluate (docs/math.md).
+
+The kernels know nothing of `PolicyLossConfig`; `ops/` translates a token-level config into
+these numbers once per call. "No bound" is encoded as +inf, so every kernel runs the same
+branch-free formula: clamp(w, 1 − inf, 1 + inf) = w, min(w, inf) = w, min(ℓoss, inf·|A|) = ℓoss.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+CLIP, CISPO, REINFORCE = 0, 1, 2  # objective
+KL_NONE, KL_K1, KL_K2, KL_K3 = 0, 1, 2, 3  # kl_estimator (KL_NONE: no KL term in the loss)
+NUM_STATS = 7  # columns of `stats`, in this order:
+STATS = ("loss", "clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLossParams:
+    objective: int  # CLIP, CISPO or REINFORCE
+    clip_low: float  # the ratio's lower bound is 1 − clip_low (inf: none)
+    clip_high: float  # upper bound 1 + clip_high (inf: none)
+    delta: float  # unclipped branch uses min(w, delta) (inf: none)
+    dual_clip: float  # for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
+    kl_estimator: int  # KL_NONE, KL_K1, KL_K2, KL_K3; the estimator of the KL *loss* term
+    kl_coef: float  # β (0 with KL_NONE)
+    kl_clamp: float  # the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
+    kl_bias_correction: bool  # the KL term times the (detached) clamped ratio w
+    entropy_coef: float  # c_H: ℓoss −= c_H·H
+    log_ratio_clamp: float  # c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]

@@ -1,0 +1,108 @@
+"""Triton forward of ``policy_token_fwd`` (kernels/__init__.py): log-probs plus the token loss.
+
+One program per row makes the forward's single pass over the logits (`row_forward`, shared with
+`token_logprobs`) and then, on the row's scalars, evaluates the per-token loss of
+``token_loss.py``, writing ℓ, H, lse, w_agg·∂s/∂ℓ, w_agg·∂s/∂H and the 7 statistics. The loss
+adds a few hundred bytes of I/O per row to the V·b bytes of logits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import token_loss_params as P
+from . import token_loss
+from .token_logprobs import (
+    _check_logits, _on_device, _plain, _row_vector, launch_config, row_forward,
+)
+
+
+@triton.jit
+def _policy_token_fwd_kernel(
+    logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
+    logp_ptr, entropy_ptr, lse_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
+    V, stride_row, inv_temp,
+    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
+    target = tl.load(targets_ptr + row)
+    logp, entropy, lse = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
+                                     True, BLOCK_V)
+    tl.store(logp_ptr + row, logp)
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(lse_ptr + row, lse)
+
+    # As prepare_batch does: a masked token enters the loss as zeros, so padding (NaN, inf)
+    # never reaches the arithmetic, and every output below is 0 there.
+    valid = tl.load(mask_ptr + row) != 0
+    l = tl.where(valid, logp, 0.0)
+    h = tl.where(valid, entropy, 0.0)
+    adv = tl.where(valid, tl.load(adv_ptr + row), 0.0)
+    old_logp = l  # on-policy: ℓ_old = ℓ, so w = 1
+    if HAS_OLD:
+        old_logp = tl.where(valid, tl.load(old_logp_ptr + row), 0.0)
+    ref_logp = 0.0
+    if HAS_REF:
+        ref_logp = tl.where(valid, tl.load(ref_logp_ptr + row), 0.0)
+    s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss.token_loss(
+        l, old_logp, ref_logp, adv, h,
+        ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
+        log_ratio_clamp, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+    )
+    weight = tl.load(weight_ptr + row)
+    tl.store(grad_logp_ptr + row, tl.where(valid, weight * ds, 0.0))
+    tl.store(grad_entropy_ptr + row, tl.where(valid, -weight * entropy_coef, 0.0))
+    stats_row = stats_ptr + row * NUM_STATS  # columns in token_loss_params.STATS order
+    tl.store(stats_row + 0, tl.where(valid, weight * s, 0.0))
+    tl.store(stats_row + 1, tl.where(valid, clip_low, 0.0))
+    tl.store(stats_row + 2, tl.where(valid, clip_high, 0.0))
+    tl.store(stats_row + 3, tl.where(valid, ratio, 0.0))
+    tl.store(stats_row + 4, tl.where(valid, approx_kl, 0.0))
+    tl.store(stats_row + 5, tl.where(valid, kl, 0.0))
+    tl.store(stats_row + 6, h)
+
+
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params,
+                     *, wrap=_plain):
+    """(logp, entropy, lse, grad_logp, grad_entropy, stats): fp32 (N,) each, stats (N, 7).
+
+    ``old_logp=None``: on-policy; ``ref_logp=None``: no reference (kl = 0). ``params``: a
+    ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
+    """
+    _check_logits(logits, targets)
+    n, vocab = logits.shape
+    dev = logits.device
+    if mask.shape != (n,):
+        raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
+    mask = mask.to(device=dev, dtype=torch.bool).contiguous()
+    weight = _row_vector(weight, n, dev, "weight")
+    adv = _row_vector(adv, n, dev, "adv")
+    has_old, has_ref = old_logp is not None, ref_logp is not None
+    logp, entropy, lse, grad_logp, grad_entropy = (
+        torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5))
+    stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
+    # Never read when absent.
+    old_logp = _row_vector(old_logp, n, dev, "old_logp") if has_old else adv
+    ref_logp = _row_vector(ref_logp, n, dev, "ref_logp") if has_ref else adv
+    if n == 0:
+        return logp, entropy, lse, grad_logp, grad_entropy, stats
+    p = params
+    # The loss has a KL term only with an estimator and β > 0 (else `kl` reports k3).
+    kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
+    block, warps = launch_config(vocab, logits.dtype)
+    with _on_device(dev):
+        wrap(_policy_token_fwd_kernel)[(n,)](
+            logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp,
+            logp, entropy, lse, grad_logp, grad_entropy, stats,
+            vocab, logits.stride(0), 1.0 / float(temperature),
+            # float(): an int argument would be typed (and specialised) as an integer.
+            1.0 - float(p.clip_low), 1.0 + float(p.clip_high), float(p.delta),
+            float(p.dual_clip), float(p.kl_coef), float(p.kl_clamp), float(p.entropy_coef),
+            float(p.log_ratio_clamp),
+            OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref,
+            BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS,
+            BLOCK_V=block, num_warps=warps,
+        )
+    return logp, entropy, lse, grad_logp, grad_entropy, stats

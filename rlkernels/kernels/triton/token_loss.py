@@ -1,0 +1,149 @@
+"""The token-level policy loss of one token (kernels/__init__.py, ``policy_token_fwd``), in fp32.
+
+The only Triton formula of the loss; the PyTorch spec is `losses/` (surrogates.token,
+policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and ∂/∂ℓ that
+torch's autograd of that code gives: clamp passes the gradient on its closed interval,
+max / min pass it to the larger / smaller branch, the unclipped one on a tie (torch splits a
+tie's gradient in half; the two branches' gradients agree there except at the dual clip's
+bound, a single value of w). "No bound" is +inf (token_loss_params.py), so each formula is
+branch-free; only the objective and which KL terms exist are compile-time choices.
+"""
+
+import triton
+import triton.language as tl
+
+from .. import token_loss_params as P
+
+# Globals read inside @triton.jit must be constexpr.
+CLIP = tl.constexpr(P.CLIP)
+CISPO = tl.constexpr(P.CISPO)
+KL_NONE = tl.constexpr(P.KL_NONE)
+KL_K1 = tl.constexpr(P.KL_K1)
+KL_K2 = tl.constexpr(P.KL_K2)
+
+
+@triton.jit
+def clamp(x, lo, hi):
+    """torch.clamp: NaN stays NaN, so a NaN ℓ (a target outside [0, V)) shows in the loss."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def clamp_with_pass(x, lo, hi):
+    """(clamp(x, lo, hi), whether torch's clamp passes the gradient: lo ≤ x ≤ hi)."""
+    return clamp(x, lo, hi), (x >= lo) & (x <= hi)
+
+
+@triton.jit
+def k3(x):
+    """e^x − 1 − x (≥ 0) to a few fp32 ulps, relative, for every x."""
+    # Triton has no expm1. e^x − 1 − x formed from e^x loses about log2(2/x²) bits to
+    # cancellation as x → 0 (all 24 below |x| ≈ 3e-4, where k3 ≈ x²/2 is still meaningful),
+    # and even an exact expm1(x) − x loses log2(2/|x|). For |x| < 1 the Taylor series of k3
+    # itself, to x^10/10! (the rest is below 2/11! ≈ 5e-8 of the value), has no cancellation;
+    # from |x| = 1 on, e^x − 1 − x loses at most ~2 bits.
+    small = tl.abs(x) < 1.0
+    y = tl.where(small, x, 0.0)  # the unused series stays finite for large x
+    p = 2.7557319223985893e-07  # 1/10!
+    p = p * y + 2.7557319223985888e-06  # 1/9!
+    p = p * y + 2.4801587301587302e-05  # 1/8!
+    p = p * y + 1.9841269841269841e-04  # 1/7!
+    p = p * y + 1.3888888888888889e-03  # 1/6!
+    p = p * y + 8.3333333333333332e-03  # 1/5!
+    p = p * y + 4.1666666666666664e-02  # 1/4!
+    p = p * y + 1.6666666666666666e-01  # 1/3!
+    p = p * y + 0.5
+    return tl.where(small, y * y * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta, dual_clip, OBJECTIVE: tl.constexpr):
+    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w and ∂w/∂ℓ; flags as 0/1."""
+    if OBJECTIVE == CLIP:
+        # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
+        unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
+        d_unclipped = tl.where(w <= delta, -adv * dw, 0.0)
+        w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
+        clipped = -adv * w_clipped
+        d_clipped = tl.where(passes, -adv * dw, 0.0)
+        take_unclipped = unclipped >= clipped
+        s = tl.where(take_unclipped, unclipped, clipped)
+        ds = tl.where(take_unclipped, d_unclipped, d_clipped)
+        # Dual clip: for A < 0, s = min(s, −c·A). The A ≥ 0 lanes get a finite stand-in, as
+        # inf·0 would be NaN in the unused lane.
+        bound = -dual_clip * tl.where(adv < 0, adv, -1.0)
+        dual = (adv < 0) & (s > bound)
+        s = tl.where(dual, bound, s)
+        ds = tl.where(dual, 0.0, ds)
+        clip_low = tl.where((w < ratio_low) & (adv < 0), 1.0, 0.0)
+        clip_high = tl.where((w > ratio_high) & (adv > 0), 1.0, 0.0)
+    elif OBJECTIVE == CISPO:
+        # s = −sg(clamp(w))·A·ℓ: the clamped weight scales a REINFORCE gradient.
+        scale = -clamp(w, ratio_low, ratio_high) * adv
+        s = scale * logp
+        ds = scale
+        clip_low = tl.where(w < ratio_low, 1.0, 0.0)
+        clip_high = tl.where(w > ratio_high, 1.0, 0.0)
+    else:  # REINFORCE
+        s = -adv * logp
+        ds = -adv
+        clip_low = 0.0
+        clip_high = 0.0
+    return s, ds, clip_low, clip_high
+
+
+@triton.jit
+def kl_term(logp, ref_logp, w, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
+            BIAS_CORRECTION: tl.constexpr):
+    """(k, ∂k/∂ℓ) with Δ = clamp(ℓ_ref − ℓ, ±c): the KL term of the loss, or for KL_NONE the
+    k3 statistic (∂ = 0)."""
+    delta, passes = clamp_with_pass(ref_logp - logp, -log_ratio_clamp, log_ratio_clamp)
+    if KL == KL_NONE:
+        k = k3(delta)
+        dk = 0.0
+    else:
+        # ∂Δ/∂ℓ = −1 where the clamp passes: k1 = −Δ → 1, k2 = Δ²/2 → −Δ, k3 → −(e^Δ − 1).
+        if KL == KL_K1:
+            k = -delta
+            dk = 1.0
+        elif KL == KL_K2:
+            k = 0.5 * delta * delta
+            dk = -delta
+        else:
+            k = k3(delta)
+            dk = -(delta + k)  # −expm1(Δ), as accurate as k3
+        dk = tl.where(passes, dk, 0.0)
+        k, k_passes = clamp_with_pass(k, -kl_clamp, kl_clamp)
+        dk = tl.where(k_passes, dk, 0.0)
+        if BIAS_CORRECTION:
+            k = k * w
+            dk = dk * w
+    return k, dk
+
+
+@triton.jit
+def token_loss(
+    logp, old_logp, ref_logp, adv, entropy,
+    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_REF: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+):
+    """(s, ∂s/∂ℓ, clip_low, clip_high, ratio, approx_kl, kl) of one token, where
+    s = surrogate + β·k − c_H·H; ∂s/∂H = −c_H. Masked tokens must come in as zeros (as
+    prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
+    HAS_REF."""
+    r, r_passes = clamp_with_pass(logp - old_logp, -log_ratio_clamp, log_ratio_clamp)
+    w = tl.exp(r)
+    dw = tl.where(r_passes, w, 0.0)
+    s, ds, clip_low, clip_high = surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta,
+                                           dual_clip, OBJECTIVE)
+    kl = 0.0
+    if HAS_REF:
+        kl, dkl = kl_term(logp, ref_logp, w, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
+        if KL != KL_NONE:
+            s += kl_coef * kl
+            ds += kl_coef * dkl
+    s -= entropy_coef * entropy
+    # clamp(ℓ_old − ℓ, ±c) is exactly −r.
+    return s, ds, clip_low, clip_high, w, k3(r), kl

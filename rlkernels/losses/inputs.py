@@ -1,0 +1,134 @@
+"""`LossInputs`: the `(B, T)` inputs of one policy-loss call besides the log-probs and entropy.
+
+Built by keyword, validated once, read by every path that evaluates the loss: `policy_loss`
+(the spec, on `(B, T)` log-probs), the fused ops (whose kernels take the inputs per token, flat)
+and the hidden-state path (chunk by chunk, through `flat`). Values are not masked here: the
+spec masks what it reads (`Batch`), the kernels read the mask.
+
+No check reads a tensor's values on the host: value checks on device tensors are
+`torch._assert_async` (no synchronisation), and the counts of the aggregation stay tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
+from .._groups import group_index
+from .config import SEQUENCE_RATIOS, PolicyLossConfig
+
+_GROUPED_RATIOS = ("group_expectation", "snis")
+
+
+@dataclasses.dataclass
+class LossInputs:
+    mask: Tensor  # (B, T) bool
+    adv: Optional[Tensor]  # (B, T) advantages (a broadcast view of adv_row for per-row ones), detached
+    adv_row: Optional[Tensor]  # (B,) one advantage per row, when given so or the ratio needs it
+    old_logp: Optional[Tensor]  # (B, T) ℓ_old, detached; None: on-policy
+    ref_logp: Optional[Tensor]  # (B, T) ℓ_ref, detached; None: no reference
+    rewards: Optional[Tensor]  # (B,), snis only
+    group: Optional[Tensor]  # (B,) group index in [0, num_groups), grouped ratios only
+    num_groups: int
+    num_items: Optional[float]
+    num_seqs: Optional[float]
+    dtype: torch.dtype  # the dtype every float input was converted to
+
+    @classmethod
+    def build(
+        cls,
+        config: PolicyLossConfig,
+        *,
+        shape: Tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        mask: Tensor,
+        advantages: Optional[Tensor] = None,
+        old_logp: Optional[Tensor] = None,
+        ref_logp: Optional[Tensor] = None,
+        group_ids: Optional[Tensor] = None,
+        rewards: Optional[Tensor] = None,
+        num_items: Optional[float] = None,
+        num_seqs: Optional[float] = None,
+        what: str = "logp",
+    ) -> "LossInputs":
+        """Validate the inputs of a `(B, T)` = `shape` batch; `what` names where the shape comes from."""
+        if not isinstance(config, PolicyLossConfig):
+            raise TypeError(f"config: expected a PolicyLossConfig (see rlkernels.presets), got {type(config).__name__}")
+        B, T = shape
+        mask = check_mask("mask", _per_token("mask", mask, shape, device, what, dtypes=None))
+
+        def float_input(name, t):
+            if t is None:
+                return None
+            return _per_token(name, t, shape, device, what).detach().to(dtype)
+
+        old_logp, ref_logp = float_input("old_logp", old_logp), float_input("ref_logp", ref_logp)
+        if config.kl_coef > 0 and ref_logp is None:
+            raise ValueError(f"ref_logp: required when kl_coef > 0 (kl_coef={config.kl_coef})")
+        if num_items is not None:
+            num_items = check_real("num_items", num_items, 0, lo_open=True)
+        if num_seqs is not None:
+            num_seqs = check_real("num_seqs", num_seqs, 0, lo_open=True)
+        adv, adv_row = _advantages(advantages, mask, config, shape, dtype, device, what)
+        if config.ratio == "snis":
+            if rewards is None:
+                raise ValueError("rewards: required for ratio='snis' (it takes rewards in place of advantages)")
+            check_tensor("rewards", rewards, shape=(B,), dtypes=FLOAT_DTYPES, device=device)
+            rewards = rewards.detach().to(dtype)
+        group, num_groups = None, 0
+        if config.ratio in _GROUPED_RATIOS:
+            if group_ids is None and config.group_size is None:
+                raise ValueError(f"group_ids: ratio={config.ratio!r} needs group_ids or config.group_size")
+            group, num_groups = group_index(
+                B, group_ids, None if group_ids is not None else config.group_size, device, ref_name=f"{what} rows",
+                exact_count=False,
+            )
+        return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype)
+
+    def flat(self, name: str) -> Optional[Tensor]:
+        """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""
+        t = getattr(self, name)
+        return None if t is None else t.reshape(-1).contiguous()
+
+
+def _per_token(name, t, shape, device, what, dtypes=FLOAT_DTYPES):
+    check_tensor(name, t, dtypes=dtypes)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} matching {what}, got {tuple(t.shape)}")
+    if t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device} like {what}, got one on {t.device}")
+    return t
+
+
+def _advantages(advantages, mask, config, shape, dtype, device, what):
+    """(A per token, A per row or None); sequence-level ratios need one advantage per row."""
+    if advantages is None:
+        if config.ratio == "snis":
+            return None, None
+        raise ValueError(f"advantages: required for ratio={config.ratio!r}")
+    check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
+    if advantages.device != torch.device(device):
+        raise ValueError(f"advantages: expected a tensor on {device} like {what}, got one on {advantages.device}")
+    B, T = shape
+    if tuple(advantages.shape) == (B,):
+        row = advantages.detach().to(dtype)
+        return row[:, None].expand(B, T), row
+    if tuple(advantages.shape) != (B, T):
+        raise ValueError(f"advantages: expected shape ({B},) or ({B}, {T}) matching {what}, got {tuple(advantages.shape)}")
+    adv = advantages.detach().to(dtype)
+    if config.ratio not in SEQUENCE_RATIOS:
+        return adv, None
+    zero = torch.zeros((), dtype=dtype, device=device)
+    adv = torch.where(mask, adv, zero)
+    row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
+    spread = torch.where(mask, adv - row[:, None], zero).abs().amax()
+    check_on_device(
+        spread <= 1e-6 * (1 + row.abs().max()),
+        f"advantages: ratio={config.ratio!r} needs one advantage per row, but a (B, T) advantage varies within a "
+        "row; pass (B,) advantages, or use ratio='sequence_token' for per-token advantages",
+    )
+    return row[:, None].expand(B, T), row

@@ -1,0 +1,56 @@
+"""The logits arguments shared by the ops on logits: their checks, and their rows as kernel blocks."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_targets, check_tensor
+
+# Backends whose kernels check every target on the host (and name its row): no device assert needed.
+_KERNEL_CHECKS_TARGETS = ("cpu",)
+
+
+def acc_dtype(t: Tensor) -> torch.dtype:
+    """The accumulation dtype of the kernels for logits / hidden states of t's dtype."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str) -> float:
+    """Validate logits `(..., V)`, aligned targets and the temperature for `backend`; returns τ."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
+    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    if backend not in _KERNEL_CHECKS_TARGETS:
+        check_targets(targets, logits.shape[-1], "V = logits.shape[-1]")
+    return temperature
+
+
+def row_blocks(logits: Tensor, in_place: bool = True) -> List[Tuple[int, int, Tensor]]:
+    """`logits (..., V)` as `(start, end, block)`: 2-D `(end − start, V)` blocks holding the
+    flattened rows start:end, which the kernels can read where they are. The whole tensor when it
+    is contiguous; with `in_place`, the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
+    contiguous (`model(x).logits[:, :-1]`), so that its N × V values are not copied; otherwise
+    one contiguous copy."""
+    vocab = logits.shape[-1]
+    if in_place and not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
+        blocks = list(logits.unbind(0))
+    else:
+        blocks = [logits.reshape(-1, vocab).contiguous()]
+    out, start = [], 0
+    for block in blocks:
+        out.append((start, start + block.shape[0], block))
+        start += block.shape[0]
+    return out
+
+
+def run_blocks(kernel, blocks, per_row, *args):
+    """`kernel(block, *(x[s:e] for x in per_row), *args)` over the blocks, outputs concatenated
+    (no concatenation for one block). `per_row` entries may be None (passed as None)."""
+    parts = [kernel(block, *(None if x is None else x[s:e] for x in per_row), *args) for s, e, block in blocks]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))

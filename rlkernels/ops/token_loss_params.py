@@ -1,0 +1,62 @@
+"""A token-level `PolicyLossConfig` as the scalars of the fused forward kernels.
+
+The one place that knows both sides: `losses/` (the spec) and the kernels' encoding
+(`kernels.token_loss_params`, where +inf means "no bound").
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+from ..kernels import token_loss_params as k
+from ..losses import PolicyLossConfig
+
+_OBJECTIVES = {"clip": k.CLIP, "cispo": k.CISPO, "reinforce": k.REINFORCE}
+_KL = {"k1": k.KL_K1, "k2": k.KL_K2, "k3": k.KL_K3}
+
+
+def _bound(x: Optional[float]) -> float:
+    return math.inf if x is None else float(x)
+
+
+def kernel_supports(config: PolicyLossConfig) -> bool:
+    """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token)."""
+    return config.ratio == "token" and config.objective in _OBJECTIVES
+
+
+_warned = set()
+
+
+def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
+    """Whether backend `kernels` evaluate this config's loss in their forward. Says once per
+    (backend, objective) when a compiled backend leaves a token-level loss to the general path
+    (a new objective its kernels do not implement yet): same values, more launches."""
+    if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
+        return True
+    key = (backend, config.objective)
+    if config.ratio == "token" and backend != "torch" and key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"the {backend} kernels do not evaluate objective={config.objective!r} yet; using the general "
+                      "path (same values, more launches)")
+    return False
+
+
+def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
+    """The kernels' parameters of a config that `kernel_supports`."""
+    if not kernel_supports(config):
+        raise ValueError(f"config: the fused kernels evaluate token-level losses only, got ratio={config.ratio!r}")
+    kl_in_loss = config.kl_coef > 0
+    return k.TokenLossParams(
+        objective=_OBJECTIVES[config.objective],
+        clip_low=_bound(config.clip_low),
+        clip_high=_bound(config.clip_high),
+        delta=_bound(config.delta),
+        dual_clip=_bound(config.dual_clip),
+        kl_estimator=_KL[config.kl_estimator] if kl_in_loss else k.KL_NONE,
+        kl_coef=float(config.kl_coef) if kl_in_loss else 0.0,
+        kl_clamp=_bound(config.kl_clamp),
+        kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
+        entropy_coef=float(config.entropy_coef),
+        log_ratio_clamp=float(config.log_ratio_clamp),
+    )
