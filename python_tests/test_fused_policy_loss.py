@@ -84,6 +84,69 @@ def test_inplace_overwrites_logits_with_the_gradient(backend, dtype):
     assert x.grad.data_ptr() == buffer.data_ptr()  # no second N × V buffer
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_refuses_logits_saved_upstream(backend):
+    """`inplace=True` overwrites the logits with ∂logits: a node that saved them (here exp, which
+    saves its result) must get autograd's in-place error, not silently wrong gradients."""
+    logits, targets, inputs = _case(seed=7)
+    x = (logits / 4).requires_grad_(True)
+    z = x.exp()
+    out = rlkernels.fused_policy_loss(z, targets, inputs["advantages"].float(), inputs["mask"], presets.grpo(),
+                                      inplace=True, backend=backend, **_kwargs(inputs, presets.grpo()))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incoming_gradient_scales_without_a_sync(backend):
+    """(loss / k).backward() for gradient accumulation: the kernel scales its per-row derivatives."""
+    logits, targets, inputs = _case(seed=8)
+    config = presets.dapo(entropy_coef=0.02)
+    grads = []
+    for scale in (1.0, 0.25):
+        x = logits.clone().requires_grad_(True)
+        out = rlkernels.fused_policy_loss(x, targets, inputs["advantages"].float(), inputs["mask"], config,
+                                          backend=backend, **_kwargs(inputs, config))
+        (out.loss * scale).backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0] * 0.25)
+
+
+# Token-level configs beyond the presets: every branch of the per-token formula the kernels evaluate.
+TOKEN_CONFIGS = {
+    "delta+asymmetric": dict(ratio="token", clip_low=0.1, clip_high=0.3, delta=1.5),
+    "dual_clip+k1": dict(ratio="token", dual_clip=2.0, kl_estimator="k1", kl_coef=0.1),
+    "k2+kl_clamp": dict(ratio="token", kl_estimator="k2", kl_coef=0.2, kl_clamp=0.05),
+    "k3+bias_correction": dict(ratio="token", kl_estimator="k3", kl_coef=0.3, kl_bias_correction=True,
+                               log_ratio_clamp=0.15),
+    "cispo_two_sided": dict(ratio="token", objective="cispo", clip_low=0.1, clip_high=0.2, entropy_coef=-0.05),
+    "reinforce": dict(ratio="token", objective="reinforce", kl_estimator="k3", kl_coef=0.05),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", TOKEN_CONFIGS)
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_token_configs_equal_the_composition(backend, name, on_policy):
+    logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000 + on_policy, per_token_adv=True)
+    config = rlkernels.PolicyLossConfig(**TOKEN_CONFIGS[name])
+    kw = _kwargs(inputs, config)
+    if on_policy:
+        kw.pop("old_logp")
+    adv, mask = inputs["advantages"].float(), inputs["mask"]
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=1.3, backend=backend, **kw)
+    fused.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    logp, ent = rlkernels.token_logprobs(y, targets, temperature=1.3, return_entropy=True, backend="torch")
+    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
+    composed.loss.backward()
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_inplace_rejects_strided_logits():
     logits, targets, inputs = _case(T=8, seed=4)
     x = logits.requires_grad_(True)
@@ -134,7 +197,7 @@ def test_sliced_logits_are_read_in_place(backend):
     expected.loss.backward()
     leaf = base.clone().requires_grad_(True)
     start = reset_peak()
-    got = rlkernels.fused_policy_loss(leaf[:, :-1], *args, **kw)  # ∂logits is computed here
+    got = rlkernels.fused_policy_loss(leaf[:, :-1], *args, **kw)  # reads the slice: no N × V copy
     extra = peak_since(start)
     got.loss.backward()
     torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=0)

@@ -62,7 +62,7 @@ def make_inputs(seed, vocab, dtype, c):
     ref = logp + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)
     old[0, 0] = logp[0, 0] - (c + 1.0)  # |ℓ − ℓ_old| > c: r clamped, no gradient through w
     ref[0, 1] = logp[0, 1] + (c + 1.0)  # |ℓ_ref − ℓ| > c: Δ clamped, no KL gradient
-    for t, pad in ((adv, math.nan), (old, math.inf), (ref, -math.inf)):
+    for t, pad in ((adv, math.inf), (old, -math.inf), (ref, math.nan)):
         t[~mask] = pad
     return logits, targets, mask, adv, old, ref
 

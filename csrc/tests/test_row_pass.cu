@@ -3,10 +3,13 @@
 // reduction does, in another order), against a double-precision reference. Covers the partition of
 // a row among the lanes (head elements, 16-byte packs in full and partial steps, tail), for every
 // dtype and group size the kernels use, rows aligned or not, and the backward in place, into
-// another buffer, and into one aligned differently (the element-by-element path).
+// another buffer, and into one aligned differently (the element-by-element path). Also the
+// per-token policy loss (rlkernels/token_loss.h): its derivatives against central differences of
+// its value, for random parameters and inputs, and the epilogue that stores it for a row.
 //
 //   nvcc -O2 -std=c++17 -Icsrc/include -Icsrc/cuda csrc/tests/test_row_pass.cu -o /tmp/t && /tmp/t
 // (python_tests/test_cuda_compile.py builds and runs it when nvcc exists.)
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +30,10 @@ void fail(const char* what, const char* dtype, int threads, long V, int offset, 
     std::printf("FAIL %s: %s, %d threads, V=%ld, offset %d, element %ld: got %.9g, want %.9g\n", what, dtype, threads,
                 V, offset, v, got, want);
   }
+}
+
+void fail_token(const char* what, int trial, double got, double want) {
+  if (++failures <= 20) std::printf("FAIL %s, trial %d: got %.12g, want %.12g\n", what, trial, got, want);
 }
 
 template <typename T> const char* name();
@@ -161,6 +168,95 @@ void nan_rows() {
   }
 }
 
+// ∂s/∂ℓ and ∂s/∂H of token_loss (double) against central differences of its loss value, for random
+// parameters (every objective, bound and KL option) and tokens. A token within h of a kink shows
+// as one-sided differences that disagree; it is skipped, and there must be few.
+void token_loss_derivatives(std::mt19937& rng) {
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const double inf = INFINITY, h = 1e-6;
+  auto pick = [&](double finite, double p_finite) { return unit(rng) < p_finite ? finite : inf; };
+  int checked = 0, skipped = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    rlk::TokenLossParams<double> p;
+    p.objective = static_cast<int>(rng() % 3);
+    p.clip_low = pick(0.1 + 0.2 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
+    p.clip_high = pick(0.1 + 0.3 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
+    p.delta = pick(1.5 + unit(rng), 0.5);
+    p.dual_clip = pick(1.5 + unit(rng), 0.5);
+    p.kl_estimator = static_cast<int>(rng() % 4);
+    p.kl_coef = p.kl_estimator == rlk::kKlNone ? 0.0 : 0.3 * unit(rng);
+    p.kl_clamp = pick(0.05 + 0.3 * unit(rng), 0.5);
+    p.kl_bias_correction = rng() % 2 == 0;
+    p.entropy_coef = rng() % 2 == 0 ? 0.0 : 0.05 * normal(rng);
+    p.log_ratio_clamp = rng() % 2 == 0 ? 20.0 : 0.3 + unit(rng);
+    rlk::TokenIn<double> in;
+    in.logp = -5.0 * unit(rng);
+    in.entropy = 3.0 * unit(rng);
+    in.mask = true;
+    in.weight = 0.1 * unit(rng) + 1e-3;
+    in.adv = normal(rng);
+    in.has_old = rng() % 4 != 0;
+    in.old_logp = in.logp - 2.4 * (unit(rng) - 0.5);
+    in.has_ref = rng() % 2 == 0;
+    in.ref_logp = in.logp + 3.0 * (unit(rng) - 0.5);
+    const rlk::TokenOut<double> out = rlk::token_loss(in, p);
+    auto loss = [&](double dl, double dh) {  // ℓ_old stays put; on-policy, it follows ℓ (no gradient)
+      rlk::TokenIn<double> moved = in;
+      moved.logp += dl;
+      moved.entropy += dh;
+      return rlk::token_loss(moved, p).stats[rlk::kStatLoss];
+    };
+    const double f = loss(0, 0), left = (f - loss(-h, 0)) / h, right = (loss(h, 0) - f) / h;
+    if (std::fabs(left - right) > 1e-4 * in.weight) {
+      ++skipped;
+      continue;
+    }
+    ++checked;
+    const double dl = (loss(h, 0) - loss(-h, 0)) / (2 * h), dh = (loss(0, h) - loss(0, -h)) / (2 * h);
+    const double tol = 1e-7 * in.weight * (1 + std::fabs(out.grad_logp / in.weight));
+    if (!(std::fabs(out.grad_logp - dl) <= tol)) fail_token("token_loss grad_logp", trial, out.grad_logp, dl);
+    if (!(std::fabs(out.grad_entropy - dh) <= 1e-7 * in.weight)) {
+      fail_token("token_loss grad_entropy", trial, out.grad_entropy, dh);
+    }
+  }
+  if (skipped > checked / 50) fail_token("token_loss: tokens at a kink (skipped, limit)", 0, skipped, checked / 50);
+}
+
+// StorePolicyToken, as lane 0 runs it for row 1 of 3: it reads that row's inputs (old_logp and
+// ref_logp, when given), runs token_loss on the row's results, and writes row 1 and nothing else.
+void store_policy_token() {
+  rlk::TokenLossParams<float> p{rlk::kClip, 0.2f, 0.28f, INFINITY, 3.0f, rlk::kKlK3, 0.1f, INFINITY, false, 0.01f, 20.0f};
+  const bool mask[3] = {true, true, true};
+  const float weight[3] = {0.5f, 0.25f, 0.5f}, adv[3] = {1.0f, -0.7f, 1.0f};
+  const float old_logp[3] = {-1.0f, -2.0f, -1.0f}, ref_logp[3] = {-1.0f, -1.5f, -1.0f};
+  const rlk::RowResult<float> r{4.0f, -1.75f, 2.5f};  // lse, logp, entropy
+  const float sentinel = 12345.0f;
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool has_old = variant & 1, has_ref = variant & 2;
+    float logp[3], entropy[3], lse[3], grad_logp[3], grad_entropy[3], stats[3 * rlk::kNumStats];
+    for (float* a : {logp, entropy, lse, grad_logp, grad_entropy}) std::fill(a, a + 3, sentinel);
+    std::fill(stats, stats + 3 * rlk::kNumStats, sentinel);
+    const StorePolicyToken store{rlk_cuda::TokenInputs{mask, weight, adv, has_old ? old_logp : nullptr, has_ref ? ref_logp : nullptr},
+                                 p, rlk_cuda::TokenOutputs{logp, entropy, lse, grad_logp, grad_entropy, stats}};
+    store(1, r);
+    const rlk::TokenOut<float> want =
+        rlk::token_loss(rlk::TokenIn<float>{-1.75f, 2.5f, true, 0.25f, -0.7f, has_old, -2.0f, has_ref, -1.5f}, p);
+    bool ok = logp[1] == r.logp && entropy[1] == r.entropy && lse[1] == r.lse && grad_logp[1] == want.grad_logp &&
+              grad_entropy[1] == want.grad_entropy;
+    for (int j = 0; j < rlk::kNumStats; ++j) ok = ok && stats[rlk::kNumStats + j] == want.stats[j];
+    for (int row : {0, 2}) {
+      for (const float* a : {logp, entropy, lse, grad_logp, grad_entropy}) ok = ok && a[row] == sentinel;
+      for (int j = 0; j < rlk::kNumStats; ++j) ok = ok && stats[row * rlk::kNumStats + j] == sentinel;
+    }
+    // The inputs reach the loss: off-policy ℓ − ℓ_old = 0.25 gives w = e^0.25; a reference gives kl > 0.
+    ok = ok && (has_old ? std::fabs(stats[rlk::kNumStats + rlk::kStatRatio] - std::exp(0.25f)) < 1e-6f
+                        : stats[rlk::kNumStats + rlk::kStatRatio] == 1.0f);
+    ok = ok && (stats[rlk::kNumStats + rlk::kStatKl] > 0) == has_ref;
+    if (!ok) fail_token("StorePolicyToken (variant: has_old + 2 has_ref)", variant, grad_logp[1], want.grad_logp);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -177,6 +273,8 @@ int main() {
   nan_rows<float>();
   nan_rows<__nv_bfloat16>();
   nan_rows<__half>();
+  token_loss_derivatives(rng);
+  store_policy_token();
   if (failures) {
     std::printf("test_row_pass: %d failures\n", failures);
     return 1;

@@ -8,6 +8,7 @@ themselves rather than an opaque call.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -18,12 +19,19 @@ from .._checks import FLOAT_DTYPES, check_tensor
 from ._rows import acc_dtype, check_logits_args, row_blocks, run_blocks
 
 _OPS = {}
+_DEFINE_LOCK = threading.Lock()
 
 
 def _define(name: str):
-    """Define (once) the forward/backward ops of backend `name`."""
-    if name in _OPS:
+    """Define (once, under a lock: two threads' first calls must not both register) the
+    forward/backward ops of backend `name`."""
+    with _DEFINE_LOCK:
+        if name not in _OPS:
+            _OPS[name] = _register(name)
         return _OPS[name]
+
+
+def _register(name: str):
     if name == "triton":
         register, launch = torch.library.triton_op, {"wrap": torch.library.wrap_triton}
     else:
@@ -68,7 +76,6 @@ def _define(name: str):
         return grad, None, None, None
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    _OPS[name] = fwd
     return fwd
 
 

@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cmath>
-#include <cstdlib>
 
 #include "rlkernels/row_math.h"
 
@@ -88,12 +87,11 @@ RLK_HOST_DEVICE inline bool passes_(T x, T lo, T hi) {
 
 template <typename T>
 RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenLossParams<T>& p) {
-  static const int MUT = std::getenv("RLK_MUT") ? std::atoi(std::getenv("RLK_MUT")) : 0;
   TokenOut<T> out;
   out.grad_logp = T(0);
   out.grad_entropy = T(0);
   for (int j = 0; j < kNumStats; ++j) out.stats[j] = T(0);
-  if (MUT != 8 && !in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
+  if (!in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
   const T c = p.log_ratio_clamp;
   const T adv = in.adv;
 
@@ -101,7 +99,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   const T d = in.logp - (in.has_old ? in.old_logp : in.logp);
   const T r = clamp_(d, -c, c);
   const T w = exp_(r);
-  const T dw = (MUT==1 || passes_(d, -c, c)) ? w : T(0);
+  const T dw = passes_(d, -c, c) ? w : T(0);
 
   // The surrogate s and ds = ∂s/∂ℓ.
   T s, ds;
@@ -115,22 +113,22 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     const T k = neg_adv * w_clip;
     if (k > u) {
       s = k;
-      ds = (MUT == 9 || passes_(w, lo, hi)) ? neg_adv * dw : T(0);
+      ds = passes_(w, lo, hi) ? neg_adv * dw : T(0);
     } else {
       s = u;
-      ds = (MUT==2 || w <= p.delta) ? neg_adv * dw : T(0);
+      ds = w <= p.delta ? neg_adv * dw : T(0);
     }
     if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
       const T cap = -p.dual_clip * adv;
-      if (MUT != 3 && cap < s) {
+      if (cap < s) {
         s = cap;
         ds = T(0);
       }
     }
     clip_low = w < lo && adv < T(0);
-    clip_high = w > hi && (MUT == 10 || adv > T(0));
+    clip_high = w > hi && adv > T(0);
   } else if (p.objective == kCispo) {
-    ds = MUT == 13 ? -w * adv : -w_clip * adv;  // the clamped weight is a constant: a scaled REINFORCE gradient
+    ds = -w_clip * adv;  // the clamped weight is a constant: a scaled REINFORCE gradient
     s = ds * in.logp;
     clip_low = w < lo;
     clip_high = w > hi;
@@ -146,7 +144,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     const T delta = clamp_(e, -c, c);
     const T em1 = expm1_(delta);  // k3 = e^Δ − 1 − Δ without cancellation for small Δ
     if (p.kl_estimator == kKlNone || !(p.kl_coef > T(0))) {
-      kl = MUT == 12 ? T(0) : em1 - delta;  // no KL in the loss: the statistic is k3
+      kl = em1 - delta;  // no KL in the loss: the statistic is k3
     } else {
       T k, dk;  // the estimate and ∂k/∂Δ
       if (p.kl_estimator == kKlK1) {
@@ -159,28 +157,28 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
         k = em1 - delta;
         dk = em1;
       }
-      if (MUT != 4 && !passes_(k, -p.kl_clamp, p.kl_clamp)) dk = T(0);
+      if (!passes_(k, -p.kl_clamp, p.kl_clamp)) dk = T(0);
       k = clamp_(k, -p.kl_clamp, p.kl_clamp);
       if (p.kl_bias_correction) {  // times w, detached
         k = k * w;
-        if (MUT != 5) dk = dk * w;
+        dk = dk * w;
       }
       kl = k;
       s = s + p.kl_coef * k;
-      if (MUT == 6 || passes_(e, -c, c)) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
+      if (passes_(e, -c, c)) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
     }
   }
 
   if (p.entropy_coef != T(0)) {
     s = s - p.entropy_coef * in.entropy;
-    out.grad_entropy = MUT == 11 ? -p.entropy_coef : -in.weight * p.entropy_coef;
+    out.grad_entropy = -in.weight * p.entropy_coef;
   }
   out.grad_logp = in.weight * ds;
   out.stats[kStatLoss] = in.weight * s;
   out.stats[kStatClipLow] = clip_low ? T(1) : T(0);
   out.stats[kStatClipHigh] = clip_high ? T(1) : T(0);
   out.stats[kStatRatio] = w;
-  out.stats[kStatApproxKl] = MUT == 7 ? expm1_(r) - r : expm1_(-r) + r;  // k3(clamp(ℓ_old − ℓ, −c, c)), and that clamp is −r
+  out.stats[kStatApproxKl] = expm1_(-r) + r;  // k3(clamp(ℓ_old − ℓ, −c, c)), and that clamp is −r
   out.stats[kStatKl] = kl;
   out.stats[kStatEntropy] = in.entropy;
   return out;

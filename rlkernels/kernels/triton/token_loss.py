@@ -146,4 +146,4 @@ def token_loss(
             ds += kl_coef * dkl
     s -= entropy_coef * entropy
     # clamp(ℓ_old − ℓ, ±c) is exactly −r.
-    return s, ds, clip_low, clip_high, w, k3(r), kl
+    return s, ds, clip_low, clip_high, w, k3(-r), kl
