@@ -47,13 +47,16 @@ def assert_same_run(path, reference, where):
     assert json.loads((path / "summary.json").read_text())["steps"] == TINY["steps"], where
 
 
-def start_run(out, log):
-    """`python -m rlkernels.train` with the TINY flags and `--out out` in a forked child: its pid."""
+def start_run(out, log, fault=None):
+    """`python -m rlkernels.train` with the TINY flags and `--out out` in a forked child (after
+    `fault()` there): its pid."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 1
         try:
             sys.stdout = sys.stderr = open(log, "w", buffering=1)
+            if fault is not None:
+                fault()
             code = main([*ARGV, "--out", str(out)])
         finally:
             sys.stdout.flush()
@@ -77,16 +80,36 @@ def wait_for_steps(out, n, pid, timeout=120):
     pytest.fail(f"the run wrote no metrics of step {n} in {timeout} s")
 
 
-def test_kill_9_at_a_random_point_then_resume(reference, tmp_path):
-    rnd = random.Random()
-    after, delay = rnd.randint(0, TINY["steps"] - 1), rnd.uniform(0, 0.4)
-    where = f"killed {delay:.2f} s after the metrics of step {after}"
+def die_in_third_checkpoint_write():
+    """SIGKILL the process when it is about to rename its third checkpoint into place."""
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_replace(src, dst)
+
+    os.replace = replace
+
+
+@pytest.mark.parametrize("when", ["at random", "in a checkpoint write"])
+def test_kill_9_then_resume(reference, tmp_path, when):
     out = tmp_path / "run"
-    pid = start_run(out, tmp_path / "log")
-    if wait_for_steps(out, after, pid) is None:
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    if when == "at random":
+        rnd = random.Random()
+        after, delay = rnd.randint(0, TINY["steps"] - 1), rnd.uniform(0, 0.4)
+        where = f"killed {delay:.2f} s after the metrics of step {after}"
+        pid = start_run(out, tmp_path / "log")
+        if wait_for_steps(out, after, pid) is None:
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    else:
+        where = "killed before renaming the checkpoint of step 3"
+        pid = start_run(out, tmp_path / "log", die_in_third_checkpoint_write)
+        assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+        assert (out / "checkpoint.pt.tmp").exists() and torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 2
     if (out / "checkpoint.pt").exists():  # a stale checkpoint.pt.tmp and a torn metrics line are fine
         train(Config(resume=str(out), progress=False))
     else:  # killed before its first checkpoint: start again, as a scheduler would

@@ -88,12 +88,13 @@ def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
     return mask != 0
 
 
-def check_targets(targets: torch.Tensor, vocab: int, what: str) -> torch.Tensor:
-    """Token ids in [0, vocab); `what` says where V comes from. Checked on the device
+def check_targets(targets: torch.Tensor, vocab, what: str) -> torch.Tensor:
+    """Token ids in [0, vocab) (an int, or a 0-d device tensor); `what` says where V comes from. Checked on the device
     (`check_on_device`: no synchronisation, and traceable by torch.compile); the CPU kernels
     check on the host and name the row, so their callers skip this."""
     if targets.numel():
-        check_on_device(((targets >= 0) & (targets < vocab)).all(), f"targets: expected values in [0, {vocab}) ({what})")
+        bound = vocab if isinstance(vocab, int) else "V"
+        check_on_device(((targets >= 0) & (targets < vocab)).all(), f"targets: expected values in [0, {bound}) ({what})")
     return targets
 
 
@@ -119,6 +120,19 @@ def check_real(
         rng = f"{'(' if lo_open or lo is None else '['}{lb}, {hb}{')' if hi_open or hi is None else ']'}"
         raise ValueError(f"{name}: expected a finite number in {rng}, got {x!r}")
     return x
+
+
+# The kernels multiply by 1/τ in fp32: below this τ the inverse overflows to inf.
+MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+
+
+def check_temperature(temperature) -> float:
+    """A finite temperature whose inverse is finite in fp32 (τ ≥ 2.9e-39); returns it as float."""
+    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature: expected a number >= {MIN_TEMPERATURE:.3g} (1/τ must be finite in fp32), "
+                         f"got {temperature!r}")
+    return temperature
 
 
 def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None) -> int:

@@ -168,14 +168,18 @@ void nan_rows() {
   }
 }
 
-// ∂s/∂ℓ and ∂s/∂H of token_loss (double) against central differences of its loss value, for random
-// parameters (every objective, bound and KL option) and tokens. A token within h of a kink shows
-// as one-sided differences that disagree; it is skipped, and there must be few.
+// The derivatives of token_loss (double) against central differences of its loss value, for random
+// parameters (every objective, bound and KL option) and tokens. Where the loss holds a detached
+// value (on-policy ℓ_old, CISPO's clamped weight, the KL bias correction's weight) the gradient is
+// not the derivative of the value; those are checked through identities that remove the detached
+// value. A token within h of a kink shows as one-sided differences that disagree: it is skipped,
+// and there must be few.
 void token_loss_derivatives(std::mt19937& rng) {
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::normal_distribution<double> normal(0.0, 1.0);
   const double inf = INFINITY, h = 1e-6;
   auto pick = [&](double finite, double p_finite) { return unit(rng) < p_finite ? finite : inf; };
+  auto close = [](double a, double b, double scale) { return std::fabs(a - b) <= 1e-12 * (scale + std::fabs(b)); };
   int checked = 0, skipped = 0;
   for (int trial = 0; trial < 4000; ++trial) {
     rlk::TokenLossParams<double> p;
@@ -201,26 +205,63 @@ void token_loss_derivatives(std::mt19937& rng) {
     in.has_ref = rng() % 2 == 0;
     in.ref_logp = in.logp + 3.0 * (unit(rng) - 0.5);
     const rlk::TokenOut<double> out = rlk::token_loss(in, p);
-    auto loss = [&](double dl, double dh) {  // ℓ_old stays put; on-policy, it follows ℓ (no gradient)
+    const double scale = in.weight;
+
+    if (!in.has_old) {  // on-policy: the off-policy loss at ℓ_old = ℓ
+      rlk::TokenIn<double> off = in;
+      off.has_old = true;
+      off.old_logp = in.logp;
+      const rlk::TokenOut<double> o = rlk::token_loss(off, p);
+      if (o.grad_logp != out.grad_logp || o.stats[rlk::kStatLoss] != out.stats[rlk::kStatLoss]) {
+        fail_token("token_loss on-policy", trial, out.grad_logp, o.grad_logp);
+      }
+      continue;
+    }
+    const bool kl_in_loss = in.has_ref && p.kl_estimator != rlk::kKlNone && p.kl_coef > 0;
+    if (kl_in_loss && p.kl_bias_correction) {  // the KL term's loss and gradient, times w
+      rlk::TokenLossParams<double> plain = p, no_kl = p;
+      plain.kl_bias_correction = false;
+      no_kl.kl_coef = 0;
+      const rlk::TokenOut<double> a = rlk::token_loss(in, plain), b = rlk::token_loss(in, no_kl);
+      const double w = out.stats[rlk::kStatRatio];
+      for (int j : {0, 1}) {  // 0: the gradient, 1: the loss
+        const double got = j ? out.stats[rlk::kStatLoss] : out.grad_logp;
+        const double base = j ? b.stats[rlk::kStatLoss] : b.grad_logp, kl = (j ? a.stats[rlk::kStatLoss] : a.grad_logp) - base;
+        if (!close(got, base + w * kl, scale)) fail_token("token_loss kl_bias_correction", trial, got, base + w * kl);
+      }
+      continue;
+    }
+    if (p.objective == rlk::kCispo) {  // REINFORCE with the advantage times the clamped weight
+      rlk::TokenLossParams<double> reinforce = p;
+      reinforce.objective = rlk::kReinforce;
+      rlk::TokenIn<double> scaled = in;
+      const double w = out.stats[rlk::kStatRatio];
+      scaled.adv = rlk::clamp_(w, 1 - p.clip_low, 1 + p.clip_high) * in.adv;
+      const rlk::TokenOut<double> o = rlk::token_loss(scaled, reinforce);
+      if (!close(out.grad_logp, o.grad_logp, scale)) fail_token("token_loss cispo", trial, out.grad_logp, o.grad_logp);
+      continue;
+    }
+    auto loss = [&](double dl, double dh) {
       rlk::TokenIn<double> moved = in;
       moved.logp += dl;
       moved.entropy += dh;
       return rlk::token_loss(moved, p).stats[rlk::kStatLoss];
     };
     const double f = loss(0, 0), left = (f - loss(-h, 0)) / h, right = (loss(h, 0) - f) / h;
-    if (std::fabs(left - right) > 1e-4 * in.weight) {
+    if (std::fabs(left - right) > 1e-4 * scale) {
       ++skipped;
       continue;
     }
     ++checked;
     const double dl = (loss(h, 0) - loss(-h, 0)) / (2 * h), dh = (loss(0, h) - loss(0, -h)) / (2 * h);
-    const double tol = 1e-7 * in.weight * (1 + std::fabs(out.grad_logp / in.weight));
-    if (!(std::fabs(out.grad_logp - dl) <= tol)) fail_token("token_loss grad_logp", trial, out.grad_logp, dl);
-    if (!(std::fabs(out.grad_entropy - dh) <= 1e-7 * in.weight)) {
-      fail_token("token_loss grad_entropy", trial, out.grad_entropy, dh);
+    if (!(std::fabs(out.grad_logp - dl) <= 1e-7 * (scale + std::fabs(dl)))) {
+      fail_token("token_loss grad_logp", trial, out.grad_logp, dl);
     }
+    if (!(std::fabs(out.grad_entropy - dh) <= 1e-7 * scale)) fail_token("token_loss grad_entropy", trial, out.grad_entropy, dh);
   }
-  if (skipped > checked / 50) fail_token("token_loss: tokens at a kink (skipped, limit)", 0, skipped, checked / 50);
+  if (checked < 1000 || skipped > checked / 50) {
+    fail_token("token_loss: too few tokens checked against differences (checked, skipped)", 0, checked, skipped);
+  }
 }
 
 // StorePolicyToken, as lane 0 runs it for row 1 of 3: it reads that row's inputs (old_logp and

@@ -24,13 +24,19 @@ def value_loss(
 ) -> LossOutput:
     """½·agg(max((V − R̂)², (clip(V, V_old ± clip) − R̂)²)); `clip=None` disables the clipped branch."""
     check_tensor("values", values, ndim=2, dtypes=FLOAT_DTYPES)
-    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
-        check_tensor(name, t)
+    for name, t in (("old_values", old_values), ("returns", returns)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES)
         check_same_shape(name, t, "values", values)
+    check_tensor("mask", mask)
+    check_same_shape("mask", mask, "values", values)
     mask = check_mask("mask", mask)
     check_choice("agg", agg, AGGREGATIONS)
     if clip is not None:
         check_real("clip", clip, 0, lo_open=True)
+    if num_items is not None:
+        check_real("num_items", num_items, 0, lo_open=True)
+    if num_seqs is not None:
+        check_real("num_seqs", num_seqs, 0, lo_open=True)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     values = torch.where(mask, values, zero)
     old_values = torch.where(mask, old_values.to(values.dtype), zero).detach()

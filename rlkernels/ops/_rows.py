@@ -6,7 +6,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_real, check_targets, check_tensor
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_targets, check_temperature, check_tensor
 
 # Backends whose kernels check every target on the host (and name its row): no device assert needed.
 _KERNEL_CHECKS_TARGETS = ("cpu",)
@@ -23,7 +23,7 @@ def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
-    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    temperature = check_temperature(temperature)
     if backend not in _KERNEL_CHECKS_TARGETS:
         check_targets(targets, logits.shape[-1], "V = logits.shape[-1]")
     return temperature

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_real, check_targets, check_tensor
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_temperature, check_tensor
 from ._rows import acc_dtype
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
@@ -38,7 +38,7 @@ class HeadSpec:
     backend: str
     rows: int  # rows per chunk
     group: Optional[object] = None  # torch.distributed process group (vocabulary parallel), or None
-    vocab_start: int = 0  # first global vocabulary id of this rank's slice of `weight`
+    vocab_start: object = 0  # first global vocabulary id of this rank's slice of `weight` (a 0-d tensor when sharded)
 
 
 class LinearHead:
@@ -179,13 +179,16 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
     if bias is not None:
         check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
     check_tensor("targets", targets, shape=tuple(hidden.shape[:-1]), dtypes=INT_DTYPES, device=hidden.device)
-    temperature = check_real("temperature", temperature, 0, lo_open=True)
+    temperature = check_temperature(temperature)
     vocab, start = weight.shape[0], 0
     if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group: expected a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        # The slices' sizes stay on the device: the start and the total are 0-d tensors (no sync).
         sizes = torch.zeros(dist.get_world_size(process_group), dtype=torch.int64, device=hidden.device)
         sizes[dist.get_rank(process_group)] = vocab
         dist.all_reduce(sizes, group=process_group)
-        start, vocab = int(sizes[: dist.get_rank(process_group)].sum()), int(sizes.sum())
+        start, vocab = sizes[: dist.get_rank(process_group)].sum(), sizes.sum()
     name = _backend.resolve(backend, hidden.device)
     if process_group is not None or name != "cpu":  # the CPU kernels check their (local) targets on the host
         check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
