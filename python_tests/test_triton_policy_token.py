@@ -70,7 +70,8 @@ def make_inputs(seed, vocab, dtype, c):
 def spec(logits, targets, mask, adv, old, ref, temperature, config, logp=None):
     """Every output of policy_token_fwd, from autograd of the losses code in fp64 (at ``logp``
     when given, else at ℓ of the logits)."""
-    logp_fwd, entropy, lse = torch_chunked.token_logprobs_fwd(logits.double(), targets, temperature, True)
+    logp_fwd, entropy, lse = torch_chunked.token_logprobs_fwd(logits.double(), targets,
+                                                              temperature, True)
     logp = logp_fwd if logp is None else logp.double()
     logp_leaf = logp.view(B, T).clone().requires_grad_(True)
     entropy_leaf = entropy.view(B, T).clone().requires_grad_(True)
@@ -161,7 +162,8 @@ def test_cases_reach_every_branch():
         dtype, temperature, vocab, _, _, kw = param.values
         config = PolicyLossConfig(**kw)
         seed = sum(map(ord, param.id))
-        logits, targets, mask, adv, old, ref = make_inputs(seed, vocab, dtype, config.log_ratio_clamp)
+        logits, targets, mask, adv, old, ref = make_inputs(seed, vocab, dtype,
+                                                           config.log_ratio_clamp)
         logp, _, _ = torch_chunked.token_logprobs_fwd(logits.double(), targets, temperature, False)
         logp = logp.view(B, T)
         d = logp - old

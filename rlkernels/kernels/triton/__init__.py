@@ -3,4 +3,5 @@
 from .policy_token import policy_token_fwd
 from .token_logprobs import available, launch_config, token_logprobs_bwd, token_logprobs_fwd
 
-__all__ = ["available", "launch_config", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd"]
+__all__ = ["available", "launch_config", "token_logprobs_fwd", "token_logprobs_bwd",
+           "policy_token_fwd"]

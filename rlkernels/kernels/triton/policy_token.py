@@ -3,7 +3,7 @@
 One program per row makes the forward's single pass over the logits (`row_forward`, shared with
 `token_logprobs`) and then, on the row's scalars, evaluates the per-token loss of
 ``token_loss.py``, writing ℓ, H, lse, w_agg·∂s/∂ℓ, w_agg·∂s/∂H and the 7 statistics. The loss
-adds a few hundred bytes of I/O per row to the V·b bytes of logits.
+adds 73 bytes of I/O per row (25 read, 48 written) to the V·b bytes of logits.
 """
 
 import torch

@@ -1,9 +1,10 @@
 """Triton kernels for per-token log-probs and entropy (DESIGN.md §2).
 
-Forward: one program per row streams the row once in BLOCK_V tiles, keeping an online max,
-the rescaled Σ e^{x−m} and (for the entropy) Σ e^{x−m}·(x−m) in fp32; the target logit is one
-scalar load. Backward: one program per row reads the row once and writes ∂logits once, from
-the saved lse (and entropy). The math per tile lives in ``row_math.py``.
+Forward: one program per row streams the row once in BLOCK_V tiles (`row_forward`, also the
+pass of policy_token.py), keeping an online max, the rescaled Σ e^{x−m} and (for the entropy)
+Σ e^{x−m}·(x−m) in fp32; the target logit is one scalar load, masked to the row (a target
+outside [0, V) gives NaN). Backward: one program per row reads the row once and writes
+∂logits once, from the saved lse (and entropy). The math per tile lives in ``row_math.py``.
 
 I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
 """
@@ -167,7 +168,8 @@ def _plain(kernel):
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plain):
-    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``.
+    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``; logp is
+    NaN where a target is outside [0, V).
 
     ``wrap``: applied to the kernel before launch; ``torch.library.wrap_triton`` inside a
     ``triton_op`` lets torch.compile see the launch (the default launches it directly).
