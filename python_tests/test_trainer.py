@@ -232,6 +232,17 @@ def test_checkpoints_are_fsynced_and_stale_temp_files_removed(tmp_path, monkeypa
     assert not os.path.exists(tmp) and os.path.exists(tmp_path / "checkpoint.pt")
 
 
+def test_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
+    def full(obj, f):
+        f.write(b"part")
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ValueError, match=r"--out: cannot write .*checkpoint.pt \(.*basic_ios::clear"):
+        loop.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+    assert os.listdir(tmp_path) == []  # no half-written temp file left behind
+
+
 def test_recorded_logprobs_match_the_sampler():
     """ℓ_old from the forward pass equals log softmax(logits / τ) of generate's own logits."""
     torch.manual_seed(0)
