@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "rlkernels/grad_out_check.h"
+#include "rlkernels/token_loss_args.h"
 
 #include <cmath>
 #include <optional>
@@ -129,6 +130,39 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
   bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out);
 }
 
+// The forward plus the per-token policy loss. fp32 accumulation, so the per-token inputs are fp32.
+// Targets are not checked (a row outside [0, V) gets a NaN logp, see check_targets).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
+    int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
+    double log_ratio_clamp) {
+  check_logits(logits);
+  const at::Tensor tgt = check_targets(targets, logits);
+  const float inv_tau = inv_temperature(temperature);
+  rlk::check_token_inputs(logits, mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
+      objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
+      entropy_coef, log_ratio_clamp);
+  const int64_t N = logits.size(0);
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
+  at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
+  if (N == 0) return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+  const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
+                       old_logp.has_value() ? old_logp->const_data_ptr<float>() : nullptr,
+                       ref_logp.has_value() ? ref_logp->const_data_ptr<float>() : nullptr};
+  const TokenOutputs out{logp.mutable_data_ptr<float>(),      entropy.mutable_data_ptr<float>(),
+                         lse.mutable_data_ptr<float>(),       grad_logp.mutable_data_ptr<float>(),
+                         grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
+  const c10::cuda::CUDAGuard guard(logits.device());
+  C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau, in, params, out,
+                                  c10::cuda::getCurrentCUDAStream()));
+  return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+}
+
 }  // namespace
 }  // namespace rlk_cuda
 
@@ -136,4 +170,5 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CUDA, m) {
   m.impl("token_logprobs_fwd", &rlk_cuda::token_logprobs_fwd_cuda);
   m.impl("token_logprobs_bwd", &rlk_cuda::token_logprobs_bwd_cuda);
   m.impl("token_logprobs_bwd_out", &rlk_cuda::token_logprobs_bwd_out_cuda);
+  m.impl("policy_token_fwd", &rlk_cuda::policy_token_fwd_cuda);
 }
