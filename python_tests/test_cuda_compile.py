@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from benchmarks.gpu_static import gencode, nvcc_flags, ptxas_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
@@ -29,69 +30,12 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 
-def _torch_nvcc_flags():
-    """The flags torch's CUDAExtension gives nvcc (no implicit half/bf16 conversions, ...)."""
-    try:
-        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-    except ImportError:
-        COMMON_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                             "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-                             "--expt-relaxed-constexpr"]
-    return list(COMMON_NVCC_FLAGS)
-
-
 def _compile(source, out_dir):
     """One nvcc run for every arch (the host side and front end once, the archs on two threads)."""
     obj = os.path.join(out_dir, f"{os.path.basename(source)}.o")
-    archs = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHS]
-    cmd = [NVCC, "-c", *archs, "--threads", "2", "-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v",
-           "-I", os.path.join(ROOT, "csrc", "include"), *_torch_nvcc_flags(), source, "-o", obj]
+    cmd = [NVCC, "-c", *gencode(ARCHS), "--threads", "2", *nvcc_flags(), source, "-o", obj]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return cmd, proc
-
-
-_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
-_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
-
-
-def _demangle(names):
-    tool = shutil.which("cu++filt") or shutil.which("c++filt")
-    if tool is None or not names:
-        return dict(zip(names, names))
-    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-    return dict(zip(names, out if len(out) == len(names) else names))
-
-
-def _short(name):
-    """rlk_cuda::(anonymous namespace)::fwd_kernel<float, 32, true, rlk_cuda::rows::StoreRow<true>>(...)
-    → fwd_kernel<float, 32, true, StoreRow<true>>: the template arguments end at the `>` that
-    closes the first `<` (the parameter list may hold more)."""
-    head, bracket, rest = name.replace("(anonymous namespace)::", "").partition("<")
-    if not bracket:
-        return head.split("(", 1)[0].rsplit("::", 1)[-1]
-    depth = 1
-    for end, ch in enumerate(rest):
-        depth += {"<": 1, ">": -1}.get(ch, 0)
-        if depth == 0:
-            break
-    return head.rsplit("::", 1)[-1] + "<" + re.sub(r"\w+::", "", rest[: end + 1])
-
-
-def ptxas_report(stderr):
-    """[(kernel, arch, registers, stack, spill stores, spill loads, smem)] from `-Xptxas -v` output."""
-    rows, current = [], None
-    for line in stderr.splitlines():
-        if m := _ENTRY.search(line):
-            current = [m.group(1), m.group(2), None, 0, 0, 0, 0]
-            rows.append(current)
-        elif current is not None and (m := _SPILL.search(line)):
-            current[3:6] = [int(g) for g in m.groups()]
-        elif current is not None and (m := _REGS.search(line)):
-            current[2] = int(m.group(1))
-            current[6] = int(m.group(2) or 0)
-    names = _demangle(sorted({r[0] for r in rows}))
-    return [(_short(names[r[0]]), *r[1:]) for r in rows]
 
 
 def _build_row_pass(out_dir):
