@@ -269,7 +269,7 @@ def test_bad_inputs_name_the_argument():
         ("temperature", (logits, targets, 0.0)),
     ]
     for name, (z, y, tau) in fwd_cases:
-        with pytest.raises(RuntimeError, match=f"{name}:"):
+        with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):
             cpu.token_logprobs_fwd(z, y, tau, True)
     bwd_cases = [
         ("lse", (logits, targets, lse[:3], entropy, g, None)),
@@ -279,7 +279,7 @@ def test_bad_inputs_name_the_argument():
         ("logits", (logits.half().t(), targets, lse, entropy, g, None)),
     ]
     for name, args in bwd_cases:
-        with pytest.raises(RuntimeError, match=f"{name}:"):
+        with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):
             cpu.token_logprobs_bwd(*args, 1.0)
 
 

@@ -280,7 +280,7 @@ at::Tensor check_targets(const at::Tensor& targets, int64_t N, int64_t V) {
   at::Tensor t = targets.to(at::kLong).contiguous();
   const int64_t* p = t.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
+    TORCH_CHECK_VALUE(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
   }
   return t;
 }

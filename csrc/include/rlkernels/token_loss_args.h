@@ -18,7 +18,7 @@ namespace rlk {
 inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType dtype) {
   TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), " (that of logits), got ",
               t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", logits.scalar_type(), " logits, got ",
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", logits.scalar_type(), " logits, got ",
               t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, ": expected shape (", logits.size(0),
               ",) matching logits (N, V), got ", t.sizes());
@@ -38,9 +38,9 @@ inline void check_token_inputs(const at::Tensor& logits, const at::Tensor& mask,
 
 // `value` ≥ low (> low when strict); +inf is allowed only where it means "no bound".
 inline double check_scalar(const char* name, double value, double low, bool strict, bool inf_ok) {
-  TORCH_CHECK(!std::isnan(value), name, ": expected a number, got nan");
-  TORCH_CHECK(inf_ok || std::isfinite(value), name, ": expected a finite number, got ", value);
-  TORCH_CHECK(strict ? value > low : value >= low, name, ": expected a value ", strict ? ">" : ">=", " ", low,
+  TORCH_CHECK_VALUE(!std::isnan(value), name, ": expected a number, got nan");
+  TORCH_CHECK_VALUE(inf_ok || std::isfinite(value), name, ": expected a finite number, got ", value);
+  TORCH_CHECK_VALUE(strict ? value > low : value >= low, name, ": expected a value ", strict ? ">" : ">=", " ", low,
               ", got ", value);
   return value;
 }
