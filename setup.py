@@ -1,4 +1,4 @@
-"""Build of rlkernels and its optional compiled extension `rlkernels._C` (DESIGN.md §1).
+"""Build of rlkernels and its optional compiled extension `rlkernels._C` (docs/design.md §6).
 
     pip install --no-build-isolation -e .                 # with the extension (needs torch installed)
     RLKERNELS_NO_EXTENSION=1 pip install ... -e .         # pure Python; the `torch` backend serves CPU

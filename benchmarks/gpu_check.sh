@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (DESIGN.md §6), under 8 minutes: build, run the gpu tests,
+# One command for a GPU machine (docs/design.md §9), under 8 minutes: build, run the gpu tests,
 # benchmark. torch is preinstalled there; --no-build-isolation builds against it.
 # Arguments are passed to benchmarks.report (e.g. --vocabs 151936 --providers eager rlkernels-triton).
 set -euo pipefail

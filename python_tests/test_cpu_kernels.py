@@ -69,7 +69,7 @@ def _close(actual, expected, tol=TOL_OUT):
 def _close_grad(actual, ref):
     """fp32: error ≤ 1e-5 × the size of the terms summed (ref.grad_scale; ≈ |grad| where nothing
     cancels). bf16/fp16: the rounding of the output itself (up to 2^-8 relative for bf16) exceeds
-    DESIGN.md's 2e-3, so check that the kernel adds only fp32-sized error to it: (a) every element
+    2e-3 (docs/design.md §9), so check that the kernel adds only fp32-sized error: (a) every element
     is within one unit in the last place of the exactly rounded reference (plus the fp32 bound),
     and (b) few elements differ from it at all: an fp32 result rounds the other way only when it
     lies within its error of a rounding boundary (measured: under 0.1% of the elements; the

@@ -16,7 +16,7 @@ from loss_inputs import random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 TRITON = rlkernels.backend_info()["triton"]["available"]
-# normwise relative error allowed (DESIGN.md §1: 1e-5 fp32, 2e-3 bf16 on log-probs). bf16
+# normwise relative error allowed (docs/design.md §9: 1e-5 fp32, 2e-3 bf16 on log-probs). bf16
 # gradients are rounded to bf16 per logit, then summed over V or N by a bf16 matmul.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-3, 1e-2), torch.float64: (1e-12, 1e-12)}
 

@@ -326,7 +326,7 @@ def test_unknown_preset_and_field():
 
 
 def test_preset_table():
-    # DESIGN.md §3.6, row by row.
+    # docs/math.md §9, row by row.
     table = {
         "ppo": ("token", "clip", 0.2, 0.2, None, 0.0, "token_mean"),
         "grpo": ("token", "clip", 0.2, 0.2, "k3", 0.04, "seq_mean_token_mean"),

@@ -9,12 +9,12 @@ from rlkernels import reference
 
 # The Triton interpreter is slow; its kernels are tested at tiny shapes in test_triton_kernels.py.
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
-# Relative tolerance on log-probs and gradients (DESIGN.md §1): bf16/fp16 are compared with the
+# Relative tolerance on log-probs and gradients (docs/design.md §9): bf16/fp16 are compared with the
 # reference evaluated on the same rounded values, upcast.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-3, atol=2e-3),
        torch.float16: dict(rtol=2e-3, atol=2e-3), torch.float64: dict(rtol=1e-10, atol=1e-10)}
 # The gradient is returned in the logits' dtype: rounding it to bf16 alone costs up to half an ulp,
-# 2⁻⁸ relative, on top of the 2e-3 of DESIGN.md.
+# 2⁻⁸ relative, on top of the 2e-3 of docs/design.md §9.
 GRAD_TOL = {**TOL, torch.bfloat16: dict(rtol=2e-3 + 2**-8, atol=2e-3)}
 
 

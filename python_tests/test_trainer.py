@@ -1,4 +1,4 @@
-"""The trainer (DESIGN.md §5): short end-to-end runs per algorithm family, exact resume, the
+"""The trainer (docs/design.md §10): short end-to-end runs per algorithm family, exact resume, the
 non-finite guard, the log-probs it records, data parallel equality, and errors for bad configs,
 rewards, files and checkpoints (kills and signals: test_trainer_faults.py).
 

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(not rlkernels.backend_info()["triton"]["availabl
                                 reason=rlkernels.backend_info()["triton"]["reason"])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The gradient is stored in the logits' dtype, compared with a composition on the same values
-# upcast to fp32: bf16 rounding to nearest costs up to half an ulp (2⁻⁸) on top of DESIGN.md's
-# 2e-3; the interpreter truncates fp32 → bf16 instead, up to one ulp (2⁻⁷). Entries far below
-# the largest (tail tokens) are held to the same tolerance times the largest.
+# upcast to fp32: bf16 rounding to nearest costs up to half an ulp (2⁻⁸) on top of the 2e-3 of
+# docs/design.md §9; the interpreter truncates fp32 → bf16 instead, up to one ulp (2⁻⁷). Entries
+# far below the largest (tail tokens) are held to the same tolerance times the largest.
 BF16_ROUNDING = 2.0**-8 if torch.cuda.is_available() else 2.0**-7
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3 + BF16_ROUNDING}
 # V: 7 (one partial tile), 1000 (two interpreter tiles, the last partial).

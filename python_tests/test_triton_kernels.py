@@ -1,4 +1,4 @@
-"""Triton kernels against rlkernels.reference (DESIGN.md §2, §6).
+"""Triton kernels against rlkernels.reference (docs/design.md §2, §9).
 
 Without CUDA the kernels run on CPU tensors in the Triton interpreter, which is slow, so those
 shapes are tiny. The interpreter computes with numpy: RuntimeWarnings are errors here, so an
@@ -32,7 +32,7 @@ if ON_CPU and not tk.token_logprobs.INTERPRET:
 DEVICE = "cpu" if ON_CPU else "cuda"
 gpu = pytest.mark.skipif(ON_CPU, reason="needs a CUDA device")
 
-# DESIGN.md §1: relative error on log-probs and gradients vs the reference on the same values.
+# docs/design.md §9: relative error on log-probs and gradients vs the reference on the same values.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 2e-3}
 # One unit in the last place, relative: the rounding of a gradient stored in this dtype.
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}

@@ -1,4 +1,4 @@
-"""`value_loss` (DESIGN.md §3.8) against the reference and by hand."""
+"""`value_loss` (docs/math.md §12) against the reference and by hand."""
 from __future__ import annotations
 
 import pytest

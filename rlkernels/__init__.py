@@ -1,6 +1,6 @@
 """rlkernels: fused kernels for the loss head of RL fine-tuning of language models.
 
-Layers (DESIGN.md §1): `reference` (the naive truth), `kernels` (passes over logits),
+Layers (docs/design.md §1): `reference` (the naive truth), `kernels` (passes over logits),
 `ops` (autograd-aware torch.library ops, backend dispatch), `losses` (RL objectives),
 `advantages` / `sampling`, `trainer`, `integrations`.
 """

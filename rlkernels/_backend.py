@@ -1,4 +1,4 @@
-"""The one place that chooses a backend (DESIGN.md §1); the only reader of RLKERNELS_BACKEND.
+"""The one place that chooses a backend (docs/design.md §6); the only reader of RLKERNELS_BACKEND.
 
 Auto (`backend=None`, or RLKERNELS_BACKEND unset/"auto"): CUDA tensors → triton, else cuda,
 else torch; CPU tensors → cpu if the extension is built, else torch. Auto falls back quietly;

@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §4, docs/math.md "Advantages and sampling").
+"""Advantage estimators (docs/math.md §13).
 
 Plain PyTorch, vectorised over rows and over groups: GAE is one reverse scan over the T
 positions of a ``(B, T)`` batch; group statistics are ``index_add_`` reductions over a group

@@ -1,4 +1,4 @@
-"""The naive mathematical truth of rlkernels (DESIGN.md §2-§4, docs/math.md).
+"""The naive mathematical truth of rlkernels (docs/math.md; the § numbers below are its sections).
 
 Every kernel and every vectorised implementation is tested against this file. It is written
 to be read next to the spec: full log_softmax, everything materialised, Python loops over rows
@@ -56,7 +56,7 @@ def _bessel_std(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# §2 the primitive
+# §2 per-token log-probs and entropy
 
 def token_logprobs(logits, targets, temperature=1.0):
     """(logp, entropy) of shape targets.shape; fp64 if logits are fp64, else fp32."""
@@ -72,7 +72,7 @@ def token_logprobs(logits, targets, temperature=1.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# §3.5 aggregation, shared by policy_loss and value_loss
+# §8 aggregation, shared by policy_loss and value_loss
 
 def _aggregate(row_losses, agg, T, zero, num_items=None, num_seqs=None, norm_length=None):
     """row_losses: list of per-token loss vectors of the non-empty rows (valid tokens only)."""
@@ -106,7 +106,7 @@ def _masked_metric(values, dtype, reduce="mean"):
 
 
 # ---------------------------------------------------------------------------------------------
-# §3 the policy loss
+# §3-§10 the policy loss
 
 def _band(config):
     """Ratio-space clip band (1 - ε_low, 1 + ε_high); None = no bound on that side."""
@@ -122,7 +122,7 @@ def _clipped(x, lo, hi, a=None):
 
 
 def _clip_surrogate(w, a, config):
-    """§3.2 max(-A·w', -A·clip(w, 1-ε_low, 1+ε_high)), w' = min(w, delta); dual clip if A < 0."""
+    """§5 max(-A·w', -A·clip(w, 1-ε_low, 1+ε_high)), w' = min(w, delta); dual clip if A < 0."""
     lo, hi = _band(config)
     delta, c = _cfg(config, "delta"), _cfg(config, "dual_clip")
     w_unclipped = w if delta is None else torch.clamp(w, max=delta)
@@ -133,16 +133,16 @@ def _clip_surrogate(w, a, config):
 
 
 def _kl(delta, estimator):
-    """§3.3 with Δ = ℓ_ref - ℓ (already clamped)."""
+    """§6 with Δ = ℓ_ref - ℓ (already clamped)."""
     return {"k1": lambda: -delta, "k2": lambda: delta ** 2 / 2,
             "k3": lambda: torch.exp(delta) - delta - 1}[estimator]()
 
 
 def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
                 group_ids=None, rewards=None, num_items=None, num_seqs=None):
-    """(loss, metrics) of DESIGN.md §3 for logp (B, T); `config` is read by attribute name.
+    """(loss, metrics) of docs/math.md §3-§10 for logp (B, T); `config` is read by attribute name.
     Each non-empty row i is handled on its valid tokens only; sequence-level surrogates are
-    broadcast to the row's tokens, then KL/entropy are added per token and §3.5 aggregates."""
+    broadcast to the row's tokens, then KL/entropy are added per token and §8 aggregates."""
     dt = _dtype(logp)
     logp = logp.to(dt)
     B, T = logp.shape
@@ -160,10 +160,10 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     def tok(x, i):                      # the valid tokens of row i, as a vector of length L_i
         return x[i][valid[i]]
 
-    def log_s(i):                       # §3.1 GSPO: log s_i = mean_t (ℓ - ℓ_old), clamped
+    def log_s(i):                       # §4 GSPO: log s_i = mean_t (ℓ - ℓ_old), clamped
         return torch.clamp((tok(logp, i) - tok(old, i)).mean(), -C, C)
 
-    # §3.1 group-level quantities over the non-empty rows of each group (GEPO, SNIS)
+    # §4 group-level quantities over the non-empty rows of each group (GEPO, SNIS)
     log_E, w_hat, baseline = {}, {}, {}
     if ratio in ("group_expectation", "snis"):
         for g in _groups(B, group_ids, _cfg(config, "group_size")):
@@ -190,17 +190,17 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         L = l.numel()
         a = tok(advantages, i) if advantages is not None else torch.zeros_like(l)
         a_row = a[0]                                      # one advantage per row (seq ratios)
-        w_tok = torch.exp(torch.clamp(l - lo, -C, C))      # §3.1 token ratio
+        w_tok = torch.exp(torch.clamp(l - lo, -C, C))      # §4 token ratio
         low = high = torch.zeros(L, dtype=torch.bool)
 
         if ratio == "token":
             r_metric = w_tok
             if objective == "clip":
                 surr, low, high = _clip_surrogate(w_tok, a, config)
-            elif objective == "cispo":              # §3.2 -sg(clip(w)) A ℓ
+            elif objective == "cispo":              # §5 -sg(clip(w)) A ℓ
                 surr = -_clamp(w_tok, *_band(config)).detach() * a * l
                 low, high = _clipped(w_tok, *_band(config))
-            elif objective == "reinforce":          # §3.2 -A ℓ
+            elif objective == "reinforce":          # §5 -A ℓ
                 surr = -a * l
             else:
                 raise ValueError(f"unknown objective {objective!r}")
@@ -239,7 +239,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             raise ValueError(f"unknown ratio {ratio!r}")
 
         loss_tok = surr
-        # §3.3 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
+        # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
         # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
         if ref_logp is not None:
             coef, est, kl_clamp = (_cfg(config, n) for n in ("kl_coef", "kl_estimator", "kl_clamp"))
@@ -254,7 +254,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             else:
                 k = _kl(d_ref, "k3")
             m_kl.append(k)
-        # §3.4 entropy bonus (gradient flows into H)
+        # §7 entropy bonus (gradient flows into H)
         if entropy is not None:
             H = tok(entropy.to(dt), i)
             if _cfg(config, "entropy_coef") != 0:
@@ -262,7 +262,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             m_ent.append(H)
         row_losses.append(loss_tok)
 
-        # §3.7 metrics, per valid token
+        # §10 metrics, per valid token
         m_ratio.append(r_metric)
         m_low.append(low)
         m_high.append(high)
@@ -284,7 +284,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
 
 
 # ---------------------------------------------------------------------------------------------
-# §3.8 value loss
+# §12 value loss
 
 def value_loss(values, old_values, returns, mask, clip=0.2, agg="token_mean", *,
                num_items=None, num_seqs=None):
@@ -310,7 +310,7 @@ def value_loss(values, old_values, returns, mask, clip=0.2, agg="token_mean", *,
 
 
 # ---------------------------------------------------------------------------------------------
-# §4 advantages and sampling
+# §13-§14 advantages and sampling
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
     """verl's compute_gae_advantage_return: masked positions carry the next value and the running

@@ -1,4 +1,4 @@
-"""Rollout selection and DAPO's reward shaping (DESIGN.md §4, docs/math.md).
+"""Rollout selection and DAPO's reward shaping (docs/math.md §14).
 
 * ``pods_select``: PODS down-sampling, the ``m`` rollouts of each group whose rewards have the
   largest variance.

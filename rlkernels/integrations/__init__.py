@@ -1,1 +1,1 @@
-"""Drop-ins for training code outside rlkernels (DESIGN.md §1); never imported by the core."""
+"""Drop-ins for training code outside rlkernels (docs/design.md §10); never imported by the core."""

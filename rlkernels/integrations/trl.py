@@ -16,7 +16,7 @@ sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens
 `B` = rows of the micro-batch (empty rows included, as TRL's `.mean()`), `G` = gradient
 accumulation steps in training (1 in evaluation):
 
-| `loss_type` | `agg` | counts | DESIGN.md preset it differs from |
+| `loss_type` | `agg` | counts | preset it differs from (docs/math.md §9) |
 |---|---|---|---|
 | `grpo` | `seq_mean_token_mean` | `num_seqs = B·G` | `grpo` (TRL's β defaults to 0) |
 | `bnpo` | `token_mean` | `num_items = max(local tokens, 1)·G` | none (local-batch token mean) |

@@ -1,6 +1,6 @@
 """rlkernels' policy losses as verl policy losses: `actor.policy_loss.loss_mode=rlkernels_<preset>`.
 
-`register()` adds one verl policy loss per preset of DESIGN.md §3.6 (`rlkernels_ppo`,
+`register()` adds one verl policy loss per preset of docs/math.md §9 (`rlkernels_ppo`,
 `rlkernels_grpo`, ..., `rlkernels_snis`) to `verl.trainer.ppo.core_algos`'s registry. Each has
 verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
 rollout_is_weights)` and returns what verl's own losses return: `(pg_loss, metrics)`.

@@ -1,4 +1,4 @@
-"""The RL objectives over per-token log-probs (DESIGN.md §3): plain PyTorch, one config type."""
+"""The RL objectives over per-token log-probs (docs/math.md §3-§12): plain PyTorch, one config type."""
 from . import presets
 from .config import PolicyLossConfig
 from .policy_loss import LossOutput, policy_loss

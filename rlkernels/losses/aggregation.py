@@ -1,4 +1,4 @@
-"""Masked reductions over (B, T) tensors: the aggregations of DESIGN.md §3.5 and the metric means."""
+"""Masked reductions over (B, T) tensors: the aggregations of docs/math.md §8 and the metric means."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,7 +31,7 @@ def aggregation_weights(
     norm_length: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """(B, T) weights w with agg(ℓoss) = Σ_{i,t} w_{i,t}·ℓoss_{i,t} (0 where masked); DESIGN.md §3.5.
+    """(B, T) weights w with agg(ℓoss) = Σ_{i,t} w_{i,t}·ℓoss_{i,t} (0 where masked); docs/math.md §8.
 
     Every aggregation is linear in the per-token loss, so a kernel can apply it token by token.
     Divisors of 0 give weights of 0 (the masked sum is then empty anyway).

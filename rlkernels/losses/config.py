@@ -1,4 +1,4 @@
-"""One config type for every policy objective of DESIGN.md §3, validated on construction."""
+"""One config type for every policy objective of docs/math.md §4-§9, validated on construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import math
 from typing import Optional
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
-# Ratios that produce one importance weight per row (DESIGN.md §3.5): one advantage per row.
+# Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
 OBJECTIVES = ("clip", "cispo", "reinforce")
 KL_ESTIMATORS = (None, "k1", "k2", "k3")
@@ -28,7 +28,7 @@ _RATIO_SPACE_CLIP = ("token", "sequence", "sequence_token", "group_expectation")
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
-    """Hyperparameters of a policy loss; see DESIGN.md §3 and `rlkernels.presets`."""
+    """Hyperparameters of a policy loss; see docs/math.md §4-§9 and `rlkernels.presets`."""
 
     ratio: str = "token"
     objective: str = "clip"

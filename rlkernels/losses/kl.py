@@ -1,4 +1,4 @@
-"""KL estimators of DESIGN.md §3.3, with Δ = ℓ_ref − ℓ (Schulman's k1, k2, k3)."""
+"""KL estimators of docs/math.md §6, with Δ = ℓ_ref − ℓ (Schulman's k1, k2, k3)."""
 from __future__ import annotations
 
 import torch

@@ -1,9 +1,9 @@
-"""The presets of DESIGN.md §3.6. Each returns a `PolicyLossConfig`; any field can be overridden."""
+"""The presets of docs/math.md §9. Each returns a `PolicyLossConfig`; any field can be overridden."""
 from __future__ import annotations
 
 from .config import PolicyLossConfig
 
-# Sequence-level ratios give one surrogate per row; rows are averaged (DESIGN.md §3.5).
+# Sequence-level ratios give one surrogate per row; rows are averaged (docs/math.md §5, §8).
 _PER_ROW = "seq_mean_token_mean"
 
 _PRESETS = {
@@ -40,7 +40,7 @@ def _preset(name):
         return get(name, **overrides)
 
     make.__name__ = name
-    make.__doc__ = f"The `{name}` preset of DESIGN.md §3.6: {_PRESETS[name]}."
+    make.__doc__ = f"The `{name}` preset (docs/math.md §9, Presets): {_PRESETS[name]}."
     return make
 
 

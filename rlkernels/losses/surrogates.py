@@ -1,4 +1,4 @@
-"""Importance weights (DESIGN.md §3.1) and surrogates (§3.2) as per-token losses.
+"""Importance weights (docs/math.md §4) and surrogates (§5) as per-token losses.
 
 Every function returns a `Surrogate` over (B, T): sequence-level losses are broadcast to the
 row's tokens, so one aggregation serves all of them (docs/math.md, "Surrogates").
@@ -132,7 +132,7 @@ def geometric(b: Batch, cfg) -> Surrogate:
 
 
 def snis(b: Batch, cfg) -> Surrogate:
-    """Self-normalised importance weights with a group baseline (experimental, DESIGN.md §3.1)."""
+    """Self-normalised importance weights with a group baseline (experimental, docs/math.md §4)."""
     s = torch.exp(_sequence_log_ratio(b, cfg)).detach()
     valid = b.lengths > 0
     w_hat = torch.where(valid, s / group_mean(s, b.group, b.num_groups, valid)[b.group], torch.zeros_like(s))

@@ -1,4 +1,4 @@
-"""The PPO critic's clipped value loss (DESIGN.md §3.8)."""
+"""The PPO critic's clipped value loss (docs/math.md §12)."""
 from __future__ import annotations
 
 from typing import Optional

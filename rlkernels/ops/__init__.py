@@ -1,4 +1,4 @@
-"""Autograd-aware `torch.library` ops over the kernels, with backend dispatch (DESIGN.md §1)."""
+"""Autograd-aware `torch.library` ops over the kernels, with backend dispatch (docs/design.md §4-§6)."""
 from .fused_linear_policy_loss import fused_linear_policy_loss
 from .fused_policy_loss import fused_policy_loss
 from .linear_token_logprobs import linear_token_logprobs

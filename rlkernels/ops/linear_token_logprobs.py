@@ -1,4 +1,4 @@
-"""`linear_token_logprobs`: per-token log-probs and entropy from hidden states (DESIGN.md §2, last paragraph).
+"""`linear_token_logprobs`: per-token log-probs and entropy from hidden states (docs/design.md §4).
 
 `token_logprobs(hidden @ weight.T + bias, targets)` without an `(N, V)` logits tensor: rows go
 through in chunks, each chunk's logits are computed (`addmm`, in the hidden dtype) into ONE
@@ -10,7 +10,8 @@ fp32 over chunks) and ∂bias. Extra memory: one chunk (≤ 64 MB by default) pl
 
 Vocabulary parallelism (`process_group`): each rank holds a slice of the rows of `weight` (and
 of `bias`); targets are global ids. Each rank runs its kernels on its slice; the per-row
-logsumexp, the entropy sums and the target logit are merged with all-reduces of O(N) numbers.
+logsumexp, the entropy sums and the target logit are merged with all-reduces of O(N) numbers
+(docs/math.md §15).
 The chunk buffer then has one extra column of −inf, the target of rows whose token lives on
 another rank, so the kernels need no notion of "no target here".
 """

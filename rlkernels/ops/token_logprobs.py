@@ -1,4 +1,4 @@
-"""`token_logprobs`: per-token log-probs and entropy as `torch.library` ops (DESIGN.md §2).
+"""`token_logprobs`: per-token log-probs and entropy as `torch.library` ops (docs/design.md §2, §5).
 
 Each backend gets one forward and one backward op, `rlkernels::token_logprobs_fwd_<backend>`
 and `..._bwd_<backend>`, with fake implementations (so `torch.compile(fullgraph=True)` traces

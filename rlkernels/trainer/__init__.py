@@ -1,4 +1,4 @@
-"""The thin RL trainer (DESIGN.md §5): `train(Config(...))` or `python -m rlkernels.train`."""
+"""The thin RL trainer (docs/design.md §10): `train(Config(...))` or `python -m rlkernels.train`."""
 from .config import Config, from_args
 from .loop import loss_head, train
 

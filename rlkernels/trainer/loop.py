@@ -51,7 +51,7 @@ def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, temperatur
     head = _parts(model)[1]
     kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], group_ids=batch["group_ids"],
               rewards=batch["rewards"], num_items=num_items, num_seqs=num_seqs)
-    if path == "linear":  # from the hidden states: the (b, T, V) logits never exist (DESIGN.md §2)
+    if path == "linear":  # from the hidden states: the (b, T, V) logits never exist (docs/design.md §4)
         return rlkernels.fused_linear_policy_loss(hidden, head.weight, batch["targets"], batch["advantages"],
                                                   batch["mask"], loss_cfg, bias=head.bias, temperature=temperature,
                                                   **kw)
@@ -345,7 +345,7 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
 # ----------------------------------------------------------------------------------------------
 
 def loss_config(cfg: Config, group_size: int):
-    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (§5), so
+    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
     its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says)."""
     base = presets.get(cfg.algo)
     over = {"entropy_coef": cfg.entropy_coef}

@@ -1,0 +1,530 @@
+"""Every GPU kernel compiled ahead of time for sm_80 and sm_90, with no GPU: registers, local memory, vector loads.
+
+    python -m benchmarks.gpu_static [--arch sm_80 sm_90] [--backend triton|cuda] [--dtype fp32 bf16 fp16]
+                                    [--quick] [--jobs N] [--out FILE] [--json FILE]
+
+prints one markdown table (kernel, backend, arch, dtype, configuration, registers, stack and spill bytes,
+128-bit global loads, widest global load) and exits 1 when a kernel uses local memory (a stack frame or
+spills) or a streaming kernel issues no 128-bit global load; the failures are named on stderr.
+
+Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/kernels/triton is compiled
+by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
+The signature, the constexprs and the `tt.divisibility` attributes are made by Triton's own launch-time
+specialisation (the binder and `_pack_args` of `JITFunction.run`, private: as in Triton 3.9) from stand-in
+arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16. Their types follow the launchers:
+logits and out in the logits' dtype, targets int64, mask bool, every other row vector fp32, V and strides
+int, the other scalars float. A real launch whose V or stride is not a multiple of 16 loses the
+divisibility and gets narrower loads; that variant is not compiled here. Triton builds sm_90 as sm_90a.
+
+Configurations, for fp32, bf16 and fp16: every (BLOCK_V, num_warps) that the module's `launch_config`
+gives for V = 1, 2, 4, ..., 2^17 and 151936, compiled with the largest of those V that maps to it. Only
+the configuration of long rows then has V > BLOCK_V: the row loop streams several tiles, and only there
+are 128-bit loads required (a 128-logit tile over 128 threads is one logit per thread).
+Compile-time flags: a kernel with at most 4 reachable flag combinations (NEED_ENTROPY, HAS_H) gets every
+one at every configuration. `_policy_token_fwd_kernel` has 48 (objective × KL estimator × HAS_OLD ×
+HAS_REF × bias correction, where a KL term needs ref log-probs and bias correction needs a KL term): its
+default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
+configuration a greedy set of combinations takes every value of every flag at least once. The flags
+change only the scalar loss after the row loop.
+
+CUDA: every csrc/cuda/*.cu is compiled by nvcc with the real build's device flags; one row per kernel
+instantiation. `-fatbin` builds the device code only (the same cicc and ptxas runs as `-c`, without the
+host compile that python_tests/test_cuda_compile.py checks). Every kernel there walks rows in 16-byte
+packs (row_pass.cuh), so each one must have 128-bit loads.
+
+Registers, stack frame and spill bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
+with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads from
+`cuobjdump -sass` of the binary (the CUDA toolkit's, else the one in Triton's wheel). Triton is skipped,
+with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 218
+Triton variants at 0.5-2 s each and one nvcc run: about 270 s of CPU, 5 minutes on 2 busy cores.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import importlib
+import io
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCHS = ("sm_80", "sm_90")
+DTYPES = ("fp32", "bf16", "fp16")
+TRITON_PACKAGE = "rlkernels.kernels.triton"
+CUDA_SOURCES = os.path.join(ROOT, "csrc", "cuda", "*.cu")
+
+# Every power of two reaches every tile size of a launch table; 151936 (Qwen's vocabulary) is the typical long row.
+VOCABS = tuple(2 ** k for k in range(18)) + (151936,)
+
+# --- ptxas -v reports (shared with python_tests/test_cuda_compile.py) -------------------------------------
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")  # Triton's ptxas says sm_90a
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def ptxas_entries(log):
+    """[[kernel (mangled), arch, registers, stack, spill stores, spill loads, smem]] from a ptxas -v log."""
+    rows, current = [], None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = [m.group(1), m.group(2), None, 0, 0, 0, 0]
+            rows.append(current)
+        elif current is not None and (m := _SPILL.search(line)):
+            current[3:6] = [int(g) for g in m.groups()]
+        elif current is not None and (m := _REGS.search(line)):
+            current[2] = int(m.group(1))
+            current[6] = int(m.group(2) or 0)
+    return rows
+
+
+def demangle(names):
+    """{mangled: demangled} (names unchanged without cu++filt or c++filt)."""
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None or not names:
+        return dict(zip(names, names))
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out if len(out) == len(names) else names))
+
+
+def short_name(name):
+    """rlk_cuda::(anonymous namespace)::fwd_kernel<float, 32, true, rlk_cuda::rows::StoreRow<true>>(...)
+    → fwd_kernel<float, 32, true, StoreRow<true>>: the template arguments end at the `>` that
+    closes the first `<` (the parameter list may hold more)."""
+    head, bracket, rest = name.replace("(anonymous namespace)::", "").partition("<")
+    if not bracket:
+        return head.split("(", 1)[0].rsplit("::", 1)[-1]
+    depth = 1
+    for end, ch in enumerate(rest):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return head.rsplit("::", 1)[-1] + "<" + re.sub(r"\w+::", "", rest[: end + 1])
+
+
+def ptxas_report(log):
+    """[(kernel, arch, registers, stack, spill stores, spill loads, smem)] from a ptxas -v log, names demangled."""
+    rows = ptxas_entries(log)
+    names = demangle(sorted({r[0] for r in rows}))
+    return [(short_name(names[r[0]]), *r[1:]) for r in rows]
+
+
+def torch_nvcc_flags():
+    """The flags torch's CUDAExtension gives nvcc (no implicit half/bf16 conversions, ...)."""
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    except ImportError:
+        COMMON_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                             "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+                             "--expt-relaxed-constexpr"]
+    return list(COMMON_NVCC_FLAGS)
+
+
+def nvcc_flags():
+    """The real build's device flags (torch's, -O3), with ptxas's report."""
+    return ["-O3", "-std=c++17", "-lineinfo", "-Xptxas", "-v", "-I", os.path.join(ROOT, "csrc", "include"),
+            *torch_nvcc_flags()]
+
+
+def gencode(archs):
+    return [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+
+
+# --- SASS ------------------------------------------------------------------------------------------------
+
+_SASS_ARCH = re.compile(r"arch = (sm_\w+)")
+_SASS_FUNCTION = re.compile(r"Function : (\S+)")
+_SASS_LDG = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?LDG((?:\.\w+)*)\s")
+
+
+def find_cuobjdump():
+    """The CUDA toolkit's cuobjdump, else the one in Triton's wheel; None without either."""
+    path = shutil.which("cuobjdump")
+    if path is None:
+        with contextlib.suppress(ImportError):
+            from triton import knobs
+            path = knobs.nvidia.cuobjdump.path
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def _load_bits(modifiers):
+    """Width of an LDG from its modifiers: .E.128 → 128, .E.U16 → 16, .E.64.CONSTANT → 64, .E → 32.
+    (LTC128B is a cache hint, not a width.)"""
+    for mod in modifiers.split(".")[1:]:
+        bits = mod.lstrip("US")
+        if bits.isdigit():
+            return int(bits)
+    return 32
+
+
+def sass_loads(path, cuobjdump):
+    """{(function, arch): (global loads of ≥ 128 bits, widest global load in bits)} of a cubin or fatbin."""
+    sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    loads, arch, key = {}, None, None
+    for line in sass.splitlines():
+        if m := _SASS_ARCH.search(line):
+            arch = m.group(1)
+        elif m := _SASS_FUNCTION.search(line):
+            key = (m.group(1), arch)
+            loads[key] = (0, 0)
+        elif key is not None and (m := _SASS_LDG.search(line)):
+            bits = _load_bits(m.group(1))
+            wide, widest = loads[key]
+            loads[key] = (wide + (bits >= 128), max(widest, bits))
+    return loads
+
+
+# --- rows ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    kernel: str
+    backend: str
+    arch: str
+    dtype: str
+    config: str
+    registers: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+    loads_128: int
+    widest_load: int
+    streaming: bool
+
+    def problems(self):
+        out = []
+        if self.stack or self.spill_stores or self.spill_loads:
+            out.append(f"local memory: {self.stack} B stack frame, "
+                       f"{self.spill_stores}/{self.spill_loads} B spill stores/loads")
+        if self.streaming and not self.loads_128:
+            out.append(f"streams the row without a 128-bit global load (widest: {self.widest_load} bits)")
+        return out
+
+
+def markdown(rows):
+    lines = ["| kernel | backend | arch | dtype | configuration | registers | stack bytes | spill bytes (st/ld) "
+             "| 128-bit loads | widest load | check |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        check = "; ".join(r.problems()) or ("ok" if r.streaming else "ok (one tile)")
+        lines.append(f"| {r.kernel} | {r.backend} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.stack} "
+                     f"| {r.spill_stores}/{r.spill_loads} | {r.loads_128} | {r.widest_load} bits | {check} |")
+    return "\n".join(lines)
+
+
+# --- Triton ----------------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Pointees other than the logits' dtype; every other row vector is fp32 in the launchers (_row_vector).
+_POINTEES = {"targets_ptr": "int64", "mask_ptr": "bool"}
+_LOGITS_DTYPE = ("logits_ptr", "out_ptr")  # out: the logits themselves or empty_like(logits)
+_FULL_PRODUCT = 4  # at most this many reachable flag combinations: all of them at every configuration
+
+
+def _flag_domains():
+    """{constexpr: {label: value}}, the default (GRPO's launch) first; and the fixed constexprs."""
+    from rlkernels.kernels import token_loss_params as P
+    on_off = {"1": True, "0": False}
+    domains = {
+        "NEED_ENTROPY": on_off, "HAS_H": on_off, "HAS_OLD": on_off, "HAS_REF": on_off,
+        "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE},
+        "KL": {"k3": P.KL_K3, "none": P.KL_NONE, "k1": P.KL_K1, "k2": P.KL_K2},
+        "BIAS_CORRECTION": {"0": False, "1": True},
+    }
+    return domains, {"NUM_STATS": P.NUM_STATS}
+
+
+def _reachable(flags):
+    """A KL term needs ref log-probs (losses/inputs.py); bias correction needs a KL term (ops/token_loss_params.py)."""
+    kl_term = flags.get("KL", "none") != "none"
+    if kl_term and flags.get("HAS_REF") == "0":
+        return False
+    return kl_term or flags.get("BIAS_CORRECTION") != "1"
+
+
+def _cover(combos):
+    """Greedy: combinations until every value of every flag is in one, starting from the default (combos[0])."""
+    chosen, missing = [], {item for c in combos for item in c.items()}
+    while missing:
+        best = max(combos, key=lambda c: len(missing & set(c.items())))
+        chosen.append(best)
+        missing -= set(best.items())
+    return chosen
+
+
+def flag_plan(names):
+    """(flag combinations at every configuration, at the streaming one) of a kernel's flag constexprs."""
+    domains, _ = _flag_domains()
+    unknown = [n for n in names if n not in domains]
+    if unknown:
+        raise KeyError(f"constexprs {unknown}: add their launch values to gpu_static._flag_domains")
+    combos = [dict(zip(names, labels)) for labels in itertools.product(*(domains[n] for n in names))]
+    combos = [c for c in combos if _reachable(c)]
+    if len(combos) <= _FULL_PRODUCT:
+        return combos, combos
+    return combos[:1], _cover(combos)
+
+
+def triton_kernels():
+    """[(module, kernel name)]: the JIT kernels of the package's modules."""
+    import pkgutil
+
+    import triton
+    package = importlib.import_module(TRITON_PACKAGE)
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{TRITON_PACKAGE}.{info.name}")
+        found += [(module.__name__, name) for name, obj in vars(module).items()
+                  if isinstance(obj, triton.JITFunction) and name.endswith("_kernel")
+                  and obj.__module__ == module.__name__]
+    if not found and triton.knobs.runtime.interpret:
+        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1: run this in a process without it")
+    return found
+
+
+def launch_table(module, dtype):
+    """{(BLOCK_V, num_warps): the largest V of VOCABS that the module's launch_config gives it}."""
+    import torch
+    table = {}
+    for vocab in sorted(VOCABS):
+        table[module.launch_config(vocab, getattr(torch, _TORCH_DTYPES[dtype]), interpret=False)] = vocab
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonJob:
+    module: str
+    kernel: str
+    arch: str
+    dtype: str
+    vocab: int
+    block: int
+    num_warps: int
+    flags: tuple  # ((constexpr, label), ...)
+
+    @property
+    def streaming(self):
+        return self.vocab > self.block
+
+    @property
+    def config(self):
+        flags = " ".join(f"{n}={label}" for n, label in self.flags)
+        return f"V={self.vocab} BLOCK_V={self.block} warps={self.num_warps} {flags}".rstrip()
+
+
+def triton_jobs(archs, dtypes, quick=False):
+    """Every variant to compile (quick: the streaming configuration with the default flags)."""
+    jobs = []
+    _, fixed = _flag_domains()
+    for module_name, name in triton_kernels():
+        module = importlib.import_module(module_name)
+        params = getattr(module, name).params
+        names = [p.name for p in params if p.is_constexpr and p.name != "BLOCK_V" and p.name not in fixed]
+        everywhere, streaming = flag_plan(names)
+        for arch, dtype in itertools.product(archs, dtypes):
+            table = launch_table(module, dtype)
+            for (block, warps), vocab in table.items():
+                long_rows = vocab > block
+                if quick:
+                    flag_sets = everywhere[:1] if long_rows else []
+                else:
+                    flag_sets = streaming if long_rows else everywhere
+                for flags in flag_sets:
+                    jobs.append(TritonJob(module_name, name, arch, dtype, vocab, block, warps, tuple(flags.items())))
+    return jobs
+
+
+class _Rows:
+    """A stand-in tensor for Triton's specialisation: its dtype, and a 16-byte-aligned address."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def data_ptr(self):
+        return 1 << 20
+
+
+def _stand_in(name, logits_dtype, vocab):
+    import torch
+    if name.endswith("_ptr"):
+        return _Rows(logits_dtype if name in _LOGITS_DTYPE else getattr(torch, _POINTEES.get(name, "float32")))
+    if name == "V" or name.startswith("stride"):
+        return vocab  # contiguous rows
+    return 1.0  # the launchers pass float() scalars: typed fp32, never specialised
+
+
+def _init_worker(cache_dir):
+    from triton import knobs
+    knobs.cache.dir = cache_dir  # empty: ptxas runs, and reports, for every variant
+    knobs.nvidia.dump_ptxas_log = True
+
+
+def compile_triton(job, cuobjdump):
+    """The Row of one variant: compiled for job.arch, read from ptxas's report and the cubin's SASS."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = getattr(importlib.import_module(job.module), job.kernel)
+    domains, fixed = _flag_domains()
+    target = GPUTarget("cuda", int(job.arch[3:]), 32)
+    backend = make_backend(target)
+    dtype = getattr(torch, _TORCH_DTYPES[job.dtype])
+    args = [_stand_in(p.name, dtype, job.vocab) for p in fn.params if not p.is_constexpr]
+    constexprs = {n: domains[n][label] for n, label in job.flags}
+    kwargs = {**constexprs, **{n: v for n, v in fixed.items() if n in fn.arg_names},
+              "BLOCK_V": job.block, "num_warps": job.num_warps}
+    # What JITFunction.run does at a launch: bind, specialise (types, tt.divisibility), pack.
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # dump_ptxas_log prints the report
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    (entry,) = ptxas_entries(log.getvalue())
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        ((wide, widest),) = sass_loads(cubin.name, cuobjdump).values()
+    return Row(job.kernel, "triton", job.arch, job.dtype, job.config, entry[2], *entry[3:6], wide, widest,
+               job.streaming)
+
+
+def _compile_job(job_and_tool):
+    job, cuobjdump = job_and_tool
+    try:
+        return compile_triton(job, cuobjdump)
+    except Exception as e:  # name the variant: the worker's traceback does not
+        raise RuntimeError(f"{job.kernel} {job.arch} {job.dtype} {job.config}: {e}") from e
+
+
+def triton_rows(jobs, cuobjdump, workers):
+    with tempfile.TemporaryDirectory(prefix="gpu_static_triton_") as cache, \
+            ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(cache,)) as pool:
+        return list(pool.map(_compile_job, [(job, cuobjdump) for job in jobs]))
+
+
+# --- CUDA ------------------------------------------------------------------------------------------------
+
+_CUDA_DTYPES = {"float": "fp32", "__nv_bfloat16": "bf16", "__half": "fp16"}
+
+
+def _template_args(name):
+    """fwd_kernel<float, 32, true, rows::StoreRow<true> > → ("fwd_kernel", ["float", "32", "true", "rows::StoreRow<true>"])"""
+    head, _, tail = name.partition("<")
+    args, depth, current = [], 0, ""
+    for ch in tail.rstrip()[:-1]:
+        if ch == "," and depth == 0:
+            args.append(current.strip())
+            current = ""
+            continue
+        depth += (ch == "<") - (ch == ">")
+        current += ch
+    if current.strip():
+        args.append(current.strip())
+    return head, args
+
+
+def cuda_rows(archs, cuobjdump, out_dir):
+    """A Row per kernel instantiation per arch of every csrc/cuda/*.cu."""
+    nvcc = shutil.which("nvcc")
+    rows = []
+    for source in sorted(glob.glob(CUDA_SOURCES)):
+        fatbin = os.path.join(out_dir, os.path.basename(source) + ".fatbin")
+        cmd = [nvcc, "-fatbin", *gencode(archs), "--threads", str(len(archs)), *nvcc_flags(), source, "-o", fatbin]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+        loads = sass_loads(fatbin, cuobjdump)
+        entries = ptxas_entries(proc.stderr)
+        names = demangle(sorted({e[0] for e in entries}))
+        for mangled, arch, regs, stack, stores, spill_loads, _ in entries:
+            kernel, targs = _template_args(short_name(names[mangled]))
+            dtype = _CUDA_DTYPES.get(targs[0], "-") if targs else "-"
+            config = ", ".join(targs[dtype != "-":])
+            wide, widest = loads[(mangled, arch)]
+            rows.append(Row(kernel, "cuda", arch, dtype, f"<{config}>" if config else "", regs, stack, stores,
+                            spill_loads, wide, widest, True))
+    return rows
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+
+def _triton_missing():
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    return None
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_static", description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS))
+    parser.add_argument("--backend", choices=("triton", "cuda"), help="only this backend (default: both)")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--quick", action="store_true",
+                        help="Triton: only the streaming configuration with the default flags")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="Triton compiles in parallel")
+    parser.add_argument("--out", help="also write the table (and notes) to this file")
+    parser.add_argument("--json", help="also write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    # Compiling needs the JIT kernels: under TRITON_INTERPRET=1 the kernels are decorated for the interpreter.
+    os.environ.pop("TRITON_INTERPRET", None)
+
+    start = time.monotonic()
+    rows, notes = [], []
+    cuobjdump = find_cuobjdump()
+    with tempfile.TemporaryDirectory(prefix="gpu_static_nvcc_") as out_dir, ThreadPoolExecutor(1) as side:
+        cuda = None
+        if args.backend in (None, "cuda"):
+            if shutil.which("nvcc") is None:
+                notes.append("CUDA skipped: nvcc is not on PATH")
+            elif cuobjdump is None:
+                notes.append("CUDA skipped: no cuobjdump (neither the CUDA toolkit's nor triton's)")
+            else:  # nvcc runs while Triton compiles
+                cuda = side.submit(cuda_rows, args.arch, cuobjdump, out_dir)
+        if args.backend in (None, "triton"):
+            missing = _triton_missing() or (None if cuobjdump else "no cuobjdump (neither the CUDA toolkit's nor triton's)")
+            if missing:
+                notes.append(f"Triton skipped: {missing}")
+            else:
+                rows += triton_rows(triton_jobs(args.arch, args.dtype, args.quick), cuobjdump, args.jobs)
+        if cuda is not None:
+            rows += [r for r in cuda.result() if r.dtype in args.dtype or r.dtype == "-"]
+
+    if not all(r.streaming for r in rows):
+        notes.append("One tile: V ≤ BLOCK_V, the row is not streamed; 128-bit loads are required of streaming "
+                     "configurations only.")
+    text = markdown(rows) + "".join(f"\n\n{n}" for n in notes)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    failures = [f"{r.kernel} ({r.backend} {r.arch} {r.dtype} {r.config}): {p}" for r in rows for p in r.problems()]
+    print(f"gpu_static: {len(rows)} kernels in {time.monotonic() - start:.0f} s, {len(failures)} failures",
+          file=sys.stderr)
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
