@@ -20,8 +20,10 @@ class _PrecomputedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, *inputs_and_grads):
         k = len(inputs_and_grads) // 2
+        # Scaled out of place in the backward: in place would break a second backward (gradcheck,
+        # retain_graph) and could rescale a gradient autograd already handed to a leaf's .grad.
         ctx.save_for_backward(*inputs_and_grads[k:])
-        return loss.clone()
+        return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad_out):
