@@ -18,13 +18,17 @@ fi
 grep -m1 "rlkernels: building" /tmp/rlkernels_build.log || true
 python -c 'import rlkernels, pprint; pprint.pprint(rlkernels.backend_info())'
 
-# Tests marked gpu; a failure (or a missing cuda backend) is reported but the benchmark still runs.
+# Tests marked gpu, and the kernel-contract tests whose cases run on CUDA when a device is present
+# (the fused loss kernels of every backend against losses/); a failure (or a missing cuda backend)
+# is reported but the benchmark still runs.
 status=0
 python -c 'import rlkernels; assert rlkernels.backend_info()["cuda"]["available"]' \
   || { echo "gpu_check: the cuda backend is not available (reason above); its tests are skipped"; status=1; }
-timeout 180 python -m pytest -q -m gpu python_tests || status=$?
+timeout 150 python -m pytest -q -m gpu python_tests || status=$?
+timeout 120 python -m pytest -q python_tests/test_policy_token_kernel.py python_tests/test_triton_policy_token.py \
+  python_tests/test_triton_fused.py python_tests/test_triton_kernels.py || status=$?
 
 # The device machine has no network: Liger's rows run only if liger-kernel is already installed
 # there (the report lists them under "Not measured" otherwise). A trimmed grid fits the budget.
-timeout 330 python -m benchmarks.report --budget-s 270 --vocabs 32768 151936 --ns 2048 8192 "$@" || status=$?
+timeout 270 python -m benchmarks.report --budget-s 220 --vocabs 32768 151936 --ns 2048 8192 "$@" || status=$?
 exit "$status"
