@@ -66,7 +66,8 @@ def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0):
     from rlkernels import presets
 
     g = torch.Generator().manual_seed(seed)
-    config = presets.get(preset)
+    constant = presets.fields(preset).get("agg") == "constant"  # Dr. GRPO: divides by the max completion length
+    config = presets.get(preset, **({"norm_length": T} if constant else {}))
     if config.ratio in ("group_expectation", "snis"):
         config = config.replace(group_size=4)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
@@ -135,7 +136,7 @@ def table(backend: Optional[str] = None) -> str:
     for name in presets.NAMES:
         c = fused_policy_loss_count(name, backend)
         per_chunk, besides, lsyncs = linear_split(name, backend)
-        lines.append(f"| {name} | {presets.get(name).ratio} | {c.ops} | {c.syncs} | {per_chunk:g} | {besides:g} | {lsyncs} |")
+        lines.append(f"| {name} | {loss_inputs(name)[0].ratio} | {c.ops} | {c.syncs} | {per_chunk:g} | {besides:g} | {lsyncs} |")
     return "\n".join(lines)
 
 

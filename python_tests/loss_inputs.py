@@ -30,3 +30,19 @@ def random_loss_inputs(B=6, T=7, *, dtype=torch.float64, noise=0.3, per_token_ad
         ref_logp=ref_logp.to(device), entropy=entropy.to(device), group_ids=group_ids.to(device),
         rewards=rewards.to(device),
     )
+
+
+# What a preset has no default for (dr_grpo's constant), and Clip-Cov / KL-Cov fractions large enough that
+# the few tokens of a test batch get chosen (their defaults, 2e-4 of the tokens, choose one).
+TEST_FIELDS = {
+    "dr_grpo": dict(norm_length=11),
+    "clip_cov": dict(clip_cov_lb=0.0, clip_cov_ratio=0.25),
+    "kl_cov": dict(kl_cov_ratio=0.25),
+}
+
+
+def preset(name, **overrides):
+    """`presets.get(name, **overrides)` with `TEST_FIELDS[name]` under the overrides."""
+    from rlkernels import presets
+
+    return presets.get(name, **{**TEST_FIELDS.get(name, {}), **overrides})

@@ -14,7 +14,7 @@ import rlkernels
 from rlkernels import presets
 from rlkernels.ops.token_logprobs import _define
 
-from loss_inputs import random_loss_inputs
+from loss_inputs import preset, random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 INTERPRETED_TRITON = not torch.cuda.is_available() and rlkernels.backend_info()["triton"]["available"]
@@ -47,10 +47,10 @@ def _op_args(backend, device="cpu"):
             continue
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
         fwd_args = (flat, flat_targets, temperature, need_entropy)
-        _, entropy, lse = _define(backend)(*fwd_args)
-        grad_logp = torch.randn_like(lse)
+        logp, entropy, lse_parts = _define(backend)(*fwd_args)
+        grad_logp = torch.randn_like(logp)
         grad_entropy = torch.randn_like(entropy) if need_entropy else None
-        yield fwd_args, (flat, flat_targets, lse, entropy, grad_logp, grad_entropy, temperature)
+        yield fwd_args, (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature)
 
 
 OPCHECK_BACKENDS = BACKENDS + (["triton"] if INTERPRETED_TRITON else [])
@@ -112,7 +112,7 @@ def _assert_same(out, grads, expected, expected_grads):
 
 def test_every_preset_traces_without_graph_break():
     logits, targets = SAMPLES[0][:2]
-    configs = {name: presets.get(name, entropy_coef=0.01) for name in PRESETS}
+    configs = {name: preset(name, entropy_coef=0.01) for name in PRESETS}
     args = (targets, *_loss_inputs(*targets.shape))
 
     def fn(xs, *a):

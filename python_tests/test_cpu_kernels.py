@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not _OK, reason=_REASON)
 # 4099 (prime) spans three 2048-element blocks with a partial last one; 151936 = Qwen's vocabulary.
 SHAPES = [(5, 1), (9, 7), (37, 1000), (13, 4099), (3, 151936)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# logp / entropy / lse are fp32 for every logits dtype and computed in fp32 from the same values
+# logp / entropy / lse_parts are fp32 for every logits dtype and computed in fp32 from the same values
 # as the reference, so they meet the fp32 bound (1e-5 relative) for bf16/fp16 inputs too.
 TOL_OUT = (1e-5, 1e-5)
 # Significand bits and smallest subnormal of the reduced-precision gradient dtypes.
@@ -33,7 +33,7 @@ def _inputs(n, vocab, dtype, scale=3.0):
 class Ref(NamedTuple):
     logp: torch.Tensor
     entropy: torch.Tensor
-    lse: torch.Tensor
+    lse_parts: torch.Tensor  # (N, 2): the row max m and log Σ e^{x − m}
     grad: Optional[torch.Tensor]
     grad_scale: Optional[torch.Tensor]  # size of the terms that the gradient sums, see _close_grad
 
@@ -42,23 +42,25 @@ def _reference(logits, targets, temperature, grad_logp=None, grad_entropy=None):
     """fp64 reference on the same (upcast) logit values; the gradient by autograd."""
     x = logits.detach().double().requires_grad_()
     logp, entropy = reference.token_logprobs(x, targets, temperature)
-    lse = torch.logsumexp(x.detach() / temperature, dim=-1)
+    z = x.detach() / temperature
+    m = z.amax(-1)
+    lse_parts = torch.stack((m, (z - m[:, None]).exp().sum(-1).log()), 1)
     if grad_logp is None:
-        return Ref(logp.detach(), entropy.detach(), lse, None, None)
+        return Ref(logp.detach(), entropy.detach(), lse_parts, None, None)
     g = grad_logp.double()
     h = torch.zeros_like(g) if grad_entropy is None else grad_entropy.double()
     (grad,) = torch.autograd.grad((logp * g + entropy * h).sum(), x)
     # (1/τ)[g (1[v=y] − p) − h p (log p + H)] is a sum of terms that cancel for some v; an fp32
     # result can only be relatively exact with respect to the size of those terms. log p itself is
-    # z/τ − lse, exact only relative to |z/τ| + |lse| (≫ |log p| where p ≈ 1), and H sums p·log p.
-    z = x.detach() / temperature
+    # (x − m) − log s with x = z·(1/τ) rounded to fp32: exact only relative to |z/τ| + |m| (≫ |log p|
+    # where p ≈ 1, unless τ = 1), and H sums p·log p.
     log_p = torch.log_softmax(z, dim=-1)
     p = log_p.exp()
     onehot = torch.zeros_like(p).scatter_(1, targets[:, None], 1.0)
-    log_p_size = torch.where(p > 0, log_p.abs() + z.abs() + lse.abs()[:, None], torch.zeros_like(p))
+    log_p_size = torch.where(p > 0, log_p.abs() + z.abs() + m.abs()[:, None], torch.zeros_like(p))
     entropy_size = (p * log_p_size).sum(-1, keepdim=True)
     scale = (g.abs()[:, None] * (onehot + p) + h.abs()[:, None] * p * (log_p_size + entropy_size)) / temperature
-    return Ref(logp.detach(), entropy.detach(), lse, grad, scale)
+    return Ref(logp.detach(), entropy.detach(), lse_parts, grad, scale)
 
 
 def _close(actual, expected, tol=TOL_OUT):
@@ -94,18 +96,18 @@ def _close_grad(actual, ref):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_forward_matches_reference(shape, dtype, temperature):
     logits, targets = _inputs(*shape, dtype)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, temperature, True)
-    assert logp.dtype == entropy.dtype == lse.dtype == torch.float32
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, temperature, True)
+    assert logp.dtype == entropy.dtype == lse_parts.dtype == torch.float32 and lse_parts.shape == (shape[0], 2)
     ref = _reference(logits, targets, temperature)
     _close(logp, ref.logp)
     _close(entropy, ref.entropy)
-    _close(lse, ref.lse)
-    assert (logp <= 0).all() and (entropy >= 0).all()
+    _close(lse_parts, ref.lse_parts)
+    assert (logp <= 0).all() and (entropy >= 0).all() and (lse_parts[:, 1] >= 0).all()
 
-    logp2, entropy2, lse2 = cpu.token_logprobs_fwd(logits, targets.int(), temperature, False)
+    logp2, entropy2, lse_parts2 = cpu.token_logprobs_fwd(logits, targets.int(), temperature, False)
     assert entropy2.numel() == 0
-    torch.testing.assert_close(logp2, logp, rtol=0, atol=0)  # the entropy sums do not touch lse
-    torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+    torch.testing.assert_close(logp2, logp, rtol=0, atol=0)  # the entropy sums do not touch (m, log s)
+    torch.testing.assert_close(lse_parts2, lse_parts, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -122,8 +124,9 @@ def check_backward_matches_autograd(kernels, shape, dtype, with_entropy_grad, de
     g = torch.randn(shape[0])
     h = torch.randn(shape[0]) if with_entropy_grad else None
     z, y = logits.to(device), targets.to(device)
-    _, entropy, lse = kernels.token_logprobs_fwd(z, y, temperature, with_entropy_grad)
-    grad = kernels.token_logprobs_bwd(z, y, lse, entropy, g.to(device), None if h is None else h.to(device), temperature)
+    _, entropy, lse_parts = kernels.token_logprobs_fwd(z, y, temperature, with_entropy_grad)
+    grad = kernels.token_logprobs_bwd(z, y, lse_parts, entropy, g.to(device), None if h is None else h.to(device),
+                                      temperature)
     assert grad.dtype == dtype and grad.shape == logits.shape and grad.device.type == device
     _close_grad(grad.cpu(), _reference(logits, targets, temperature, g, h))
 
@@ -137,23 +140,23 @@ def test_backward_out_and_in_place(shape, dtype):
     targets[0] = shape[1] - 1  # targets at both ends of a row: the tail step and the first step
     targets[-1] = 0
     g, h = torch.randn(shape[0]), torch.randn(shape[0])
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 0.8, True)
-    expected = cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, h, 0.8)
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, 0.8, True)
+    expected = cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, 0.8)
 
     wide = torch.full((shape[0], shape[1] + 3), 7.0, dtype=dtype)
     out = wide[:, 1:-2]  # row stride V + 3, unit stride over V
-    assert cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, h, 0.8, out=out) is out
+    assert cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, 0.8, out=out) is out
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert (wide[:, 0] == 7).all() and (wide[:, -2:] == 7).all()  # nothing written outside `out`
 
     buffer = logits.clone()
-    assert cpu.token_logprobs_bwd(buffer, targets, lse, entropy, g, h, 0.8, out=buffer) is buffer
+    assert cpu.token_logprobs_bwd(buffer, targets, lse_parts, entropy, g, h, 0.8, out=buffer) is buffer
     torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
 
 
 def test_backward_out_rejects_bad_buffers():
     logits, targets = _inputs(4, 100, torch.float32)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
     g = torch.randn(4)
     storage = torch.empty(4 * 100 + 50)
     cases = [
@@ -166,7 +169,7 @@ def test_backward_out_rejects_bad_buffers():
     shared = storage[:400].view(4, 100)
     for out in cases:
         with pytest.raises(RuntimeError, match="out:"):
-            cpu.token_logprobs_bwd(shared, targets, lse, entropy, g, None, 1.0, out=out)
+            cpu.token_logprobs_bwd(shared, targets, lse_parts, entropy, g, None, 1.0, out=out)
 
 
 def test_shift_by_100_changes_nothing():
@@ -175,13 +178,16 @@ def test_shift_by_100_changes_nothing():
     logits = torch.randint(-512, 512, (n, vocab)).float() / 64
     targets = torch.randint(0, vocab, (n,))
     g, h = torch.randn(n), torch.randn(n)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
-    logp_s, entropy_s, lse_s = cpu.token_logprobs_fwd(logits + 100, targets, 1.0, True)
-    # x − m is the same exact number in both, so are the sums: logp and entropy are bitwise equal.
+    logp, entropy, parts = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
+    logp_s, entropy_s, parts_s = cpu.token_logprobs_fwd(logits + 100, targets, 1.0, True)
+    # x − m is the same exact number in both, so are the sums: logp, entropy and log s are bitwise
+    # equal, and m moves by exactly 100.
     torch.testing.assert_close(logp_s, logp, rtol=0, atol=0)
     torch.testing.assert_close(entropy_s, entropy, rtol=0, atol=0)
-    torch.testing.assert_close(lse_s - 100, lse, rtol=0, atol=2e-5)  # lse ≈ 110 is rounded once
-    grad_s = cpu.token_logprobs_bwd(logits + 100, targets, lse_s, entropy_s, g, h, 1.0)
+    torch.testing.assert_close(parts_s - torch.tensor([100.0, 0.0]), parts, rtol=0, atol=0)
+    grad = cpu.token_logprobs_bwd(logits, targets, parts, entropy, g, h, 1.0)
+    grad_s = cpu.token_logprobs_bwd(logits + 100, targets, parts_s, entropy_s, g, h, 1.0)
+    torch.testing.assert_close(grad_s, grad, rtol=0, atol=0)
     _close_grad(grad_s, _reference(logits, targets, 1.0, g, h))
 
 
@@ -199,15 +205,15 @@ def test_minus_inf_logits(dtype):
     logits = logits.masked_fill(masked, float("-inf"))
     g, h = torch.randn(n), torch.randn(n)
 
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, temperature, True)
-    grad = cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, h, temperature)
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, temperature, True)
+    grad = cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, temperature)
     # The reference computes 0·(−inf) = NaN for the entropy, so it sees a finite stand-in whose
     # exp underflows to exactly 0: the same mathematical input.
     finite = logits.double().masked_fill(masked, -1e4)
     ref = _reference(finite, targets, temperature, g, h)
     _close(logp, ref.logp)
     _close(entropy, ref.entropy)
-    _close(lse, ref.lse)
+    _close(lse_parts, ref.lse_parts)
     _close_grad(grad, ref)
     assert (grad[masked] == 0).all()
     assert logp[2] == 0 and entropy[2] == 0 and (grad[2] == 0).all()
@@ -218,15 +224,15 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature):
-        logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, temperature, True)
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, temperature, True)
+        ctx.save_for_backward(logits, targets, lse_parts, entropy)
         ctx.temperature = temperature
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
-        grad = cpu.token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, ctx.temperature)
+        logits, targets, lse_parts, entropy = ctx.saved_tensors
+        grad = cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, ctx.temperature)
         return grad, None, None
 
 
@@ -239,7 +245,7 @@ def test_gradcheck_fp64(shape):
 
 def test_fp64_matches_reference_tightly():
     logits, targets = _inputs(7, 4099, torch.float64)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.3, True)
+    logp, entropy, _ = cpu.token_logprobs_fwd(logits, targets, 1.3, True)
     assert logp.dtype == torch.float64
     ref = _reference(logits, targets, 1.3)
     torch.testing.assert_close(logp, ref.logp, rtol=1e-12, atol=1e-12)
@@ -249,15 +255,15 @@ def test_fp64_matches_reference_tightly():
 def test_empty_batch():
     logits = torch.randn(0, 11)
     targets = torch.zeros(0, dtype=torch.long)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
-    assert logp.shape == entropy.shape == lse.shape == (0,)
-    grad = cpu.token_logprobs_bwd(logits, targets, lse, entropy, logp, entropy, 1.0)
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
+    assert logp.shape == entropy.shape == (0,) and lse_parts.shape == (0, 2)
+    grad = cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, logp, entropy, 1.0)
     assert grad.shape == (0, 11)
 
 
 def test_bad_inputs_name_the_argument():
     logits, targets = _inputs(4, 10, torch.float32)
-    logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
+    logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, 1.0, True)
     g = torch.randn(4)
     fwd_cases = [
         ("logits", (logits.long(), targets, 1.0)),                # wrong dtype
@@ -272,11 +278,12 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):
             cpu.token_logprobs_fwd(z, y, tau, True)
     bwd_cases = [
-        ("lse", (logits, targets, lse[:3], entropy, g, None)),
-        ("grad_logp", (logits, targets, lse, entropy, g[:2], None)),
-        ("grad_entropy", (logits, targets, lse, entropy, g, g[:1])),
-        ("entropy", (logits, targets, lse, entropy[:0], g, g)),
-        ("logits", (logits.half().t(), targets, lse, entropy, g, None)),
+        ("lse_parts", (logits, targets, lse_parts[:3], entropy, g, None)),
+        ("lse_parts", (logits, targets, lse_parts.sum(1), entropy, g, None)),  # a logsumexp (N,)
+        ("grad_logp", (logits, targets, lse_parts, entropy, g[:2], None)),
+        ("grad_entropy", (logits, targets, lse_parts, entropy, g, g[:1])),
+        ("entropy", (logits, targets, lse_parts, entropy[:0], g, g)),
+        ("logits", (logits.half().t(), targets, lse_parts, entropy, g, None)),
     ]
     for name, args in bwd_cases:
         with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):
@@ -290,8 +297,8 @@ def test_nan_or_inf_logit_gives_a_nan_row():
     logits[2, 7] = float("inf")
     g = torch.randn(4)
     for need_entropy in (True, False):
-        logp, entropy, lse = cpu.token_logprobs_fwd(logits, targets, 1.0, need_entropy)
-        assert logp[1:3].isnan().all() and lse[1:3].isnan().all()
-        assert logp[[0, 3]].isfinite().all() and lse[[0, 3]].isfinite().all()
-    grad = cpu.token_logprobs_bwd(logits, targets, lse, entropy, g, None, 1.0)
+        logp, entropy, lse_parts = cpu.token_logprobs_fwd(logits, targets, 1.0, need_entropy)
+        assert logp[1:3].isnan().all() and lse_parts[1:3, 1].isnan().all()
+        assert logp[[0, 3]].isfinite().all() and lse_parts[[0, 3]].isfinite().all()
+    grad = cpu.token_logprobs_bwd(logits, targets, lse_parts, entropy, g, None, 1.0)
     assert grad[1:3].isnan().all() and grad[[0, 3]].isfinite().all()

@@ -35,16 +35,16 @@ def test_forward_matches_reference(shape, dtype, temperature):
     logits, targets = _inputs(*shape, dtype)
     ref = _reference(logits, targets, temperature)
     for z in (logits.cuda(), _misaligned(logits.cuda())):
-        logp, entropy, lse = cuda.token_logprobs_fwd(z, targets.cuda(), temperature, True)
-        assert logp.dtype == entropy.dtype == lse.dtype == torch.float32 and logp.is_cuda
+        logp, entropy, lse_parts = cuda.token_logprobs_fwd(z, targets.cuda(), temperature, True)
+        assert logp.dtype == entropy.dtype == lse_parts.dtype == torch.float32 and logp.is_cuda
         _close(logp.cpu(), ref.logp)
         _close(entropy.cpu(), ref.entropy)
-        _close(lse.cpu(), ref.lse)
+        _close(lse_parts.cpu(), ref.lse_parts)
         assert (logp <= 0).all() and (entropy >= 0).all()
-        logp2, entropy2, lse2 = cuda.token_logprobs_fwd(z, targets.cuda().int(), temperature, False)
+        logp2, entropy2, lse_parts2 = cuda.token_logprobs_fwd(z, targets.cuda().int(), temperature, False)
         assert entropy2.numel() == 0
         torch.testing.assert_close(logp2, logp, rtol=0, atol=0)
-        torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+        torch.testing.assert_close(lse_parts2, lse_parts, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -63,17 +63,17 @@ def test_backward_out_and_in_place(shape, dtype):
     targets[0], targets[-1] = shape[1] - 1, 0
     z, y = logits.cuda(), targets.cuda()
     g, h = torch.randn(shape[0], device="cuda"), torch.randn(shape[0], device="cuda")
-    logp, entropy, lse = cuda.token_logprobs_fwd(z, y, 0.8, True)
-    expected = cuda.token_logprobs_bwd(z, y, lse, entropy, g, h, 0.8)
+    logp, entropy, lse_parts = cuda.token_logprobs_fwd(z, y, 0.8, True)
+    expected = cuda.token_logprobs_bwd(z, y, lse_parts, entropy, g, h, 0.8)
 
     wide = torch.full((shape[0], shape[1] + 3), 7.0, dtype=dtype, device="cuda")
     out = wide[:, 1:-2]
-    assert cuda.token_logprobs_bwd(z, y, lse, entropy, g, h, 0.8, out=out) is out
+    assert cuda.token_logprobs_bwd(z, y, lse_parts, entropy, g, h, 0.8, out=out) is out
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert (wide[:, 0] == 7).all() and (wide[:, -2:] == 7).all()
 
     for buffer in (z.clone(), _misaligned(z)):
-        assert cuda.token_logprobs_bwd(buffer, y, lse, entropy, g, h, 0.8, out=buffer) is buffer
+        assert cuda.token_logprobs_bwd(buffer, y, lse_parts, entropy, g, h, 0.8, out=buffer) is buffer
         torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
 
 
@@ -88,8 +88,8 @@ def test_minus_inf_logits_and_nan_rows(dtype):
     logits = logits.masked_fill(masked, float("-inf"))
     g, h = torch.randn(n), torch.randn(n)
     z, y = logits.cuda(), targets.cuda()
-    logp, entropy, lse = cuda.token_logprobs_fwd(z, y, temperature, True)
-    grad = cuda.token_logprobs_bwd(z, y, lse, entropy, g.cuda(), h.cuda(), temperature).cpu()
+    logp, entropy, lse_parts = cuda.token_logprobs_fwd(z, y, temperature, True)
+    grad = cuda.token_logprobs_bwd(z, y, lse_parts, entropy, g.cuda(), h.cuda(), temperature).cpu()
     ref = _reference(logits.double().masked_fill(masked, -1e4), targets, temperature, g, h)
     _close(logp.cpu(), ref.logp)
     _close(entropy.cpu(), ref.entropy)
@@ -102,8 +102,9 @@ def test_minus_inf_logits_and_nan_rows(dtype):
     bad[3, 7] = float("inf")
     bad[4] = float("-inf")
     bad[4, 5] = float("nan")  # a NaN among −inf only must not be lost either
-    logp, entropy, lse = cuda.token_logprobs_fwd(bad, y, temperature, True)
-    assert logp[[1, 3, 4]].isnan().all() and lse[[1, 3, 4]].isnan().all()
+    logp, entropy, lse_parts = cuda.token_logprobs_fwd(bad, y, temperature, True)
+    assert logp[[1, 3, 4]].isnan().all() and entropy[[1, 3, 4]].isnan().all()
+    assert lse_parts[[1, 3, 4], 1].isnan().all()
     assert logp[[0, 2, 5]].isfinite().all()
 
 
@@ -111,19 +112,23 @@ def test_shift_by_100_changes_nothing():
     n, vocab = 17, 3001
     logits = (torch.randint(-512, 512, (n, vocab)).float() / 64).cuda()
     targets = torch.randint(0, vocab, (n,), device="cuda")
-    logp, entropy, lse = cuda.token_logprobs_fwd(logits, targets, 1.0, True)
-    logp_s, entropy_s, lse_s = cuda.token_logprobs_fwd(logits + 100, targets, 1.0, True)
+    logp, entropy, parts = cuda.token_logprobs_fwd(logits, targets, 1.0, True)
+    logp_s, entropy_s, parts_s = cuda.token_logprobs_fwd(logits + 100, targets, 1.0, True)
     torch.testing.assert_close(logp_s, logp, rtol=0, atol=0)
     torch.testing.assert_close(entropy_s, entropy, rtol=0, atol=0)
-    torch.testing.assert_close(lse_s - 100, lse, rtol=0, atol=2e-5)
+    torch.testing.assert_close(parts_s - torch.tensor([100.0, 0.0], device="cuda"), parts, rtol=0, atol=0)
+    g, h = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    grad = cuda.token_logprobs_bwd(logits, targets, parts, entropy, g, h, 1.0)
+    torch.testing.assert_close(cuda.token_logprobs_bwd(logits + 100, targets, parts_s, entropy_s, g, h, 1.0), grad,
+                               rtol=0, atol=0)
 
 
 def test_empty_batch_and_bad_inputs():
     logits = torch.randn(0, 11, device="cuda")
     targets = torch.zeros(0, dtype=torch.long, device="cuda")
-    logp, entropy, lse = cuda.token_logprobs_fwd(logits, targets, 1.0, True)
-    assert logp.shape == entropy.shape == lse.shape == (0,)
-    assert cuda.token_logprobs_bwd(logits, targets, lse, entropy, logp, entropy, 1.0).shape == (0, 11)
+    logp, entropy, lse_parts = cuda.token_logprobs_fwd(logits, targets, 1.0, True)
+    assert logp.shape == entropy.shape == (0,) and lse_parts.shape == (0, 2)
+    assert cuda.token_logprobs_bwd(logits, targets, lse_parts, entropy, logp, entropy, 1.0).shape == (0, 11)
 
     z = torch.randn(4, 10, device="cuda")
     y = torch.randint(0, 10, (4,), device="cuda")
@@ -131,9 +136,11 @@ def test_empty_batch_and_bad_inputs():
                        ("targets", (z, y[:3]))]:
         with pytest.raises(RuntimeError, match=f"{name}:"):
             cuda.token_logprobs_fwd(*args, 1.0, True)
-    logp, entropy, lse = cuda.token_logprobs_fwd(z, y, 1.0, True)
+    logp, entropy, lse_parts = cuda.token_logprobs_fwd(z, y, 1.0, True)
     with pytest.raises(RuntimeError, match="out:"):
-        cuda.token_logprobs_bwd(z, y, lse, entropy, logp, None, 1.0, out=torch.empty(4, 10, device="cuda").half())
+        cuda.token_logprobs_bwd(z, y, lse_parts, entropy, logp, None, 1.0, out=torch.empty(4, 10, device="cuda").half())
+    with pytest.raises(RuntimeError, match="lse_parts:"):  # a logsumexp (N,) is not the pair
+        cuda.token_logprobs_bwd(z, y, lse_parts.sum(1), entropy, logp, None, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -6,11 +6,13 @@ import torch
 import rlkernels
 from rlkernels import presets
 
+from loss_inputs import preset
+
 V, H = 11, 4
 
 
 def _config(name):
-    config = presets.get(name)
+    config = preset(name)
     return config.replace(group_size=1) if config.ratio in ("group_expectation", "snis") else config
 
 

@@ -9,7 +9,7 @@ import torch
 import rlkernels
 from rlkernels import presets, reference
 
-from loss_inputs import random_loss_inputs
+from loss_inputs import preset, random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 
@@ -32,17 +32,19 @@ def _kwargs(inputs, config):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", presets.NAMES)
 def test_every_preset_equals_the_composition(backend, name):
-    logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000, per_token_adv=name in ("ppo", "dapo", "cispo"))
-    config = presets.get(name, entropy_coef=0.01)
+    config = preset(name, entropy_coef=0.01)
+    logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000, per_token_adv=config.ratio == "token")
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     kw = _kwargs(inputs, config)
 
     x = logits.clone().requires_grad_(True)
+    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw on every path
     fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
     (2.5 * fused.loss).backward()
 
     y = logits.clone().requires_grad_(True)
     logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.8, return_entropy=True, backend=backend)
+    torch.manual_seed(0)
     composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
     (2.5 * composed.loss).backward()
 
@@ -57,9 +59,11 @@ def test_every_preset_equals_the_composition(backend, name):
     z = logits.double().requires_grad_(True)
     ref_logp, ref_ent = reference.token_logprobs(z, targets, 0.8)
     kw64 = {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+    torch.manual_seed(0)
     ref_loss, _ = reference.policy_loss(ref_logp, adv.double(), mask, config, entropy=ref_ent, **kw64)
     (2.5 * ref_loss).backward()
-    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    # SNIS's value Σ_i c_i·Σ_t ℓ has Σ_{i∈g} c_i = 0: terms ~100× the result cancel, so its fp32 rounding is larger
+    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-4 if name == "snis" else 1e-6)
     torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
 
 

@@ -11,6 +11,7 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 
 from rlkernels import presets  # noqa: E402
 from rlkernels.integrations import verl as rk_verl  # noqa: E402
@@ -53,7 +54,9 @@ def _loss_and_grad(fn, logp, old, adv, mask, mode, cfg, weights):
 def _compare(verl_name, ours, mode, cfg, *, weights=False, metrics=(), **input_kw):
     logp, old, adv, mask, w = _inputs(**input_kw)
     w = w if weights else None
+    torch.manual_seed(0)  # Clip-Cov draws its tokens from torch's RNG: the same state for both
     ref = _loss_and_grad(core_algos.get_policy_loss_fn(verl_name), logp, old, adv, mask, mode, cfg, w)
+    torch.manual_seed(0)
     got = _loss_and_grad(rk_verl.policy_loss_fn(ours), logp, old, adv, mask, mode, cfg, w)
     assert ref[0].abs() > 1e-6, "a vacuous comparison"
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-9)
@@ -82,14 +85,81 @@ def test_vanilla_without_dual_clip(preset, mode):
     _compare("vanilla", preset, mode, cfg, spread=1.5, metrics=("actor/pg_clipfrac", "actor/ppo_kl"))
 
 
-# verl's gspo is the gspo_token form; our sequence-ratio gspo has the same gradient unless per-token
-# rollout weights vary within a row.
-@pytest.mark.parametrize("ours,weights", [("gspo_token", False), ("gspo_token", True), ("gspo", False)])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_gspo(ours, weights, mode):
+# verl's gspo is the gspo_token form; our sequence-ratio gspo has the same gradient, and with per-token rollout
+# weights (which vary within a row here) it is evaluated in the GSPO-token form, as verl combines them.
+@pytest.mark.parametrize("ours,weights", [("gspo_token", False), ("gspo_token", True), ("gspo", False),
+                                          ("gspo", True)])
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("info", BATCH_INFO)
+def test_gspo(ours, weights, mode, info):
     cfg = _actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode=mode)
+    cfg.global_batch_info.update(info)
     ref, got = _compare("gspo", ours, mode, cfg, weights=weights, spread=1e-2, metrics=("actor/ppo_kl",))
     assert 0 < ref[2]["actor/pg_clipfrac"] < 1, "both clipped and unclipped rows"
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_luspo_is_gspo_summed_over_tokens(weights):
+    # LUSPO = GSPO's sequence ratio with each row's loss summed over its tokens: verl's gspo under seq-mean-token-sum
+    mode = "seq-mean-token-sum"
+    cfg = _actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode=mode)
+    ref, _ = _compare("gspo", "luspo", mode, cfg, weights=weights, spread=1e-2, metrics=("actor/ppo_kl",))
+    assert 0 < ref[2]["actor/pg_clipfrac"] < 1
+
+
+# verl 0.9.1's own losses that rlkernels presets of the same name reproduce: (verl fields, spread, metrics compared)
+NEW_OBJECTIVES = {
+    "sapo": (dict(tau_pos=1.3, tau_neg=0.7), ("actor/ppo_kl",)),
+    "gpg": ({}, ()),
+    "dppo_tv": (dict(clip_ratio_low=0.15, clip_ratio_high=0.1, clip_ratio_c=2.0),
+                ("actor/pg_clipfrac", "actor/ppo_kl")),
+    "dppo_kl": (dict(clip_ratio_low=0.05, clip_ratio_high=0.03, clip_ratio_c=2.0),
+                ("actor/pg_clipfrac", "actor/ppo_kl")),
+    "clip_cov": (dict(clip_ratio_low=0.2, clip_ratio_high=0.28,
+                      policy_loss=VerlPolicyLossConfig(clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=2.0)),
+                 ("actor/ppo_kl",)),  # verl's pg_clipfrac counts the chosen tokens only; ours the PPO clip too
+    "kl_cov": (dict(policy_loss=VerlPolicyLossConfig(kl_cov_ratio=0.2, ppo_kl_coef=0.5)), ()),
+    "dro": (dict(policy_loss=VerlPolicyLossConfig(dro_beta=0.3)), ("actor/ppo_kl",)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEW_OBJECTIVES))
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("info", BATCH_INFO)
+@pytest.mark.parametrize("weights", [False, True])
+def test_new_objectives_equal_verl(name, mode, info, weights):
+    """rlkernels_<name> = verl's <name> in fp64: loss and gradient, every loss_agg_mode (verl's sapo ignores it
+    and always aggregates seq-mean-token-mean: so does rlkernels_sapo), global counts, rollout weights."""
+    fields, metrics = NEW_OBJECTIVES[name]
+    cfg = _actor_config(loss_agg_mode=mode, **fields)
+    cfg.global_batch_info.update(info)
+    ref, got = _compare(name, name, mode, cfg, weights=weights, spread=1.5, metrics=metrics)
+    if name in ("dppo_tv", "dppo_kl", "clip_cov"):
+        assert ref[2]["actor/pg_clipfrac"] > 0, "some tokens are masked or clipped"
+    if name == "clip_cov":  # some tokens were chosen by the covariance draw: the loss is not the plain clip's
+        vanilla = _actor_config(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1e9)
+        vanilla.global_batch_info.update(info)
+        plain, _ = _compare("vanilla", "dapo", mode, vanilla, weights=weights, spread=1.5)
+        assert not torch.allclose(plain[1], ref[1])
+
+
+def test_new_objectives_read_verls_config():
+    pl = VerlPolicyLossConfig(clip_cov_ratio=0.01, clip_cov_lb=0.5, clip_cov_ub=3.0, kl_cov_ratio=0.02, ppo_kl_coef=0.7,
+                              dro_beta=0.4)
+    cfg = _actor_config(clip_ratio_low=0.1, clip_ratio_high=0.12, clip_ratio_c=7.0, tau_pos=1.5, tau_neg=2.5,
+                        policy_loss=pl)
+    assert rk_verl.loss_config("sapo", cfg) == presets.sapo(sapo_tau_pos=1.5, sapo_tau_neg=2.5)
+    assert rk_verl.loss_config("dppo_tv", cfg) == presets.dppo_tv(clip_low=0.1, clip_high=0.12, ratio_cap=7.0)
+    assert rk_verl.loss_config("clip_cov", cfg) == presets.clip_cov(clip_low=0.1, clip_high=0.12, clip_cov_ratio=0.01,
+                                                                    clip_cov_lb=0.5, clip_cov_ub=3.0)
+    assert rk_verl.loss_config("kl_cov", cfg) == presets.kl_cov(kl_cov_ratio=0.02, kl_cov_coef=0.7)
+    assert rk_verl.loss_config("dro", cfg) == presets.dro(dro_beta=0.4)
+    with pytest.raises(ValueError, match="dro_beta"):  # verl's dro has no default β either
+        rk_verl.loss_config("dro", _actor_config())
+    # dr_grpo under seq-mean-token-sum-norm: the constant is verl's loss_scale_factor (or its padded length)
+    logp, old, adv, mask, _ = _inputs()
+    fields, _ = rk_verl.aggregation("seq-mean-token-sum-norm", mask, _actor_config())
+    assert rk_verl.loss_config("dr_grpo", _actor_config(), **fields).norm_length == mask.shape[-1]
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])

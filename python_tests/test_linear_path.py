@@ -12,7 +12,7 @@ import torch
 import rlkernels
 from rlkernels import presets, reference
 
-from loss_inputs import random_loss_inputs
+from loss_inputs import preset, random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 TRITON = rlkernels.backend_info()["triton"]["available"]
@@ -210,17 +210,19 @@ def _compare_with_logits_path(name, backend, dtype, bias, chunk_size, on_policy=
     per_token_adv = name in ("ppo", "dapo", "cispo", "gspo_token")
     hidden, weight, b, targets, inputs = _loss_case(dtype=dtype, bias=bias, seed=zlib.crc32(name.encode()) % 1000,
                                                     per_token_adv=per_token_adv)
-    config = presets.get(name, entropy_coef=0.01)
+    config = preset(name, entropy_coef=0.01)
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     kw = dict(_kwargs(inputs, config, on_policy), **extra)
 
     h, w, bb = _leaves(hidden, weight, b)
+    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw on both paths
     ours = rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, config, bias=bb, temperature=0.8,
                                               backend=backend, chunk_size=chunk_size, **kw)
     (scale * ours.loss).backward()
 
     h2, w2, bb2 = _leaves(hidden, weight, b)
     logits = _materialised(h2, w2, bb2)
+    torch.manual_seed(0)
     theirs = rlkernels.fused_policy_loss(logits, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
     (scale * theirs.loss).backward()
 

@@ -12,10 +12,10 @@ import rlkernels
 from rlkernels import presets, reference
 from rlkernels.losses.kl import kl_estimate
 
-from loss_inputs import random_loss_inputs
+from loss_inputs import preset, random_loss_inputs
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
-SEQUENCE_PRESETS = ("gspo", "fspo", "gepo", "gmpo", "snis")
+SEQUENCE_PRESETS = ("gspo", "fspo", "gepo", "gmpo", "snis", "luspo", "vespo")
 
 # Options exercised beside the presets: each changes one code path of the loss.
 OPTIONS = [
@@ -36,6 +36,21 @@ OPTIONS = [
     ("gmpo", dict(clip_low=0.1, clip_high=0.3)),
     ("snis", dict(entropy_coef=0.1)),
     ("ppo", dict(objective="reinforce", dual_clip=None)),
+    ("gpg", dict(agg="seq_mean_token_sum", kl_estimator="k3", kl_coef=0.1)),
+    ("sapo", dict(sapo_tau_pos=2.0, sapo_tau_neg=0.5)),
+    ("sapo", dict(ratio="sequence")),
+    ("sapo", dict(ratio="sequence_token", agg="token_mean")),
+    ("dppo_tv", dict(ratio_cap=1.2)),
+    ("dppo_tv", dict(clip_low=0.01, clip_high=0.3, agg="seq_mean_token_mean")),
+    ("dppo_kl", dict(clip_low=0.003, clip_high=0.01, ratio_cap=1.5)),
+    ("clip_cov", dict(clip_cov_lb=-0.5, clip_cov_ub=0.5, clip_cov_ratio=0.5, clip_high=0.28)),
+    ("clip_cov", dict(clip_cov_ratio=1.0, clip_cov_lb=0.0, agg="seq_mean_token_mean")),
+    ("kl_cov", dict(kl_cov_ratio=0.5, kl_cov_coef=2.0)),
+    ("kl_cov", dict(kl_cov_ratio=1.0, entropy_coef=0.01)),
+    ("dro", dict(dro_beta=1.5, agg="seq_mean_token_mean")),
+    ("luspo", dict(clip_low=0.1, clip_high=0.1)),
+    ("vespo", dict(vespo_k_pos=0.5, vespo_lambda_pos=0.0, vespo_k_neg=1.0, vespo_lambda_neg=5.0)),
+    ("vespo", dict(agg="seq_mean_token_mean")),
 ]
 
 
@@ -49,9 +64,11 @@ def _call(fn, inputs, config, **extra):
 
 def _compare(config, inputs, dtype, **extra):
     logp = inputs["logp"].clone().requires_grad_(True)
+    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw for both
     ours = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, config, **extra)
     (g_ours,) = torch.autograd.grad(ours.loss, logp)
     logp_ref = inputs["logp"].clone().requires_grad_(True)
+    torch.manual_seed(0)
     loss_ref, metrics_ref = _call(reference.policy_loss, {**inputs, "logp": logp_ref}, config, **extra)
     (g_ref,) = torch.autograd.grad(loss_ref, logp_ref)
     torch.testing.assert_close(ours.loss, loss_ref, **TOL[dtype])
@@ -68,32 +85,35 @@ def _compare(config, inputs, dtype, **extra):
 def test_presets_match_reference(name, noise, dtype):
     for seed in range(3):
         inputs = random_loss_inputs(dtype=dtype, noise=noise, seed=seed)
-        _compare(presets.get(name), inputs, dtype)
+        _compare(preset(name), inputs, dtype)
 
 
 @pytest.mark.parametrize("name,overrides", OPTIONS, ids=[f"{n}-{'-'.join(o) or 'default'}" for n, o in OPTIONS])
 def test_options_match_reference(name, overrides):
-    per_token = name not in SEQUENCE_PRESETS
+    config = preset(name, **overrides)
+    per_token = config.ratio in ("token", "sequence_token")
     for seed in range(3):
         inputs = random_loss_inputs(noise=0.3, per_token_adv=per_token, seed=seed)
-        _compare(presets.get(name, **overrides), inputs, torch.float64)
+        _compare(config, inputs, torch.float64)
 
 
 @pytest.mark.parametrize("name", presets.NAMES)
 def test_global_counts_match_reference(name):
     inputs = random_loss_inputs(noise=0.2, seed=5)
-    _compare(presets.get(name), inputs, torch.float64, num_items=17.0, num_seqs=9.0)
+    _compare(preset(name), inputs, torch.float64, num_items=17.0, num_seqs=9.0)
 
 
-# cispo, gspo_token and snis hold sg(f(ℓ)) factors: finite differences see them move, by design,
-# so their gradients are pinned by the hand-derived tests below instead.
+# cispo, gspo_token, snis, dppo_*, vespo hold sg(f(ℓ)) factors and clip_cov / kl_cov choose tokens by ℓ:
+# finite differences see those move, by design, so their gradients are pinned by the hand-derived tests
+# below and by the peers' functions (test_integration_verl.py, test_trl_loss_math.py) instead.
 @pytest.mark.parametrize("name,overrides", [
     ("ppo", {}), ("grpo", {}), ("dr_grpo", {}), ("dapo", {}), ("gspo", dict(clip_low=0.3, clip_high=0.3)),
-    ("fspo", dict(fspo_c_low=0.3, fspo_c_high=0.3)), ("gepo", {}), ("gmpo", {}),
+    ("fspo", dict(fspo_c_low=0.3, fspo_c_high=0.3)), ("gepo", {}), ("gmpo", {}), ("gpg", {}), ("sapo", {}),
+    ("sapo", dict(ratio="sequence")), ("dro", {}), ("luspo", dict(clip_low=0.3, clip_high=0.3)),
 ])
 def test_gradcheck(name, overrides):
     inputs = random_loss_inputs(B=4, T=5, noise=0.2, group_size=2, empty_rows=(), seed=1)
-    config = presets.get(name, entropy_coef=0.01, **overrides)
+    config = preset(name, entropy_coef=0.01, **overrides)
     mask = inputs["mask"]
 
     def loss(logp, entropy):
@@ -235,7 +255,7 @@ def test_empty_mask_gives_zero_loss_and_gradient(name):
     inputs = random_loss_inputs(seed=9)
     inputs["mask"] = torch.zeros_like(inputs["mask"])
     logp = inputs["logp"].clone().requires_grad_(True)
-    out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, presets.get(name))
+    out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, preset(name))
     (grad,) = torch.autograd.grad(out.loss, logp)
     assert float(out.loss) == 0.0 and (grad == 0).all()
     assert all(torch.isfinite(v) and float(v) == 0.0 for k, v in out.metrics.items())
@@ -310,6 +330,23 @@ def test_sequence_ratio_rejects_varying_token_advantages():
     (dict(kl_coef=0.1), "kl_estimator"),
     (dict(kl_estimator="k4"), "kl_estimator"),
     (dict(norm_length=0), "norm_length"),
+    (dict(agg="constant"), "norm_length"),
+    (dict(objective="sapo", sapo_tau_pos=0.0), "sapo_tau_pos"),
+    (dict(objective="sapo", sapo_tau_neg=-1.0), "sapo_tau_neg"),
+    (dict(objective="sapo", ratio="sequence_sum"), "objective"),
+    (dict(objective="vespo", ratio="token"), "objective"),
+    (dict(ratio_cap=2.0), "ratio_cap"),
+    (dict(objective="dppo_tv", ratio_cap=0.0), "ratio_cap"),
+    (dict(objective="dppo_kl", clip_low=None), "clip_low"),
+    (dict(objective="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb"),
+    (dict(objective="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
+    (dict(objective="kl_cov", kl_cov_ratio=1.5), "kl_cov_ratio"),
+    (dict(objective="kl_cov", kl_cov_coef=-1.0), "kl_cov_coef"),
+    (dict(objective="dro"), "dro_beta"),
+    (dict(objective="dro", dro_beta=0.0), "dro_beta"),
+    (dict(objective="sapo", dual_clip=2.0), "dual_clip"),
+    (dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=-1.0), "vespo_k_pos"),
+    (dict(ratio="sequence_sum", objective="vespo", vespo_lambda_neg=float("nan")), "vespo_lambda_neg"),
     (dict(log_ratio_clamp=float("inf")), "log_ratio_clamp"),
     (dict(group_size=2.5), "group_size"),
 ])
@@ -337,19 +374,40 @@ def test_preset_table():
         "gepo": ("group_expectation", "clip", 0.2, 0.2, None, 0.0, "seq_mean_token_mean"),
         "cispo": ("token", "cispo", None, 4.0, None, 0.0, "token_mean"),
         "gmpo": ("geometric", "clip", 0.4, 0.4, None, 0.0, "seq_mean_token_mean"),
+        "gpg": ("token", "reinforce", 0.2, 0.2, None, 0.0, "token_mean"),
+        "sapo": ("token", "sapo", 0.2, 0.2, None, 0.0, "seq_mean_token_mean"),
+        "dppo_tv": ("token", "dppo_tv", 0.15, 0.15, None, 0.0, "token_mean"),
+        "dppo_kl": ("token", "dppo_kl", 0.05, 0.05, None, 0.0, "token_mean"),
+        "clip_cov": ("token", "clip_cov", 0.2, 0.2, None, 0.0, "token_mean"),
+        "kl_cov": ("token", "kl_cov", 0.2, 0.2, None, 0.0, "token_mean"),
+        "dro": ("token", "dro", 0.2, 0.2, None, 0.0, "token_mean"),
+        "luspo": ("sequence", "clip", 3e-4, 4e-4, None, 0.0, "seq_mean_token_sum"),
+        "vespo": ("sequence_sum", "vespo", 0.2, 0.2, None, 0.0, "token_mean"),
     }
     for name, row in table.items():
-        c = presets.get(name)
+        c = presets.get(name, **({"norm_length": 7} if name == "dr_grpo" else {}))
         assert (c.ratio, c.objective, c.clip_low, c.clip_high, c.kl_estimator, c.kl_coef, c.agg) == row, name
     assert presets.ppo().dual_clip == 3.0
     assert (presets.fspo().ratio, presets.fspo().fspo_c_low, presets.fspo().fspo_c_high) == ("sequence_sum", 0.03, 0.03)
     assert (presets.snis().ratio, presets.snis().objective) == ("snis", "reinforce")
     assert math.isclose(1 + presets.cispo().clip_high, 5.0)
+    assert (presets.dr_grpo(norm_length=64).agg, presets.dr_grpo(norm_length=64).norm_length) == ("constant", 64)
+    assert (presets.sapo().sapo_tau_pos, presets.sapo().sapo_tau_neg) == (1.0, 1.05)
+    assert presets.dppo_tv().ratio_cap is None and presets.dppo_kl().ratio_cap is None
+    c = presets.clip_cov()
+    assert (c.clip_cov_ratio, c.clip_cov_lb, c.clip_cov_ub) == (2e-4, 1.0, 5.0)
+    assert (presets.kl_cov().kl_cov_ratio, presets.kl_cov().kl_cov_coef) == (2e-4, 0.1)
+    assert presets.dro().dro_beta == 0.1
+    v = presets.vespo()
+    assert (v.vespo_k_pos, v.vespo_lambda_pos, v.vespo_k_neg, v.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
+    # appended: the first eleven keep their places
+    assert presets.NAMES[:11] == ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "fspo", "gepo", "cispo",
+                                  "gmpo", "snis")
 
 
 def test_snis_gradient_by_hand():
-    # On-policy, s_i = 1 for every row, so ŵ_i = 1 and b_g = mean_g R: each token of row i gets
-    # −(R_i − mean_g R) / (L_i · B) under seq_mean_token_mean.
+    # On-policy, ρ_i = 1 for every row, so ŵ_i = 1 and b_g = mean_g R: the score is summed over the row, so
+    # each token of row i gets −(R_i − mean_g R) / B under seq_mean_token_mean, whatever the row's length.
     inputs = random_loss_inputs(seed=13, empty_rows=())
     m, rewards, groups = inputs["mask"], inputs["rewards"], inputs["group_ids"]
     logp = inputs["logp"].clone().requires_grad_(True)
@@ -358,8 +416,82 @@ def test_snis_gradient_by_hand():
     lengths = m.sum(-1)
     for i in range(m.shape[0]):
         baseline = rewards[groups == groups[i]].mean()
-        expected = -(rewards[i] - baseline) / (lengths[i] * m.shape[0])
+        expected = -(rewards[i] - baseline) / m.shape[0]
         torch.testing.assert_close(grad[i][m[i]], expected.expand(int(lengths[i])))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_snis_is_the_textbook_estimator(seed):
+    # Off-policy, by hand per group: ρ_j = Π_t π/π_old (the whole sequence), self-normalised weights
+    # ρ_j / Σ_g ρ, baseline b_g = Σ_j (ρ_j / Σ_g ρ) R_j, score Σ_t ∇ℓ. Under seq_mean_token_mean the loss's
+    # gradient is −(n_g / B') · (ρ_j / Σ_g ρ)(R_j − b_g) on every token of row j.
+    inputs = random_loss_inputs(B=9, T=6, noise=0.4, group_size=3, empty_rows=(4,), seed=seed)
+    m, rewards, groups = inputs["mask"], inputs["rewards"], inputs["group_ids"]
+    rewards = rewards + torch.randn(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logp = inputs["logp"].clone().requires_grad_(True)
+    out = rlkernels.policy_loss(logp, None, m, presets.snis(), old_logp=inputs["old_logp"], rewards=rewards,
+                                group_ids=groups)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    lengths = m.sum(-1)
+    rows = int((lengths > 0).sum())
+    log_rho = torch.where(m, inputs["logp"] - inputs["old_logp"], 0.0).sum(-1)
+    expected = torch.zeros_like(grad)
+    for g in groups.unique():
+        members = [j for j in range(9) if groups[j] == g and lengths[j] > 0]
+        rho = torch.exp(log_rho[members])
+        w = rho / rho.sum()
+        b = (w * rewards[members]).sum()
+        for j, wj in zip(members, w):
+            expected[j][m[j]] = -len(members) / rows * wj * (rewards[j] - b)
+    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(out.metrics["ratio_max"], torch.exp(log_rho[lengths > 0]).max())
+
+
+def test_snis_has_no_length_bias():
+    # Two rows, rewards 1 and 0, lengths 4 and 1, on-policy: b = 0.5, and every token gets ∓0.5/2 = ∓0.25, as
+    # REINFORCE with the group-mean baseline gives (the token-mean score gave −0.0625 and +0.25).
+    mask = torch.tensor([[True] * 4, [True, False, False, False]])
+    logp = torch.full((2, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    out = rlkernels.policy_loss(logp, None, mask, presets.snis(group_size=2), rewards=torch.tensor([1.0, 0.0]))
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    expected = torch.tensor([[-0.25] * 4, [0.25, 0, 0, 0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected)
+    reinforce = presets.gpg(agg="seq_mean_token_sum")
+    (grad_reinforce,) = torch.autograd.grad(
+        rlkernels.policy_loss(logp, torch.tensor([0.5, -0.5]), mask, reinforce).loss, logp)
+    torch.testing.assert_close(grad, grad_reinforce)
+
+
+def test_snis_is_consistent():
+    # What SNIS estimates: ∇_θ E_{y~π_θ}[R(y)] of one prompt, from a group of samples of π_old. A toy policy over
+    # sequences of length 1 or 2 (token 0 ends the sequence; logits per position), enumerated exactly, against
+    # one group of 200k samples of a different π_old: the self-normalised estimate is within a few σ of the truth.
+    torch.manual_seed(0)
+    theta = torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.4, -0.6]], dtype=torch.float64, requires_grad=True)
+    theta_old = theta.detach() + torch.tensor([[0.4, -0.3, 0.1], [-0.5, 0.2, 0.3]], dtype=torch.float64)
+    reward = torch.tensor([[1.0, 1.0, 1.0], [0.0, 3.0, 1.0], [2.0, 0.0, 3.0]], dtype=torch.float64)  # R[y1, y2]
+
+    def seq_logp(th, y1, y2):
+        lp = torch.log_softmax(th, -1)
+        return torch.stack([lp[0][y1], torch.where(y1 == 0, 0.0, lp[1][y2])], -1)
+
+    y1, y2 = torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")
+    seqs = [(a, b) for a in range(3) for b in (range(3) if a else [0])]
+    J = sum(torch.exp(seq_logp(theta, torch.tensor(a), torch.tensor(b)).sum()) * reward[a, b] for a, b in seqs)
+    (truth,) = torch.autograd.grad(J, theta)
+
+    n = 200_000
+    p_old = torch.softmax(theta_old, -1)
+    s1, s2 = torch.multinomial(p_old[0], n, replacement=True), torch.multinomial(p_old[1], n, replacement=True)
+    mask = torch.stack([torch.ones(n, dtype=torch.bool), s1 != 0], -1)
+    logp = seq_logp(theta, s1, s2)
+    old = seq_logp(theta_old, s1, s2)
+    out = rlkernels.policy_loss(logp, None, mask, presets.snis(group_size=n), old_logp=old,
+                                rewards=torch.where(s1 == 0, reward[0, 0], reward[s1, s2]))
+    (estimate,) = torch.autograd.grad(out.loss, theta)
+    # the error is ≤ 0.0025 over seeds; the old estimator (mean log-ratio, token-mean score) was 0.042 off
+    torch.testing.assert_close(-estimate, truth, atol=0.01, rtol=0)
+    assert (truth.abs() > 0.02).sum() >= 4  # not a vacuous comparison
 
 
 @settings(max_examples=25, deadline=None)
@@ -367,7 +499,7 @@ def test_snis_gradient_by_hand():
        noise=st.sampled_from([0.0, 1e-3, 0.5]))
 def test_hypothesis_shapes_match_reference(B, T, name, seed, noise):
     inputs = random_loss_inputs(B, T, noise=noise, group_size=1, empty_rows=(), seed=seed)
-    _compare(presets.get(name), inputs, torch.float64)
+    _compare(preset(name), inputs, torch.float64)
 
 
 def test_gmpo_on_policy_gradient_by_hand():
@@ -384,9 +516,96 @@ def test_gmpo_on_policy_gradient_by_hand():
 
 
 def test_dr_grpo_divides_by_rows_times_max_length():
-    # Dr. GRPO on-policy: Σ_tokens (−A) / (B · T), B = non-empty rows, T = padded length.
+    # Dr. GRPO on-policy: Σ_tokens (−A) / (B · N), B = non-empty rows, N = norm_length (the max completion length).
     inputs = random_loss_inputs(seed=15, per_token_adv=True)
     m, adv = inputs["mask"], inputs["advantages"]
-    out = rlkernels.policy_loss(inputs["logp"], adv, m, presets.dr_grpo())
+    out = rlkernels.policy_loss(inputs["logp"], adv, m, presets.dr_grpo(norm_length=16))
     rows = (m.sum(-1) > 0).sum()
-    torch.testing.assert_close(out.loss, -adv[m].sum() / (rows * m.shape[1]))
+    torch.testing.assert_close(out.loss, -adv[m].sum() / (rows * 16))
+
+
+def test_dr_grpo_needs_its_constant_and_ignores_padding():
+    with pytest.raises(ValueError, match="norm_length"):
+        presets.dr_grpo()
+    with pytest.raises(ValueError, match="norm_length"):
+        presets.get("dr_grpo", entropy_coef=0.01)
+    with pytest.raises(ValueError, match="norm_length"):
+        rlkernels.PolicyLossConfig(agg="constant")
+    # the same two rows (lengths 3 and 1) padded to 3 or to 8 tokens: the same loss (the padded T gave −0.292 / −0.109)
+    losses = []
+    for T in (3, 8):
+        logp = torch.full((2, T), -1.0, dtype=torch.float64)
+        mask = torch.arange(T)[None] < torch.tensor([3, 1])[:, None]
+        out = rlkernels.policy_loss(logp, torch.tensor([0.5, -0.25], dtype=torch.float64), mask,
+                                    presets.dr_grpo(norm_length=4))
+        losses.append(out.loss)
+    torch.testing.assert_close(losses[0], losses[1])
+    torch.testing.assert_close(losses[0], torch.tensor(-(3 * 0.5 - 0.25) / (2 * 4), dtype=torch.float64))
+
+
+def test_clip_cov_draw_follows_the_rng_state():
+    # The tokens Clip-Cov zeroes are those of verl's draw: k = max(⌊ratio·N⌋, 1) of the candidates, chosen by
+    # torch.randperm on the default generator, so the same RNG state gives the same tokens.
+    inputs = random_loss_inputs(B=8, T=9, noise=0.3, per_token_adv=True, seed=21)
+    config = preset("clip_cov", clip_cov_ratio=0.1)
+    plain = config.replace(objective="clip")
+
+    def grads(cfg, seed):
+        torch.manual_seed(seed)
+        logp = inputs["logp"].clone().requires_grad_(True)
+        out = rlkernels.policy_loss(logp, inputs["advantages"], inputs["mask"], cfg, old_logp=inputs["old_logp"])
+        return torch.autograd.grad(out.loss, logp)[0]
+
+    base = grads(plain, 0)
+    zeroed = [(grads(config, seed) != base) for seed in range(6)]
+    k = max(int(0.1 * int(inputs["mask"].sum())), 1)
+    assert all(int(z.sum()) == k for z in zeroed)  # k tokens lose their gradient, nothing else changes
+    torch.testing.assert_close(grads(config, 3), grads(config, 3))
+    assert any(not torch.equal(zeroed[0], z) for z in zeroed[1:])  # and the draw depends on the state
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens():
+    inputs = random_loss_inputs(B=8, T=9, noise=0.3, per_token_adv=True, seed=22)
+    m, adv, old = inputs["mask"], inputs["advantages"], inputs["old_logp"]
+    config = presets.kl_cov(kl_cov_ratio=0.1, kl_cov_coef=0.5)
+    logp = inputs["logp"].clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(rlkernels.policy_loss(logp, adv, m, config, old_logp=old).loss, logp)
+    (base,) = torch.autograd.grad(rlkernels.policy_loss(logp, adv, m, config.replace(kl_cov_coef=0.0),
+                                                        old_logp=old).loss, logp)
+    lp = inputs["logp"]
+    cov = (adv - adv[m].mean()) * (lp - lp[m].mean())
+    top = torch.zeros_like(m)
+    k = max(int(0.1 * int(m.sum())), 1)
+    top[m] = torch.zeros(int(m.sum()), dtype=torch.bool).index_fill(0, cov[m].topk(k).indices, True)
+    expected = torch.where(top, 0.5 * torch.sign(lp - old) / m.sum(), 0.0)
+    torch.testing.assert_close(grad - base, expected)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_test_fields_choose_tokens(name):
+    # the comparisons that iterate presets.NAMES (loss_inputs.TEST_FIELDS) are not vacuous for the covariance rules
+    inputs = random_loss_inputs(noise=0.3, seed=0)
+    config = preset(name)
+    other = config.replace(objective="clip") if name == "clip_cov" else config.replace(kl_cov_coef=0.0)
+    a = _call_with_grad(config, inputs)
+    b = _call_with_grad(other, inputs)
+    assert not torch.allclose(a[1], b[1])
+
+
+def test_dro_and_dppo_by_hand():
+    inputs = random_loss_inputs(noise=0.3, per_token_adv=True, seed=23)
+    m, adv, old, lp = inputs["mask"], inputs["advantages"], inputs["old_logp"], inputs["logp"]
+    n = m.sum()
+    logp = lp.clone().requires_grad_(True)
+    out = rlkernels.policy_loss(logp, adv, m, presets.dro(dro_beta=0.7), old_logp=old)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    torch.testing.assert_close(grad, torch.where(m, (-adv + 0.7 * (lp - old)) / n, 0.0))
+    # DPPO-TV: −A·min(w, cap) on the tokens whose probability moved by at most ε in the direction A pushes it
+    out = rlkernels.policy_loss(logp, adv, m, presets.dppo_tv(clip_low=0.05, clip_high=0.1, ratio_cap=1.5),
+                                old_logp=old)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    dp = torch.exp(lp) - torch.exp(old)
+    inside = torch.where(adv > 0, dp <= 0.1, dp >= -0.05)
+    w = torch.exp(lp - old).clamp(max=1.5)
+    torch.testing.assert_close(grad, torch.where(m & inside, -adv * w / n, 0.0))
+    assert 0 < float(out.metrics["clip_frac"]) < 1

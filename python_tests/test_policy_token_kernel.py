@@ -67,7 +67,7 @@ CASES = {
                               exercises=("kl_clamp",)),
     "kl_metric_only": _case(ref=True, kl_estimator="k2", kl_coef=0.0),
     "on_policy": _case(on_policy=True, ref=True, kl_estimator="k3", kl_coef=0.1),
-    "entropy": _case(entropy_coef=0.01, agg="constant"),
+    "entropy": _case(entropy_coef=0.01, agg="constant", norm_length=T),
     "entropy_negative_reinforce": _case(objective="reinforce", entropy_coef=-0.02, ref=True, kl_estimator="k1",
                                         kl_coef=0.1),
     "log_ratio_clamp": _case(log_ratio_clamp=0.5, ref=True, kl_estimator="k2", kl_coef=0.1,
@@ -151,7 +151,7 @@ def _inputs(case: Case, seed: int) -> Inputs:
 class Spec:
     logp: torch.Tensor  # (N,) each
     entropy: torch.Tensor
-    lse: torch.Tensor
+    lse_parts: torch.Tensor  # (N, 2)
     grad_logp: torch.Tensor
     grad_entropy: torch.Tensor
     stats: torch.Tensor  # (N, NUM_STATS)
@@ -162,7 +162,7 @@ class Spec:
 def _spec(case: Case, x: Inputs) -> Spec:
     """Torch autograd of rlkernels.losses in fp64 on the same logits."""
     cfg = case.config
-    logp, entropy, lse = torch_chunked.token_logprobs_fwd(x.logits.double(), x.targets, case.temperature, True)
+    logp, entropy, lse_parts = torch_chunked.token_logprobs_fwd(x.logits.double(), x.targets, case.temperature, True)
     lp = logp.view(B, T).clone().requires_grad_()
     ent = entropy.view(B, T).clone().requires_grad_()
     inputs = LossInputs.build(cfg, shape=(B, T), dtype=torch.float64, device=torch.device("cpu"), mask=x.mask,
@@ -181,7 +181,7 @@ def _spec(case: Case, x: Inputs) -> Spec:
     unclipped = -b.adv * (sur.ratio.clamp(max=cfg.delta) if cfg.delta is not None else sur.ratio)
     surrogate = torch.maximum(unclipped, -b.adv * sur.ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)) \
         if cfg.objective == "clip" else sur.loss.detach()
-    return Spec(logp, entropy, lse, g_logp.reshape(-1), g_ent.reshape(-1), stats.reshape(-1, NUM_STATS),
+    return Spec(logp, entropy, lse_parts, g_logp.reshape(-1), g_ent.reshape(-1), stats.reshape(-1, NUM_STATS),
                 (b.logp - b.old_logp).detach().reshape(-1), surrogate.reshape(-1))
 
 
@@ -245,13 +245,14 @@ def test_matches_autograd_of_the_spec(name, kernels, device):
     assert not _missing_branches(case, x, spec), "these inputs reach no token in that branch"
 
     out = kernels.policy_token_fwd(*_kernel_args(case, x, device), case.temperature, token_loss_params(case.config))
-    logp, entropy, lse, grad_logp, grad_entropy, stats = out
+    logp, entropy, lse_parts, grad_logp, grad_entropy, stats = out
     acc = _acc(case.dtype) if device == "cpu" else torch.float32
     assert all(t.dtype == acc and t.device.type == device for t in out)
     assert stats.shape == (B * T, NUM_STATS) and logp.shape == grad_entropy.shape == (B * T,)
     fp64 = case.dtype == torch.float64
     for col_name, actual, expected in [("logp", logp, spec.logp), ("entropy", entropy, spec.entropy),
-                                       ("lse", lse, spec.lse), ("grad_logp", grad_logp, spec.grad_logp),
+                                       ("lse_parts", lse_parts, spec.lse_parts),
+                                       ("grad_logp", grad_logp, spec.grad_logp),
                                        ("grad_entropy", grad_entropy, spec.grad_entropy)]:
         _close(col_name, actual, expected, fp64)
     for j, col_name in enumerate(STATS):
@@ -269,18 +270,18 @@ def test_empty_batch_and_all_masked(kernels, device):
     empty = kernels.policy_token_fwd(torch.zeros(0, 7, device=device), torch.zeros(0, dtype=torch.long, device=device),
                                      torch.zeros(0, dtype=torch.bool, device=device), z.new_zeros(0), z.new_zeros(0),
                                      z.new_zeros(0), None, 1.0, params)
-    assert [tuple(t.shape) for t in empty] == [(0,)] * 5 + [(0, NUM_STATS)]
+    assert [tuple(t.shape) for t in empty] == [(0,), (0,), (0, 2), (0,), (0,), (0, NUM_STATS)]
 
     gen = torch.Generator().manual_seed(7)
     n = 5
     logits = torch.randn(n, 50, generator=gen).to(device)
     targets = torch.randint(0, 50, (n,), generator=gen).to(device)
     nan = torch.full((n,), math.nan, device=device)
-    logp, entropy, lse, grad_logp, grad_entropy, stats = kernels.policy_token_fwd(
+    logp, entropy, lse_parts, grad_logp, grad_entropy, stats = kernels.policy_token_fwd(
         logits, targets, torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, device=device), nan, nan,
         nan, 1.0, params)
     expected = torch_chunked.token_logprobs_fwd(logits.cpu().double(), targets.cpu(), 1.0, True)
-    for actual, want in zip((logp, entropy, lse), expected):  # the forward is still there for the backward
+    for actual, want in zip((logp, entropy, lse_parts), expected):  # the forward is still there for the backward
         torch.testing.assert_close(actual.cpu().double(), want, rtol=1e-5, atol=1e-5)
     assert (grad_logp == 0).all() and (grad_entropy == 0).all() and (stats == 0).all()
 

@@ -58,10 +58,17 @@ def test_end_to_end(tmp_path, algo, extra):
         assert "value_loss" in rows[0] and rows[0]["kl_coef"] > 0
 
 
-@pytest.mark.parametrize("algo", ["dr_grpo", "dapo", "gspo_token", "fspo", "gepo", "cispo", "gmpo", "snis"])
+@pytest.mark.parametrize("algo", ["dr_grpo", "dapo", "gspo_token", "fspo", "gepo", "cispo", "gmpo", "snis", "gpg",
+                                  "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "luspo", "vespo"])
 def test_every_preset_runs(tmp_path, algo):
     summary, rows = run(tmp_path, algo=algo, steps=2, eval_every=5)
     check_run(tmp_path, summary, rows, 2)
+
+
+def test_dr_grpo_divides_by_the_max_completion_length():
+    cfg = loop.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
+    assert (cfg.agg, cfg.norm_length) == ("constant", 7)
+    assert loop.loss_config(Config(**{**TINY, "algo": "grpo"}), 4).norm_length is None
 
 
 @pytest.mark.parametrize("extra", [

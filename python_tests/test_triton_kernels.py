@@ -103,23 +103,26 @@ def assert_rounded(grad, grad32):
     torch.testing.assert_close(grad.double(), expected, rtol=ULP[grad.dtype], atol=2.0**-24)
 
 
-def run_bwd_fp32(logits, targets, lse, entropy, g, h, temperature):
+def run_bwd_fp32(logits, targets, lse_parts, entropy, g, h, temperature):
     """The kernel's gradient before rounding to the logits' dtype (written into fp32)."""
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    return token_logprobs_bwd(logits, targets, lse, entropy, g, h, temperature, out=out)
+    return token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, temperature, out=out)
 
 
 @pytest.mark.parametrize("vocab", SMALL_V, ids=lambda v: f"V{v}")
 @DTYPE_TEMPERATURE
 def test_forward_matches_reference(vocab, dtype, temperature):
     logits, targets = make_inputs(3, vocab, dtype)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, temperature, True)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, temperature, True)
     ref_logp, ref_entropy, _ = reference(logits, targets, temperature)
-    assert logp.dtype == entropy.dtype == lse.dtype == torch.float32
+    assert logp.dtype == entropy.dtype == lse_parts.dtype == torch.float32 and lse_parts.shape == (3, 2)
     assert_close_rel(logp, ref_logp, TOL[dtype])
     assert_close_rel(entropy, ref_entropy, TOL[dtype])
-    assert_close_rel(lse, torch.logsumexp(logits.double() / temperature, -1), TOL[dtype])
-    assert (logp <= 0).all() and (entropy >= 0).all()
+    x = logits.double() / temperature
+    m = x.amax(-1)
+    assert_close_rel(lse_parts[:, 0], m, TOL[dtype])
+    assert_close_rel(lse_parts[:, 1], (x - m[:, None]).exp().sum(-1).log(), TOL[dtype])
+    assert (logp <= 0).all() and (entropy >= 0).all() and (lse_parts[:, 1] >= 0).all()
 
 
 @pytest.mark.parametrize("vocab", SMALL_V, ids=lambda v: f"V{v}")
@@ -127,12 +130,12 @@ def test_forward_matches_reference(vocab, dtype, temperature):
 def test_backward_matches_autograd(vocab, dtype, temperature):
     logits, targets = make_inputs(3, vocab, dtype)
     g, h = torch.randn(3, device=DEVICE), torch.randn(3, device=DEVICE)
-    _, entropy, lse = token_logprobs_fwd(logits, targets, temperature, True)
+    _, entropy, lse_parts = token_logprobs_fwd(logits, targets, temperature, True)
     _, _, ref_grad = reference(logits, targets, temperature, g, h)
 
-    grad32 = run_bwd_fp32(logits, targets, lse, entropy, g, h, temperature)
+    grad32 = run_bwd_fp32(logits, targets, lse_parts, entropy, g, h, temperature)
     assert_grad_close(grad32, ref_grad, TOL[dtype])
-    grad = token_logprobs_bwd(logits, targets, lse, entropy, g, h, temperature)
+    grad = token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, temperature)
     assert grad.dtype == dtype and grad.shape == logits.shape
     assert_rounded(grad, grad32)
 
@@ -140,15 +143,15 @@ def test_backward_matches_autograd(vocab, dtype, temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS)
 def test_without_entropy(dtype):
     logits, targets = make_inputs(3, 1000, dtype)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 0.7, False)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 0.7, False)
     assert entropy.numel() == 0
-    logp_h, _, lse_h = token_logprobs_fwd(logits, targets, 0.7, True)
+    logp_h, _, lse_parts_h = token_logprobs_fwd(logits, targets, 0.7, True)
     torch.testing.assert_close(logp, logp_h, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse_h, rtol=0, atol=0)
+    torch.testing.assert_close(lse_parts, lse_parts_h, rtol=0, atol=0)
     # grad_entropy=None: the entropy term is absent and `entropy` is not read.
     g = torch.randn(3, device=DEVICE)
     _, _, ref_grad = reference(logits, targets, 0.7, g)
-    grad32 = run_bwd_fp32(logits, targets, lse, entropy, g, None, 0.7)
+    grad32 = run_bwd_fp32(logits, targets, lse_parts, entropy, g, None, 0.7)
     assert_grad_close(grad32, ref_grad, TOL[dtype])
 
 
@@ -172,10 +175,10 @@ def test_minus_inf_logits(dtype):
     targets[3] = 5
     g, h = torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE)
 
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 0.7, True)
-    grad32 = run_bwd_fp32(logits, targets, lse, entropy, g, h, 0.7)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 0.7, True)
+    grad32 = run_bwd_fp32(logits, targets, lse_parts, entropy, g, h, 0.7)
     ref_logp, ref_entropy, ref_grad = safe_reference(logits, targets, 0.7, g, h)
-    for t in (logp, entropy, lse, grad32):
+    for t in (logp, entropy, lse_parts, grad32):
         assert not t.isnan().any()
     assert logp[0] == 0 and entropy[0] == 0 and (grad32[0] == 0).all()
     assert_close_rel(logp, ref_logp, TOL[dtype])
@@ -192,15 +195,16 @@ def test_shift_invariance():
     shifted = logits + 100
     g, h = torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE)
     outs = [token_logprobs_fwd(z, targets, 0.7, True) for z in (logits, shifted)]
-    grads = [token_logprobs_bwd(z, targets, lse, entropy, g, h, 0.7)
-             for z, (_, entropy, lse) in zip((logits, shifted), outs)]
+    grads = [token_logprobs_bwd(z, targets, lse_parts, entropy, g, h, 0.7)
+             for z, (_, entropy, lse_parts) in zip((logits, shifted), outs)]
     ref_logp, ref_entropy, ref_grad = reference(shifted, targets, 0.7, g, h)
     assert_close_rel(outs[1][0], ref_logp, 1e-5)
     assert_close_rel(outs[1][1], ref_entropy, 1e-5)
     assert_grad_close(grads[1], ref_grad, 1e-5)
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=1e-4)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=1e-4)
-    torch.testing.assert_close(outs[1][2], outs[0][2] + 100 / 0.7, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outs[1][2][:, 0], outs[0][2][:, 0] + 100 / 0.7, rtol=1e-6, atol=0)  # m
+    torch.testing.assert_close(outs[1][2][:, 1], outs[0][2][:, 1], rtol=0, atol=1e-4)  # log s
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-4)
 
 
@@ -211,12 +215,12 @@ def test_strided_rows_int32_targets_and_in_place():
     logits = wide[:, :1000]
     targets = torch.randint(0, 1000, (3,), device=DEVICE, dtype=torch.int32)
     g, h = torch.randn(3, device=DEVICE), torch.randn(3, device=DEVICE)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 1.0, True)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 1.0, True)
     ref_logp, ref_entropy, ref_grad = reference(logits, targets.long(), 1.0, g, h)
     assert_close_rel(logp, ref_logp, 1e-5)
     assert_close_rel(entropy, ref_entropy, 1e-5)
     tail = wide[:, 1000:].clone()
-    out = token_logprobs_bwd(logits, targets, lse, entropy, g, h, 1.0, out=logits)
+    out = token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, 1.0, out=logits)
     assert out.data_ptr() == logits.data_ptr()
     assert_grad_close(logits, ref_grad, 1e-5)
     assert torch.equal(wide[:, 1000:], tail)  # the padding past V is untouched
@@ -225,9 +229,9 @@ def test_strided_rows_int32_targets_and_in_place():
 def test_empty_batch():
     logits = torch.empty(0, 7, device=DEVICE)
     targets = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 1.0, True)
-    assert logp.shape == entropy.shape == lse.shape == (0,)
-    grad = token_logprobs_bwd(logits, targets, lse, entropy, logp, entropy, 1.0)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 1.0, True)
+    assert logp.shape == entropy.shape == (0,) and lse_parts.shape == (0, 2)
+    grad = token_logprobs_bwd(logits, targets, lse_parts, entropy, logp, entropy, 1.0)
     assert grad.shape == (0, 7)
 
 
@@ -260,13 +264,13 @@ def test_launch_config_table():
 def test_gpu_large_vocab(vocab, dtype):
     logits, targets = make_inputs(64, vocab, dtype, scale=4.0)
     g, h = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 0.7, True)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 0.7, True)
     ref_logp, ref_entropy, ref_grad = reference(logits, targets, 0.7, g, h)
     assert_close_rel(logp, ref_logp, TOL[dtype])
     assert_close_rel(entropy, ref_entropy, TOL[dtype])
-    grad32 = run_bwd_fp32(logits, targets, lse, entropy, g, h, 0.7)
+    grad32 = run_bwd_fp32(logits, targets, lse_parts, entropy, g, h, 0.7)
     assert_grad_close(grad32, ref_grad, TOL[dtype])
-    grad = token_logprobs_bwd(logits, targets, lse, entropy, g, h, 0.7)
+    grad = token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, 0.7)
     assert_rounded(grad, grad32)
 
 
@@ -286,12 +290,12 @@ def test_gpu_offsets_beyond_int32():
     logits = torch.empty(n, vocab, dtype=torch.bfloat16, device=DEVICE).normal_(0, 3)
     targets = torch.randint(0, vocab, (n,), device=DEVICE)
     g, h = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
-    logp, entropy, lse = token_logprobs_fwd(logits, targets, 1.0, True)
+    logp, entropy, lse_parts = token_logprobs_fwd(logits, targets, 1.0, True)
     tail = slice(n - 4, n)
     ref_logp, ref_entropy, ref_grad = reference(logits[tail], targets[tail], 1.0, g[tail], h[tail])
     assert_close_rel(logp[tail], ref_logp, 2e-3)
     assert_close_rel(entropy[tail], ref_entropy, 2e-3)
     # In place, so no second 4 GB; bf16 rounding (≤ half an ulp on CUDA) plus the bf16 tolerance.
-    token_logprobs_bwd(logits, targets, lse, entropy, g, h, 1.0, out=logits)
+    token_logprobs_bwd(logits, targets, lse_parts, entropy, g, h, 1.0, out=logits)
     atol = 2e-3 * ref_grad.abs().max().item()
     torch.testing.assert_close(logits[tail].double(), ref_grad, rtol=2.0**-8 + 2e-3, atol=atol)

@@ -38,7 +38,7 @@ if ON_CPU and not tk.token_logprobs.INTERPRET:
                 allow_module_level=True)
 DEVICE = "cpu" if ON_CPU else "cuda"
 B, T = 2, 5
-# fp32 arithmetic on identical inputs: ℓ is off by ~1e-6 absolute (lse of ~10 in fp32), which
+# fp32 arithmetic on identical inputs: ℓ is off by ~1e-6 absolute (log s of ~10 in fp32), which
 # moves w = e^{ℓ − ℓ_old} by ~1e-6 relative and small KL values by ~1e-6 absolute.
 RTOL, ATOL = 2e-5, 2e-6
 
@@ -70,8 +70,8 @@ def make_inputs(seed, vocab, dtype, c):
 def spec(logits, targets, mask, adv, old, ref, temperature, config, logp=None):
     """Every output of policy_token_fwd, from autograd of the losses code in fp64 (at ``logp``
     when given, else at ℓ of the logits)."""
-    logp_fwd, entropy, lse = torch_chunked.token_logprobs_fwd(logits.double(), targets,
-                                                              temperature, True)
+    logp_fwd, entropy, lse_parts = torch_chunked.token_logprobs_fwd(logits.double(), targets,
+                                                                    temperature, True)
     logp = logp_fwd if logp is None else logp.double()
     logp_leaf = logp.view(B, T).clone().requires_grad_(True)
     entropy_leaf = entropy.view(B, T).clone().requires_grad_(True)
@@ -96,7 +96,7 @@ def spec(logits, targets, mask, adv, old, ref, temperature, config, logp=None):
     }
     stats = torch.stack([torch.where(mask, columns[name].detach().double(), zero)
                          for name in STATS], -1)
-    return {"logp": logp, "entropy": entropy, "lse": lse, "grad_logp": grad_logp.reshape(-1),
+    return {"logp": logp, "entropy": entropy, "lse_parts": lse_parts, "grad_logp": grad_logp.reshape(-1),
             "grad_entropy": grad_entropy.reshape(-1), "stats": stats.reshape(-1, NUM_STATS)}, weight
 
 
@@ -105,7 +105,7 @@ def run_kernel(logits, targets, mask, weight, adv, old, ref, temperature, config
     outs = tk.policy_token_fwd(logits.to(DEVICE), targets.to(DEVICE), mask.reshape(-1).to(DEVICE),
                                flat(weight), flat(adv), flat(old), flat(ref), temperature,
                                token_loss_params(config))
-    names = ("logp", "entropy", "lse", "grad_logp", "grad_entropy", "stats")
+    names = ("logp", "entropy", "lse_parts", "grad_logp", "grad_entropy", "stats")
     return {name: out.cpu() for name, out in zip(names, outs)}
 
 
@@ -222,7 +222,7 @@ def test_target_outside_the_row_gives_nan_not_a_neighbours_logit():
     for logp in (out["logp"], fwd[0].cpu()):
         assert logp[bad_rows].isnan().all()
         assert torch.equal(logp[keep], good["logp"][keep])
-    for name in ("entropy", "lse"):  # the row itself was read as usual
+    for name in ("entropy", "lse_parts"):  # the row itself was read as usual
         assert torch.equal(out[name], good[name])
     # An unmasked bad token makes the loss NaN (as torch's would be); a masked one adds 0.
     assert out["stats"][:3, 0].isnan().all()
@@ -238,7 +238,7 @@ def test_all_masked():
     weight = aggregation_weights(mask, config.agg, dtype=torch.float64)
     out = run_kernel(logits, targets, mask, weight, adv, old, ref, 1.0, config)
     expected, _ = spec(logits, targets, mask, adv, old, ref, 1.0, config)
-    for name in ("logp", "entropy", "lse"):  # the forward still runs on every row
+    for name in ("logp", "entropy", "lse_parts"):  # the forward still runs on every row
         torch.testing.assert_close(out[name].double(), expected[name], rtol=RTOL, atol=ATOL)
     for name in ("grad_logp", "grad_entropy", "stats"):
         assert (out[name] == 0).all(), name
@@ -250,4 +250,4 @@ def test_no_rows():
     outs = tk.policy_token_fwd(logits, torch.empty(0, dtype=torch.int64, device=DEVICE),
                                torch.empty(0, dtype=torch.bool, device=DEVICE), empty, empty,
                                None, empty, 1.0, token_loss_params(PolicyLossConfig()))
-    assert [tuple(o.shape) for o in outs] == [(0,)] * 5 + [(0, NUM_STATS)]
+    assert [tuple(o.shape) for o in outs] == [(0,), (0,), (0, 2), (0,), (0,), (0, NUM_STATS)]

@@ -1,5 +1,6 @@
 """Vocabulary-parallel hidden-state path: 2 gloo processes on CPU, each holding half the rows of
-the head (uneven halves), give the unsharded log-probs, entropy, loss and gradients."""
+the head (uneven halves), give the unsharded log-probs, entropy, loss and gradients, also for logits
+near 1e4, where merging the ranks' rows through a rounded logsumexp would cost 5e-4."""
 from __future__ import annotations
 
 import os
@@ -20,13 +21,18 @@ B, T, H, V = 4, 5, 8, 37
 SPLIT = (20, 17)  # rows of the head per rank: uneven on purpose
 
 
-def _data():
+def _data(shift=0.0):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(B, T, H, generator=g)
     weight = torch.randn(V, H, generator=g) * 2 / H**0.5
     bias = torch.randn(V, generator=g)
     targets = torch.randint(0, V, (B, T), generator=g)
     inputs = random_loss_inputs(B, T, dtype=torch.float32, noise=0.2, group_size=2, seed=3)
+    if shift:
+        # On grids (1/8, and 1/64 for the bias) every logit near `shift` is exact in fp32, however
+        # the matmul orders its sums: sharded and unsharded heads see the same values.
+        hidden, weight = (torch.round(t * 8) / 8 for t in (hidden, weight))
+        bias = torch.round(bias * 64) / 64 + shift
     return hidden, weight, bias, targets, inputs
 
 
@@ -48,18 +54,22 @@ def _run(hidden, weight, bias, targets, inputs, name, backend, group=None):
 
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
-CASES = [(name, backend) for name in ("grpo", "gspo") for backend in BACKENDS]  # one pass / two passes unsharded
+# one pass / two passes unsharded, and large logits
+CASES = [(name, backend, shift) for name, shift in (("grpo", 0.0), ("gspo", 0.0), ("grpo", 1e4))
+         for backend in BACKENDS]
 
 
 def _worker(rank, path, result_path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
-        hidden, weight, bias, targets, inputs = _data()
         lo = sum(SPLIT[:rank])
         rows = slice(lo, lo + SPLIT[rank])
-        res = {case: _run(hidden, weight[rows], bias[rows], targets, inputs, *case, group=dist.group.WORLD)
-               for case in CASES}
+        res = {}
+        for name, backend, shift in CASES:
+            hidden, weight, bias, targets, inputs = _data(shift)
+            res[name, backend, shift] = _run(hidden, weight[rows], bias[rows], targets, inputs, name, backend,
+                                             group=dist.group.WORLD)
         torch.save(res, f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -74,12 +84,12 @@ def sharded_results():
         return [torch.load(f"{result}.{r}", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name,backend", CASES)
-def test_two_ranks_equal_the_unsharded_head(sharded_results, name, backend):
-    hidden, weight, bias, targets, inputs = _data()
+@pytest.mark.parametrize("name,backend,shift", CASES)
+def test_two_ranks_equal_the_unsharded_head(sharded_results, name, backend, shift):
+    hidden, weight, bias, targets, inputs = _data(shift)
     logp, ent, loss, metrics, grads_lp, grads_loss = _run(hidden, weight, bias, targets, inputs, name, backend)
     for r in range(WORLD):
-        lp_r, ent_r, loss_r, metrics_r, g_lp, g_loss = sharded_results[r][(name, backend)]
+        lp_r, ent_r, loss_r, metrics_r, g_lp, g_loss = sharded_results[r][(name, backend, shift)]
         rows = slice(sum(SPLIT[:r]), sum(SPLIT[: r + 1]))
         torch.testing.assert_close(lp_r, logp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent_r, ent, rtol=1e-5, atol=1e-5)

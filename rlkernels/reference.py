@@ -13,7 +13,9 @@ _CONFIG_DEFAULTS = dict(
     ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, delta=None, dual_clip=None,
     fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
     kl_bias_correction=False, entropy_coef=0.0, agg="token_mean", norm_length=None,
-    log_ratio_clamp=20.0, group_size=None,
+    log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
+    clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=0.1, dro_beta=None,
+    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
 )
 
 
@@ -132,6 +134,28 @@ def _clip_surrogate(w, a, config):
     return (loss,) + _clipped(w, lo, hi, a)
 
 
+def _soft_gate(w, a, config):
+    """§5 SAPO: -A · σ(τ(w - 1)) · 4/τ, τ = τ_pos where A > 0, else τ_neg."""
+    tau = torch.where(a > 0, torch.tensor(float(_cfg(config, "sapo_tau_pos")), dtype=w.dtype),
+                      torch.tensor(float(_cfg(config, "sapo_tau_neg")), dtype=w.dtype))
+    return -a * torch.sigmoid(tau * (w - 1)) * 4 / tau
+
+
+def _dppo_inside(l, lo, a, config, divergence):
+    """§5 DPPO: True where the token is inside the divergence trust region (per token, detached)."""
+    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    p, q = torch.exp(l.detach()), torch.exp(lo)
+    out = []
+    for t in range(l.numel()):
+        if divergence == "tv":
+            up_ok, down_ok = p[t] - q[t] <= eps_high, p[t] - q[t] >= -eps_low
+        else:   # KL(Bernoulli(q) || Bernoulli(p)), with TRL/verl's 1e-8 guards
+            kl = q[t] * (lo[t] - l[t].detach()) + (1 - q[t]) * torch.log((1 - q[t] + 1e-8) / (1 - p[t] + 1e-8))
+            up_ok, down_ok = (kl <= eps_high) | (p[t] <= q[t]), (kl <= eps_low) | (p[t] >= q[t])
+        out.append(bool(up_ok) if a[t] > 0 else bool(down_ok))
+    return torch.tensor(out, dtype=torch.bool)
+
+
 def _kl(delta, estimator):
     """§6 with Δ = ℓ_ref - ℓ (already clamped)."""
     return {"k1": lambda: -delta, "k2": lambda: delta ** 2 / 2,
@@ -176,12 +200,37 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 for j in g:
                     log_E[j] = torch.logsumexp(2 * log_q, 0) - torch.logsumexp(log_q, 0)
             else:
-                # ŵ_j = s_j / mean_g s,  b_g = mean_g ŵ_j R_j   (both used under stop-gradient)
-                s = {j: torch.exp(log_s(j)).detach() for j in g}
+                # ρ_j = π/π_old of the whole sequence; ŵ_j = ρ_j / mean_g ρ; b_g = mean_g ŵ_j R_j  (constants)
+                rho = {j: torch.exp(torch.clamp((tok(logp, j) - tok(old, j)).sum(), -C, C)).detach() for j in g}
                 for j in g:
-                    w_hat[j] = s[j] / _mean([s[k] for k in g])
+                    w_hat[j] = rho[j] / _mean([rho[k] for k in g])
                 for j in g:
                     baseline[j] = _mean([w_hat[k] * rewards[k].to(dt) for k in g])
+
+    # §5 Clip-Cov / KL-Cov: batch-level choice of tokens by the covariance of A and ℓ
+    chosen = set()
+    if ratio == "token" and objective in ("clip_cov", "kl_cov"):
+        cells = [(i, t) for i in range(B) for t in range(T) if bool(valid[i, t])]   # row-major
+        if cells:
+            A = [float(advantages[i, t]) for i, t in cells]
+            lp = [float(logp[i, t].detach()) for i, t in cells]
+            mean_A, mean_l = sum(A) / len(A), sum(lp) / len(lp)
+            cov = [(x - mean_A) * (y - mean_l) for x, y in zip(A, lp)]
+            if objective == "clip_cov":
+                lo_, hi_ = _band(config)
+                cand = []
+                for c, (i, t), x in zip(cov, cells, A):
+                    w = torch.exp(torch.clamp(logp[i, t].detach() - old[i, t], -C, C))
+                    clipped = bool(-x * torch.clamp(w, lo_, hi_) > -x * w)
+                    if not clipped and _cfg(config, "clip_cov_lb") < c < _cfg(config, "clip_cov_ub"):
+                        cand.append((i, t))
+                if cand:   # verl's draw: torch.randperm(n) on the default generator
+                    k = max(int(_cfg(config, "clip_cov_ratio") * len(cells)), 1)
+                    chosen = {cand[j] for j in torch.randperm(len(cand))[:min(k, len(cand))].tolist()}
+            else:
+                k = max(1, int(len(cells) * _cfg(config, "kl_cov_ratio")))
+                top = sorted(range(len(cells)), key=lambda j: -cov[j])[:k]   # stable: ties by position
+                chosen = {cells[j] for j in top}
 
     row_losses = []
     m_ratio, m_low, m_high, m_kl, m_akl, m_ent = [], [], [], [], [], []
@@ -202,16 +251,53 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 low, high = _clipped(w_tok, *_band(config))
             elif objective == "reinforce":          # §5 -A ℓ
                 surr = -a * l
+            elif objective == "sapo":               # §5 soft gate
+                surr = _soft_gate(w_tok, a, config)
+            elif objective in ("dppo_tv", "dppo_kl"):   # §5 -A sg(min(w, cap)) ℓ inside the trust region
+                inside = _dppo_inside(l, lo, a, config, objective[5:])
+                cap = _cfg(config, "ratio_cap")
+                weight = (w_tok if cap is None else torch.clamp(w_tok, max=cap)).detach()
+                surr = -a * weight * l * inside.to(dt)
+                low, high = ~inside & (a < 0), ~inside & (a > 0)
+            elif objective == "dro":                # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
+                surr = -(a * l - 0.5 * _cfg(config, "dro_beta") * (l - lo) ** 2)
+            elif objective == "clip_cov":           # §5 PPO clip, no gradient on the chosen tokens
+                surr, low, high = _clip_surrogate(w_tok, a, config)
+                cols = torch.nonzero(valid[i]).reshape(-1).tolist()
+                pick = torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool)
+                surr = torch.where(pick, torch.zeros((), dtype=dt), surr)
+                low, high = low | (pick & (a < 0)), high | (pick & (a > 0))
+            elif objective == "kl_cov":             # §5 -A w, + coef |ℓ - ℓ_old| on the chosen tokens
+                cols = torch.nonzero(valid[i]).reshape(-1).tolist()
+                pick = torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool)
+                surr = -a * w_tok + torch.where(pick, _cfg(config, "kl_cov_coef") * (l - lo).abs(),
+                                                torch.zeros((), dtype=dt))
             else:
                 raise ValueError(f"unknown objective {objective!r}")
         elif ratio == "sequence":                   # GSPO: s_i broadcast to the row
             s = torch.exp(log_s(i))
-            surr, low, high = (x.expand(L) for x in _clip_surrogate(s, a_row, config))
+            if objective == "sapo":
+                surr = _soft_gate(s, a_row, config).expand(L)
+            else:
+                surr, low, high = (x.expand(L) for x in _clip_surrogate(s, a_row, config))
             r_metric = s.expand(L)
         elif ratio == "sequence_token":             # GSPO-token: sg(log s_i) + ℓ - sg(ℓ)
             w = torch.exp(log_s(i).detach() + l - l.detach())
-            surr, low, high = _clip_surrogate(w, a, config)
+            if objective == "sapo":
+                surr = _soft_gate(w, a, config)
+            else:
+                surr, low, high = _clip_surrogate(w, a, config)
             r_metric = torch.exp(log_s(i)).expand(L)
+        elif ratio == "sequence_sum" and objective == "vespo":   # VESPO: -sg(φ(w_i)) A ℓ
+            log_w = torch.clamp(torch.clamp(l - lo, -C, C).sum(), math.log(1e-8), C).detach()
+            w = torch.exp(log_w)
+            pos = bool(a_row >= 0)
+            k = _cfg(config, "vespo_k_pos" if pos else "vespo_k_neg")
+            lam = max(_cfg(config, "vespo_lambda_pos" if pos else "vespo_lambda_neg"), 1e-4)
+            phi = torch.exp(lam + k * log_w - lam * w)
+            phi = phi if bool(torch.isfinite(phi)) else torch.zeros_like(phi)
+            surr = -phi * a * l
+            r_metric = w.expand(L)
         elif ratio == "sequence_sum":               # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
             S = torch.clamp((l - lo).sum(), -C, C)
             band = (-_cfg(config, "fspo_c_low") * math.sqrt(L),
@@ -232,9 +318,9 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             surr = (-a_row * torch.exp(d_tilde.mean())).expand(L)   # row loss -A_i s̃_i
             low, high = _clipped(d, *band, a_row)
             r_metric = torch.exp(d.mean()).expand(L)
-        elif ratio == "snis":                       # -sg(ŵ_i)(R_i - sg(b_g)) · mean_t ℓ
-            surr = (-w_hat[i] * (rewards[i].to(dt) - baseline[i]) * l.mean()).expand(L)
-            r_metric = torch.exp(log_s(i)).expand(L)
+        elif ratio == "snis":                       # -sg(ŵ_i)(R_i - sg(b_g)) · Σ_t ℓ
+            surr = (-w_hat[i] * (rewards[i].to(dt) - baseline[i]) * l.sum()).expand(L)
+            r_metric = torch.exp(torch.clamp((l - lo).sum(), -C, C)).expand(L)
         else:
             raise ValueError(f"unknown ratio {ratio!r}")
 

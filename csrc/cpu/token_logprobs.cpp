@@ -1,4 +1,4 @@
-// CPU backend of the per-token log-prob / entropy primitive (DESIGN.md §2; the contract is in
+// CPU backend of the per-token log-prob / entropy primitive (docs/design.md §2; the contract is in
 // rlkernels/kernels/__init__.py). Rows run in parallel (at::parallel_for); each row is one
 // streaming pass over V, vectorised with at::vec and accumulated in fp32 (fp64 for fp64).
 //
@@ -160,7 +160,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       // A NaN or +inf logit: the row's results are NaN, as log_softmax's would be. (Without
       // this, exp_u20, which clamps its argument, would turn NaN into finite garbage.)
       const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-      return {nan, nan, nan};
+      return {nan, nan, nan, nan};
     }
     if (block_max > m) {
       acc_t alpha, delta;
@@ -202,20 +202,20 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
 
 template <typename scalar_t>
 void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
-                  typename Io<scalar_t>::acc_t lse, const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c,
-                  typename Io<scalar_t>::acc_t inv_tau) {
+                  typename Io<scalar_t>::acc_t m, typename Io<scalar_t>::acc_t log_s,
+                  const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c, typename Io<scalar_t>::acc_t inv_tau) {
   using IO = Io<scalar_t>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   constexpr int64_t kStep = IO::kStep;
-  const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_lse(lse), v_A(c.A), v_B(c.B);
+  const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_m(m), v_log_s(log_s), v_A(c.A), v_B(c.B);
   const int64_t full = V - V % kStep;
   // Read before the loop: `grad` may be `z` itself (in place), and the loop overwrites z[target].
   const acc_t x_target = static_cast<acc_t>(z[target]) * inv_tau;
   Vec a, b;
   auto grad2 = [&](Vec& lo, Vec& hi) {  // logits in, gradient out
-    const Vec l_lo = at::vec::maximum(lo * v_inv_tau - v_lse, v_floor);  // log p, clamped
-    const Vec l_hi = at::vec::maximum(hi * v_inv_tau - v_lse, v_floor);
+    const Vec l_lo = at::vec::maximum(rlk::log_prob(lo * v_inv_tau, v_m, v_log_s), v_floor);  // log p, clamped
+    const Vec l_hi = at::vec::maximum(rlk::log_prob(hi * v_inv_tau, v_m, v_log_s), v_floor);
     lo = rlk::grad_element(vexp(l_lo), l_lo, v_A, v_B);
     hi = rlk::grad_element(vexp(l_hi), l_hi, v_A, v_B);
   };
@@ -231,7 +231,7 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   }
   // The target element again, with its 1[v=y] term, so that it is rounded once. Each step
   // above loads its elements before it stores the same elements, so in place is safe there too.
-  grad[target] = static_cast<scalar_t>(rlk::grad_logit(x_target, lse, true, c));
+  grad[target] = static_cast<scalar_t>(rlk::grad_logit(x_target, m, log_s, true, c));
 }
 
 // The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
@@ -291,11 +291,12 @@ double check_temperature(double temperature) {
   return temperature;
 }
 
-// A per-row vector (N,) given to the backward: converted to the accumulation dtype, contiguous.
-at::Tensor check_row_vector(const at::Tensor& t, const char* name, int64_t N, at::ScalarType acc) {
+// A per-row input of the backward, (N,) or with `pair` (N, 2): converted to the accumulation dtype, contiguous.
+at::Tensor check_row_vector(const at::Tensor& t, const char* name, int64_t N, at::ScalarType acc, bool pair = false) {
   TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, name, ": expected shape (", N, ",) matching logits (N, V), got ",
+  const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
+  TORCH_CHECK(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
               t.sizes());
   return t.to(acc).contiguous();
 }
@@ -309,16 +310,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   check_temperature(temperature);
   const auto opts = logits.options().dtype(acc_type(logits.scalar_type()));
   at::Tensor logp = at::empty({N}, opts);
-  at::Tensor lse = at::empty({N}, opts);
+  at::Tensor lse_parts = at::empty({N, 2}, opts);
   at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
-  if (N == 0) return {logp, entropy, lse};
+  if (N == 0) return {logp, entropy, lse_parts};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
-    acc_t* lse_p = lse.mutable_data_ptr<acc_t>();
+    acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
     acc_t* ent_p = need_entropy ? entropy.mutable_data_ptr<acc_t>() : nullptr;
     const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
@@ -326,16 +327,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
         const auto r = need_entropy ? forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau)
                                     : forward_row<scalar_t, false>(z + n * V, V, y[n], inv_tau);
         logp_p[n] = r.logp;
-        lse_p[n] = r.lse;
+        lse_p[2 * n] = r.m;
+        lse_p[2 * n + 1] = r.log_s;
         if (need_entropy) ent_p[n] = r.entropy;
       }
     });
   });
-  return {logp, entropy, lse};
+  return {logp, entropy, lse_parts};
 }
 
 // Writes ∂logits into `grad`: (N, V), the dtype of logits, unit stride over V; it may be `logits`.
-void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                              const at::Tensor& entropy, const at::Tensor& grad_logp,
                              const std::optional<at::Tensor>& grad_entropy, double temperature, at::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -343,7 +345,7 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
   const at::Tensor tgt = check_targets(targets, N, V);
   check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits.scalar_type());
-  const at::Tensor lse_c = check_row_vector(lse, "lse", N, acc);
+  const at::Tensor lse_c = check_row_vector(lse_parts, "lse_parts", N, acc, /*pair=*/true);
   const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", N, acc);
   const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
   at::Tensor h_c, ent_c;
@@ -368,24 +370,24 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
       for (int64_t n = begin; n < end; ++n) {
         const auto c = has_h ? rlk::grad_coeffs<acc_t>(g_p[n], h_p[n], ent_p[n], inv_tau)
                              : rlk::grad_coeffs<acc_t>(g_p[n], acc_t(0), acc_t(0), inv_tau);
-        backward_row<scalar_t>(z + n * V, gz + n * out_stride, V, y[n], lse_p[n], c, inv_tau);
+        backward_row<scalar_t>(z + n * V, gz + n * out_stride, V, y[n], lse_p[2 * n], lse_p[2 * n + 1], c, inv_tau);
       }
     });
   });
 }
 
-at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                   const at::Tensor& entropy, const at::Tensor& grad_logp,
                                   const std::optional<at::Tensor>& grad_entropy, double temperature) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits);
   if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
-  token_logprobs_bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
+  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
   return grad;
 }
 
 // `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
-void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                 const at::Tensor& entropy, const at::Tensor& grad_logp,
                                 const std::optional<at::Tensor>& grad_entropy, double temperature,
                                 const at::Tensor& out) {
@@ -393,7 +395,7 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
   TORCH_CHECK(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
   rlk::check_grad_out(logits, out);
   at::Tensor grad = out;
-  token_logprobs_bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
+  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
 }
 
 // The forward plus the per-token policy loss (rlkernels/token_loss.h) of each row, evaluated on
@@ -412,7 +414,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, mask, weight, adv, old_logp, ref_logp, acc);
   const auto opts = logits.options().dtype(acc);
-  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
 
@@ -432,7 +434,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const acc_t* ref_p = ref_logp.has_value() ? ref_logp->const_data_ptr<acc_t>() : nullptr;
     acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
     acc_t* ent_p = entropy.mutable_data_ptr<acc_t>();
-    acc_t* lse_p = lse.mutable_data_ptr<acc_t>();
+    acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
     acc_t* gl_p = grad_logp.mutable_data_ptr<acc_t>();
     acc_t* ge_p = grad_entropy.mutable_data_ptr<acc_t>();
     acc_t* st_p = stats.mutable_data_ptr<acc_t>();
@@ -442,7 +444,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         const auto r = forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau);
         logp_p[n] = r.logp;
         ent_p[n] = r.entropy;
-        lse_p[n] = r.lse;
+        lse_p[2 * n] = r.m;
+        lse_p[2 * n + 1] = r.log_s;
         const rlk::TokenIn<acc_t> in{r.logp, r.entropy, m_p[n], w_p[n], a_p[n],
                                      old_p != nullptr, old_p != nullptr ? old_p[n] : acc_t(0),
                                      ref_p != nullptr, ref_p != nullptr ? ref_p[n] : acc_t(0)};
@@ -453,22 +456,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       }
     });
   });
-  return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+  return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }
 
 }  // namespace
 }  // namespace rlk_cpu
 
 TORCH_LIBRARY(rlkernels_C, m) {
+  // Returns (logp, entropy, lse_parts); lse_parts (N, 2) holds each row's [m, log s], whose sum is the
+  // logsumexp (see rlkernels/kernels/__init__.py).
   m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, bool need_entropy)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
+  m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature) -> Tensor");
   // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
-  m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp,"
+  m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature, Tensor(a!) out) -> ()");
   // The forward plus the per-token policy loss; the scalars are those of
-  // rlkernels/kernels/token_loss_params.py. Returns (logp, entropy, lse, grad_logp, grad_entropy, stats).
+  // rlkernels/kernels/token_loss_params.py. Returns (logp, entropy, lse_parts, grad_logp, grad_entropy, stats).
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
         " Tensor? ref_logp, float temperature, int objective, float clip_low, float clip_high, float delta,"
         " float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"

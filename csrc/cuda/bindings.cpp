@@ -62,11 +62,14 @@ float inv_temperature(double temperature) {
   return static_cast<float>(1.0 / temperature);  // rounded as on the CPU
 }
 
-at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits) {
+// A per-row input of the backward, (N,) or with `pair` (N, 2): converted to fp32, contiguous.
+at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, bool pair = false) {
+  const int64_t N = logits.size(0);
   TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), ", got ", t.device());
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, ": expected shape (", logits.size(0),
-              ",) matching logits (N, V), got ", t.sizes());
+  const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
+  TORCH_CHECK(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
+              t.sizes());
   return t.to(at::kFloat).contiguous();
 }
 
@@ -78,23 +81,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at:
   const float inv_tau = inv_temperature(temperature);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor logp = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
-  if (N == 0) return {logp, entropy, lse};
+  if (N == 0) return {logp, entropy, lse_parts};
   const c10::cuda::CUDAGuard guard(logits.device());
   C10_CUDA_CHECK(token_logprobs_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau,
                                     logp.mutable_data_ptr<float>(),
                                     need_entropy ? entropy.mutable_data_ptr<float>() : nullptr,
-                                    lse.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
-  return {logp, entropy, lse};
+                                    lse_parts.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  return {logp, entropy, lse_parts};
 }
 
-void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
-              const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, double temperature,
+void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
+              const at::Tensor& entropy, const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, double temperature,
               const at::Tensor& out) {
   const at::Tensor tgt = check_targets(targets, logits);
   const float inv_tau = inv_temperature(temperature);
-  const at::Tensor lse_c = check_row_vector(lse, "lse", logits);
+  const at::Tensor lse_c = check_row_vector(lse_parts, "lse_parts", logits, /*pair=*/true);
   const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", logits);
   const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
   at::Tensor h_c, ent_c;
@@ -110,24 +113,24 @@ void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Ten
                                     rows_of(out, "out"), c10::cuda::getCurrentCUDAStream()));
 }
 
-at::Tensor token_logprobs_bwd_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+at::Tensor token_logprobs_bwd_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                    const at::Tensor& entropy, const at::Tensor& grad_logp,
                                    const std::optional<at::Tensor>& grad_entropy, double temperature) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits);
-  bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, grad);
+  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
   return grad;
 }
 
 // `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
-void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
                                  const std::optional<at::Tensor>& grad_entropy, double temperature,
                                  const at::Tensor& out) {
   check_logits(logits);
   TORCH_CHECK(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ", out.device());
   rlk::check_grad_out(logits, out);
-  bwd_into(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out);
+  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out);
 }
 
 // The forward plus the per-token policy loss. fp32 accumulation, so the per-token inputs are fp32.
@@ -147,20 +150,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       entropy_coef, log_ratio_clamp);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
-  if (N == 0) return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+  if (N == 0) return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
                        old_logp.has_value() ? old_logp->const_data_ptr<float>() : nullptr,
                        ref_logp.has_value() ? ref_logp->const_data_ptr<float>() : nullptr};
   const TokenOutputs out{logp.mutable_data_ptr<float>(),      entropy.mutable_data_ptr<float>(),
-                         lse.mutable_data_ptr<float>(),       grad_logp.mutable_data_ptr<float>(),
+                         lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
   const c10::cuda::CUDAGuard guard(logits.device());
   C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau, in, params, out,
                                   c10::cuda::getCurrentCUDAStream()));
-  return {logp, entropy, lse, grad_logp, grad_entropy, stats};
+  return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }
 
 }  // namespace

@@ -235,13 +235,13 @@ RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int6
   return acc.st;
 }
 
-// ∂L/∂z of one element, from the clamped log p = x − lse (rlk::grad_logit with a fast exp).
+// ∂L/∂z of one element, from the clamped log p = (x − m) − log s (rlk::grad_logit with a fast exp).
 struct GradOf {
-  float lse, inv_tau;
+  float m, log_s, inv_tau;
   rlk::GradCoeffs<float> c;
   int64_t target;
   RLK_HOST_DEVICE __forceinline__ float no_target(float z) const {  // the term every element has
-    const float l = clamp_floor(mul_rn(z, inv_tau) - lse);
+    const float l = clamp_floor(rlk::log_prob(mul_rn(z, inv_tau), m, log_s));
     return rlk::grad_element(fast_exp(l), l, c.A, c.B);
   }
   RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const {
@@ -298,10 +298,11 @@ template <bool kEntropy>
 struct StoreRow {
   float* logp;
   float* entropy;
-  float* lse;
+  float* lse_parts;
   RLK_HOST_DEVICE __forceinline__ void operator()(int64_t row, const rlk::RowResult<float>& r) const {
     logp[row] = r.logp;
-    lse[row] = r.lse;
+    lse_parts[2 * row] = r.m;
+    lse_parts[2 * row + 1] = r.log_s;
     if (kEntropy) entropy[row] = r.entropy;
   }
 };
@@ -314,7 +315,8 @@ struct StorePolicyToken {
   RLK_HOST_DEVICE __forceinline__ void operator()(int64_t row, const rlk::RowResult<float>& r) const {
     out.logp[row] = r.logp;
     out.entropy[row] = r.entropy;
-    out.lse[row] = r.lse;
+    out.lse_parts[2 * row] = r.m;
+    out.lse_parts[2 * row + 1] = r.log_s;
     const bool has_old = in.old_logp != nullptr, has_ref = in.ref_logp != nullptr;
     const rlk::TokenIn<float> t{r.logp, r.entropy, in.mask[row], in.weight[row], in.adv[row],
                                 has_old, has_old ? in.old_logp[row] : 0.0f, has_ref, has_ref ? in.ref_logp[row] : 0.0f};

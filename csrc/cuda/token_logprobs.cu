@@ -1,4 +1,4 @@
-// CUDA backend of the per-token log-prob / entropy primitive (DESIGN.md §2; the contract is in
+// CUDA backend of the per-token log-prob / entropy primitive (docs/design.md §2; the contract is in
 // rlkernels/kernels/__init__.py, the launchers in token_logprobs.h), and the same forward with the
 // per-token policy loss (rlkernels/token_loss.h) evaluated by the thread that finishes each row.
 // Torch-free.
@@ -9,7 +9,7 @@
 // pack one element per thread), kStep elements per iteration with the loads issued together.
 // Forward: per thread an online softmax state (running max m, Σ e^{x−m}, Σ e^{x−m}(x−m)) in fp32,
 // merged across the group with cub's warp/block reduction and rlk::softmax_merge. One read of
-// the logits. Backward: elementwise from the saved lse (and H); one read, one write, and each
+// the logits. Backward: elementwise from the saved (m, log s) (and H); one read, one write, and each
 // thread reads every element it owns before writing it, so `out` may be the logits themselves.
 //
 // x = z·(1/τ) is rounded on its own (__fmul_rn, never contracted into the x − m that follows), as
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   const int64_t row = int64_t(blockIdx.x) * kRows + group;
   if (row >= N) return;
   const bool has_h = grads.grad_entropy != nullptr;
-  const GradOf grad{grads.lse[row], inv_tau,
+  const GradOf grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], inv_tau,
                     rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
                                             has_h ? grads.entropy[row] : 0.0f, inv_tau),
                     targets[row]};
@@ -125,11 +125,11 @@ cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, const
 
 template <typename T>
 cudaError_t fwd_rows(const Rows& logits, const int64_t* targets, float inv_tau, float* logp, float* entropy,
-                     float* lse, cudaStream_t stream) {
+                     float* lse_parts, cudaStream_t stream) {
   if (entropy != nullptr) {
-    return fwd<T, true>(logits, targets, inv_tau, rows::StoreRow<true>{logp, entropy, lse}, stream);
+    return fwd<T, true>(logits, targets, inv_tau, rows::StoreRow<true>{logp, entropy, lse_parts}, stream);
   }
-  return fwd<T, false>(logits, targets, inv_tau, rows::StoreRow<false>{logp, nullptr, lse}, stream);
+  return fwd<T, false>(logits, targets, inv_tau, rows::StoreRow<false>{logp, nullptr, lse_parts}, stream);
 }
 
 template <typename T>
@@ -144,7 +144,7 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
       RowGrads g = grads;
-      g.lse += start;
+      g.lse_parts += 2 * start;
       g.grad_logp += start;
       if (g.grad_entropy != nullptr) {
         g.entropy += start;
@@ -160,13 +160,14 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
 }  // namespace
 
 cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
-                               float* entropy, float* lse, cudaStream_t stream) {
+                               float* entropy, float* lse_parts, cudaStream_t stream) {
   if (logits.n == 0) return cudaSuccess;
   if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
   switch (logits.dtype) {
-    case Dtype::kFloat32: return fwd_rows<float>(logits, targets, inv_tau, logp, entropy, lse, stream);
-    case Dtype::kBFloat16: return fwd_rows<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse, stream);
-    case Dtype::kFloat16: return fwd_rows<__half>(logits, targets, inv_tau, logp, entropy, lse, stream);
+    case Dtype::kFloat32: return fwd_rows<float>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
+    case Dtype::kBFloat16:
+      return fwd_rows<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
+    case Dtype::kFloat16: return fwd_rows<__half>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,4 +1,4 @@
-// Launchers of the CUDA kernels of the per-token log-prob / entropy primitive (DESIGN.md §2; the
+// Launchers of the CUDA kernels of the per-token log-prob / entropy primitive (docs/design.md §2; the
 // contract is in rlkernels/kernels/__init__.py). Torch-free: raw pointers, sizes and a stream, so
 // that token_logprobs.cu compiles with nvcc alone; csrc/cuda/bindings.cpp joins them to torch.
 #pragma once
@@ -23,16 +23,16 @@ struct Rows {
   Dtype dtype;
 };
 
-// Forward: logp[n], lse[n] and, when `entropy` is not null, entropy[n] (fp32, device memory) of the
-// rows of x = logits · inv_tau. targets[n] are int64 in [0, v); a row whose target is outside gets
+// Forward: logp[n], lse_parts[2n], lse_parts[2n + 1] (the row max m and log s, s = Σ e^{x − m}) and,
+// when `entropy` is not null, entropy[n] (fp32, device memory) of the rows of x = logits · inv_tau. targets[n] are int64 in [0, v); a row whose target is outside gets
 // a NaN logp (the callers check the range). Returns the launch error, if any.
 cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
-                               float* entropy, float* lse, cudaStream_t stream);
+                               float* entropy, float* lse_parts, cudaStream_t stream);
 
-// Per-row inputs of the backward, fp32 device arrays of n elements. grad_entropy == nullptr means
-// h = 0 (and `entropy` is then not read).
+// Per-row inputs of the backward, fp32 device arrays of n elements (lse_parts: n pairs [m, log s],
+// as the forward writes them). grad_entropy == nullptr means h = 0 (and `entropy` is then not read).
 struct RowGrads {
-  const float* lse;
+  const float* lse_parts;
   const float* entropy;
   const float* grad_logp;
   const float* grad_entropy;
@@ -53,11 +53,12 @@ struct TokenInputs {
   const float* ref_logp;
 };
 
-// Outputs of policy_token_fwd, fp32 device arrays: n elements each, stats n × rlk::kNumStats.
+// Outputs of policy_token_fwd, fp32 device arrays: n elements each, lse_parts n × 2 (as in the
+// forward), stats n × rlk::kNumStats.
 struct TokenOutputs {
   float* logp;
   float* entropy;
-  float* lse;
+  float* lse_parts;
   float* grad_logp;
   float* grad_entropy;
   float* stats;

@@ -1,6 +1,7 @@
 // Checks rlkernels/row_math.h against a direct two-pass computation, in float and double:
 // the online state built element by element, and built from chunks merged in any order, must
-// give the same lse / logp / entropy; the factored gradient must equal the textbook formula.
+// give the same (m, log s) / logp / entropy; the factored gradient must equal the textbook formula,
+// also for logits offset by 1e5 and near the largest float (where m + log s would round to m).
 // Exit status 0 on success, 1 on any failure (ctest, or run the binary).
 #include <algorithm>
 #include <cmath>
@@ -23,21 +24,22 @@ void expect_close(const char* what, int row, double got, double want, double tol
   }
 }
 
-struct Direct {  // two passes, in long double
-  double lse, logp, entropy;
+struct Direct {  // two passes, in long double, relative to the max (exact for any offset)
+  double m, log_s, logp, entropy;
 };
 
 Direct two_pass(const std::vector<double>& x, int target) {
   long double m = -INFINITY;
   for (double v : x) m = std::max<long double>(m, v);
-  long double s = 0, sx = 0;
+  long double s = 0, sd = 0;
   for (double v : x) {
     const long double e = std::exp(static_cast<long double>(v) - m);
     s += e;
-    if (e > 0) sx += e * v;
+    if (e > 0) sd += e * (v - m);
   }
-  const long double lse = m + std::log(s);
-  return {static_cast<double>(lse), static_cast<double>(x[target] - lse), static_cast<double>(lse - sx / s)};
+  const long double log_s = std::log(s);
+  return {static_cast<double>(m), static_cast<double>(log_s), static_cast<double>((x[target] - m) - log_s),
+          static_cast<double>(log_s - sd / s)};
 }
 
 template <typename T>
@@ -67,7 +69,8 @@ void check_row(std::vector<double> x, int target, int row, double tol, std::mt19
 
   // Element by element.
   auto r = rlk::softmax_finalize(online<T>(x, 0, x.size()), x_target);
-  expect_close("lse (online)", row, r.lse, want.lse, tol);
+  expect_close("m (online)", row, r.m, want.m, 0);
+  expect_close("log s (online)", row, r.log_s, want.log_s, tol);
   expect_close("logp (online)", row, r.logp, want.logp, tol);
   expect_close("entropy (online)", row, r.entropy, want.entropy, tol);
 
@@ -87,7 +90,8 @@ void check_row(std::vector<double> x, int target, int row, double tol, std::mt19
   }
   for (const auto* st : {&left, &parts[0]}) {
     r = rlk::softmax_finalize(*st, x_target);
-    expect_close("lse (merged)", row, r.lse, want.lse, tol);
+    expect_close("m (merged)", row, r.m, want.m, 0);
+    expect_close("log s (merged)", row, r.log_s, want.log_s, tol);
     expect_close("logp (merged)", row, r.logp, want.logp, tol);
     expect_close("entropy (merged)", row, r.entropy, want.entropy, tol);
   }
@@ -96,10 +100,11 @@ void check_row(std::vector<double> x, int target, int row, double tol, std::mt19
   const double g = 0.7, h = -1.3, inv_tau = 2.0;
   const auto c = rlk::grad_coeffs<T>(T(g), T(h), T(want.entropy), T(inv_tau));
   for (size_t v = 0; v < x.size(); ++v) {
-    const double p = std::exp(x[v] - want.lse);
-    const double textbook = p > 0 ? inv_tau * (g * ((int(v) == target) - p) - h * p * ((x[v] - want.lse) + want.entropy))
+    const double logp = (x[v] - want.m) - want.log_s;
+    const double p = std::exp(logp);
+    const double textbook = p > 0 ? inv_tau * (g * ((int(v) == target) - p) - h * p * (logp + want.entropy))
                                   : inv_tau * g * (int(v) == target);
-    const T got = rlk::grad_logit(static_cast<T>(x[v]), T(want.lse), int(v) == target, c);
+    const T got = rlk::grad_logit(static_cast<T>(x[v]), T(want.m), T(want.log_s), int(v) == target, c);
     expect_close("grad", row, got, textbook, tol * 10);
   }
 }
@@ -112,7 +117,7 @@ int main() {
   const double inf = std::numeric_limits<double>::infinity();
   int row = 0;
   for (size_t V : {1, 2, 7, 100, 4099}) {
-    for (int variant = 0; variant < 4; ++variant, ++row) {
+    for (int variant = 0; variant < 6; ++variant, ++row) {
       std::vector<double> x(V);
       for (auto& v : x) v = normal(rng);
       const int target = std::uniform_int_distribution<int>(0, int(V) - 1)(rng);
@@ -122,6 +127,10 @@ int main() {
         for (size_t i = 0; i < V; ++i) if (int(i) != target) x[i] = -inf;
       } else if (variant == 3) {  // large offset: shift invariance
         for (auto& v : x) v += 1000.0;
+      } else if (variant == 4) {  // an offset where ulp(m) = 2⁻⁷ in float: m + log s would lose p to 0.4%
+        for (auto& v : x) v += 1e5;
+      } else if (variant == 5) {  // near the largest float: ties at the max, every other p is 0
+        for (auto& v : x) v = v > 0 ? 3e38 : 2e38;
       }
       check_row<double>(x, target, row, 1e-12, rng);
       check_row<float>(x, target, row, 2e-5, rng);

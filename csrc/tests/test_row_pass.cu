@@ -2,8 +2,9 @@
 // lane of a group in turn, the lanes' forward states merged with rlk::softmax_merge (as cub's
 // reduction does, in another order), against a double-precision reference. Covers the partition of
 // a row among the lanes (head elements, 16-byte packs in full and partial steps, tail), for every
-// dtype and group size the kernels use, rows aligned or not, and the backward in place, into
-// another buffer, and into one aligned differently (the element-by-element path). Also the
+// dtype and group size the kernels use, rows aligned or not, large logits (where the saved (m, log s)
+// must not be rounded to m + log s), and the backward in place, into another buffer, and into one
+// aligned differently (the element-by-element path). Also the
 // per-token policy loss (rlkernels/token_loss.h): its derivatives against central differences of
 // its value, for random parameters and inputs, and the epilogue that stores it for a row.
 //
@@ -69,12 +70,21 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   T* z = buf.row;
   std::vector<float> zf(V);  // the values as stored in T
   const long target = static_cast<long>(rng() % V);
+  // Pattern 3 shifts the logits to where ulp(m) ≫ the precision log p needs (1e3: bf16 and fp16 hold
+  // no more). Pattern 4 puts them near the largest float (not fp16's): 1e38, with a few ties at 2e38
+  // in the second half of the row, each raising some lane's max after many smaller terms (δ·s would
+  // overflow there). In both, x = z·(1/τ) itself rounds by up to ulp(m)/2, so the reference starts
+  // from the kernel's fp32 x rather than from z/τ.
+  const float shift = pattern == 3 ? (sizeof(T) == 4 ? 1e5f : 1e3f) : 0.0f;
+  std::vector<double> xs(V);  // the reference's x
   for (long v = 0; v < V; ++v) {
-    float x = normal(rng);
+    float x = normal(rng) + shift;
     if (pattern == 1 && v != target && rng() % 2 == 0) x = -INFINITY;  // masked vocabulary entries
     if (pattern == 2 && v != target) x = -INFINITY;                     // only the target is left
+    if (pattern == 4) x = v == V - 1 || (2 * v >= V && rng() % 16 == 0) ? 2e38f : 1e38f;
     z[v] = Pack<T>::from_float(x);
     zf[v] = Pack<T>::to_float(z[v]);
+    xs[v] = pattern >= 3 ? double(mul_rn(zf[v], inv_tau)) : double(zf[v]) / tau;
   }
 
   // Forward: every lane's state, merged.
@@ -86,26 +96,29 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, mul_rn(zf[target], inv_tau));
 
   double m = -INFINITY;
-  for (long v = 0; v < V; ++v) m = std::fmax(m, double(zf[v]) / tau);
+  for (long v = 0; v < V; ++v) m = std::fmax(m, xs[v]);
   double s = 0, sx = 0;
   for (long v = 0; v < V; ++v) {
-    const double e = std::exp(double(zf[v]) / tau - m);
+    const double e = std::exp(xs[v] - m);
     s += e;
-    if (e > 0) sx += e * (double(zf[v]) / tau - m);
+    if (e > 0) sx += e * (xs[v] - m);
   }
-  const double lse = m + std::log(s), H = std::log(s) - sx / s, logp = double(zf[target]) / tau - lse;
+  const double log_s = std::log(s), H = log_s - sx / s, logp = (xs[target] - m) - log_s;
   const char* dt = name<T>();
   auto close = [](double got, double want) { return std::fabs(got - want) <= 1e-5 * std::fmax(1.0, std::fabs(want)); };
-  if (!close(r.lse, lse)) fail("lse", dt, kThreads, V, offset, -1, r.lse, lse);
+  if (!close(r.m, m)) fail("m", dt, kThreads, V, offset, -1, r.m, m);
+  if (!close(r.log_s, log_s)) fail("log s", dt, kThreads, V, offset, -1, r.log_s, log_s);
   if (!close(r.logp, logp) || r.logp > 0) fail("logp", dt, kThreads, V, offset, -1, r.logp, logp);
   if (!close(r.entropy, H) || r.entropy < 0) fail("entropy", dt, kThreads, V, offset, -1, r.entropy, H);
-  if (r0.lse != r.lse || r0.logp != r.logp) fail("logp without entropy", dt, kThreads, V, offset, -1, r0.logp, r.logp);
+  if (r0.m != r.m || r0.log_s != r.log_s || r0.logp != r.logp) {
+    fail("logp without entropy", dt, kThreads, V, offset, -1, r0.logp, r.logp);
+  }
   if (pattern == 2 && (r.logp != 0 || r.entropy != 0)) fail("single-entry row", dt, kThreads, V, offset, -1, r.logp, 0);
 
-  // Backward from the kernel's own lse and H, into: another buffer aligned like z (packs), one
+  // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf grad{r.lse, inv_tau, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf grad{r.m, r.log_s, inv_tau, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -123,7 +136,7 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
     }
     static const char* what[] = {"grad (packs)", "grad (element by element)", "grad (in place)"};
     for (long v = 0; v < V; ++v) {
-      const double x = double(zf[v]) / tau, lp = x - double(r.lse), p = std::exp(lp);
+      const double lp = (xs[v] - double(r.m)) - double(r.log_s), p = std::exp(lp);
       const double plogp = p > 0 ? p * (lp + double(r.entropy)) : 0.0;
       const double want = (g * ((v == target) - p) - h * plogp) / tau;
       const double scale = (std::fabs(g) * ((v == target) + p) + std::fabs(h) * (p > 0 ? p * (std::fabs(lp) + r.entropy) : 0)) / tau;
@@ -149,22 +162,25 @@ void sweep(std::mt19937& rng) {
   const long vs[] = {1, 3, 7, 8, 9, 33, 100, 1000, 16L * kThreads, 16L * kThreads + 5, 4099, 20011};
   for (long V : vs) {
     for (int offset : {0, 1, 3}) {
-      for (int pattern : {0, 1, 2}) check<T, kThreads>(V, offset, rng, pattern);
+      for (int pattern : {0, 1, 2, 3, 4}) {
+        if (pattern < 4 || !std::is_same<T, __half>::value) check<T, kThreads>(V, offset, rng, pattern);
+      }
     }
   }
 }
 
 template <typename T>
 void nan_rows() {
-  // A NaN among finite values, a NaN among −inf only, and +inf: the row's results are NaN.
-  for (int which = 0; which < 3; ++which) {
+  // A NaN among finite values, a NaN among −inf only, +inf, and −inf only: the row's results are NaN
+  // (the contract, as log_softmax's), whichever element is the target.
+  for (int which = 0; which < 4; ++which) {
     Buffer<T> buf(300, 1);
-    for (long v = 0; v < 300; ++v) buf.row[v] = Pack<T>::from_float(which == 1 ? -INFINITY : float(v % 7));
-    buf.row[123] = Pack<T>::from_float(which == 2 ? INFINITY : NAN);
+    for (long v = 0; v < 300; ++v) buf.row[v] = Pack<T>::from_float(which % 2 == 1 ? -INFINITY : float(v % 7));
+    if (which < 3) buf.row[123] = Pack<T>::from_float(which == 2 ? INFINITY : NAN);
     State st = rlk::softmax_init<float>();
     for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, 1.0f, lane));
-    const rlk::RowResult<float> r = rlk::softmax_finalize(st, 0.0f);
-    if (!std::isnan(r.lse) || !std::isnan(r.logp)) fail("NaN row", name<T>(), 32, 300, 1, which, r.lse, NAN);
+    const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]));
+    if (!std::isnan(r.logp) || !std::isnan(r.entropy)) fail("NaN row", name<T>(), 32, 300, 1, which, r.logp, NAN);
   }
 }
 
@@ -271,23 +287,25 @@ void store_policy_token() {
   const bool mask[3] = {true, true, true};
   const float weight[3] = {0.5f, 0.25f, 0.5f}, adv[3] = {1.0f, -0.7f, 1.0f};
   const float old_logp[3] = {-1.0f, -2.0f, -1.0f}, ref_logp[3] = {-1.0f, -1.5f, -1.0f};
-  const rlk::RowResult<float> r{4.0f, -1.75f, 2.5f};  // lse, logp, entropy
+  const rlk::RowResult<float> r{3.0f, 1.0f, -1.75f, 2.5f};  // m, log s, logp, entropy
   const float sentinel = 12345.0f;
   for (int variant = 0; variant < 4; ++variant) {
     const bool has_old = variant & 1, has_ref = variant & 2;
-    float logp[3], entropy[3], lse[3], grad_logp[3], grad_entropy[3], stats[3 * rlk::kNumStats];
-    for (float* a : {logp, entropy, lse, grad_logp, grad_entropy}) std::fill(a, a + 3, sentinel);
+    float logp[3], entropy[3], lse_parts[6], grad_logp[3], grad_entropy[3], stats[3 * rlk::kNumStats];
+    for (float* a : {logp, entropy, grad_logp, grad_entropy}) std::fill(a, a + 3, sentinel);
+    std::fill(lse_parts, lse_parts + 6, sentinel);
     std::fill(stats, stats + 3 * rlk::kNumStats, sentinel);
     const StorePolicyToken store{rlk_cuda::TokenInputs{mask, weight, adv, has_old ? old_logp : nullptr, has_ref ? ref_logp : nullptr},
-                                 p, rlk_cuda::TokenOutputs{logp, entropy, lse, grad_logp, grad_entropy, stats}};
+                                 p, rlk_cuda::TokenOutputs{logp, entropy, lse_parts, grad_logp, grad_entropy, stats}};
     store(1, r);
     const rlk::TokenOut<float> want =
         rlk::token_loss(rlk::TokenIn<float>{-1.75f, 2.5f, true, 0.25f, -0.7f, has_old, -2.0f, has_ref, -1.5f}, p);
-    bool ok = logp[1] == r.logp && entropy[1] == r.entropy && lse[1] == r.lse && grad_logp[1] == want.grad_logp &&
-              grad_entropy[1] == want.grad_entropy;
+    bool ok = logp[1] == r.logp && entropy[1] == r.entropy && lse_parts[2] == r.m && lse_parts[3] == r.log_s &&
+              grad_logp[1] == want.grad_logp && grad_entropy[1] == want.grad_entropy;
     for (int j = 0; j < rlk::kNumStats; ++j) ok = ok && stats[rlk::kNumStats + j] == want.stats[j];
     for (int row : {0, 2}) {
-      for (const float* a : {logp, entropy, lse, grad_logp, grad_entropy}) ok = ok && a[row] == sentinel;
+      for (const float* a : {logp, entropy, grad_logp, grad_entropy}) ok = ok && a[row] == sentinel;
+      ok = ok && lse_parts[2 * row] == sentinel && lse_parts[2 * row + 1] == sentinel;
       for (int j = 0; j < rlk::kNumStats; ++j) ok = ok && stats[row * rlk::kNumStats + j] == sentinel;
     }
     // The inputs reach the loss: off-policy ℓ − ℓ_old = 0.25 gives w = e^0.25; a reference gives kl > 0.

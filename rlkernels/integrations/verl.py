@@ -5,8 +5,8 @@
 verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
 rollout_is_weights)` and returns what verl's own losses return: `(pg_loss, metrics)`.
 verl computes `log_prob` in its actor; these losses are the `[B, T]` math (`policy_loss`), so
-they bring the presets verl lacks (FSPO, GEPO, SNIS, GSPO's sequence ratio, delta) and one
-definition of each, not the kernels. `register()` must run in every process that computes
+they bring the presets verl lacks (FSPO, GEPO, SNIS, LUSPO, VESPO, GSPO's sequence ratio, delta)
+and one definition of each, not the kernels. `register()` must run in every process that computes
 the actor loss; with Ray workers, e.g. `ray.init(runtime_env={"worker_process_setup_hook":
 "rlkernels.integrations.verl.register"})`. It also puts rlkernels' hidden-state log-prob/entropy
 op in verl's fused-kernel path (`model.use_fused_kernels=True`; see verl_fused.py).
@@ -21,10 +21,15 @@ config its numbers, as verl's own losses read them):
 | `"seq-mean-token-sum"` | `agg="seq_mean_token_sum"`, `num_seqs = global_batch_size / dp_size` |
 | `"seq-mean-token-mean"` | `agg="seq_mean_token_mean"`, `num_seqs = global_batch_size / dp_size` |
 | `"seq-mean-token-sum-norm"` | `agg="constant"`, `norm_length = loss_scale_factor` (None: the padded length) |
-| `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high`, except for `fspo` (its √L band is `fspo_c_*`) and `snis` |
+| `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high` (DPPO's divergence thresholds for `dppo_*`), except for `fspo` (its √L band is `fspo_c_*`) and the presets without a clip (`snis`, `gpg`, `sapo`, `kl_cov`, `dro`, `vespo`) |
 | `clip_ratio_c` | `dual_clip`, for the presets that have a dual clip (`ppo`) |
 | `rollout_n` | `group_size` of `gepo` / `snis` (rows of a group must be contiguous and whole in each micro-batch) |
-| `rollout_is_weights` | multiplies the per-token loss before aggregation (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`) |
+| `rollout_is_weights` | multiplies the per-token loss before aggregation (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`; `gspo` and `luspo` are then evaluated in the GSPO-token form, as verl's `gspo`: each token's weight scales its own gradient) |
+| `tau_pos` / `tau_neg` | `sapo_tau_pos` / `sapo_tau_neg` of `sapo` (whose `loss_agg_mode` is always `"seq-mean-token-mean"`, as verl's `sapo`) |
+| `clip_ratio_c` | `ratio_cap` of `dppo_tv` / `dppo_kl` (verl: `config.get("clip_ratio_c", 20.0)`) |
+| `policy_loss.clip_cov_ratio` / `clip_cov_lb` / `clip_cov_ub` | the same fields of `clip_cov` |
+| `policy_loss.kl_cov_ratio` / `ppo_kl_coef` | `kl_cov_ratio` / `kl_cov_coef` of `kl_cov` |
+| `policy_loss.dro_beta` | `dro_beta` of `dro` (required, as by verl's `dro`) |
 
 The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
 `global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
@@ -37,7 +42,9 @@ verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies th
 `gspo` = `rlkernels_gspo_token` (and `rlkernels_gspo`, whose gradient is the same while
 `rollout_is_weights` is constant within a row); `cispo` = `rlkernels_cispo`; `geo_mean` =
 `rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
-averages over all rows, empty ones included). Differences in guards: rlkernels clamps every
+averages over all rows, empty ones included); `sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
+`kl_cov`, `dro` = `rlkernels_<same name>` (Clip-Cov draws its tokens from torch's RNG as verl
+does: the same state, the same tokens). Differences in guards: rlkernels clamps every
 exponentiated log-ratio to ±20 (verl's `gspo` clamps at +10, `geo_mean` not at all) and gives 0,
 not NaN, for an empty mask.
 """
@@ -55,8 +62,11 @@ from ..losses.policy_loss import masked_batch, per_token_loss
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
 PREFIX = "rlkernels_"
-_NO_CLIP_FIELDS = ("fspo", "snis")  # presets whose clip is not verl's clip_ratio_low/high
+# presets whose clip (if any) is not verl's clip_ratio_low/high
+_NO_CLIP_FIELDS = ("fspo", "snis", "gpg", "sapo", "kl_cov", "dro", "vespo")
 _GROUPED = ("group_expectation", "snis")
+# verl losses that ignore loss_agg_mode: sapo always aggregates "seq-mean-token-mean"
+_FIXED_AGG = {"sapo": "seq-mean-token-mean"}
 
 
 def _get(config, name, default=None):
@@ -97,23 +107,45 @@ def aggregation(loss_agg_mode: str, mask: torch.Tensor, config=None) -> Tuple[di
 
 
 def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
-    """The preset with verl's clip settings (module docstring), KL and entropy off, then `overrides`."""
-    base = _presets.get(preset)
+    """The preset with verl's settings (module docstring), KL and entropy off, then `overrides`."""
+    base = _presets.fields(preset)
     fields = {"kl_estimator": None, "kl_coef": 0.0, "entropy_coef": 0.0}
     if preset not in _NO_CLIP_FIELDS and config is not None:
         clip = _get(config, "clip_ratio")
-        fields["clip_low"] = _get(config, "clip_ratio_low", clip if clip is not None else base.clip_low)
-        fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.clip_high)
-    if base.dual_clip is not None:
-        fields["dual_clip"] = float(_get(config, "clip_ratio_c", base.dual_clip))
-    if base.ratio in _GROUPED and _get(config, "rollout_n") is not None:
+        fields["clip_low"] = _get(config, "clip_ratio_low", clip if clip is not None else base.get("clip_low"))
+        fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.get("clip_high"))
+    if base.get("dual_clip") is not None:
+        fields["dual_clip"] = float(_get(config, "clip_ratio_c", base["dual_clip"]))
+    if base.get("ratio") in _GROUPED and _get(config, "rollout_n") is not None:
         fields["group_size"] = int(_get(config, "rollout_n"))
-    return base.replace(**{**fields, **overrides})
+    if config is not None:
+        fields.update(_objective_fields(base["objective"], config, overrides))
+    return _presets.get(preset, **{**fields, **overrides})
+
+
+def _objective_fields(objective: str, config, overrides) -> dict:
+    """The fields of the new objectives, read from verl's ActorConfig as verl's own loss functions read them."""
+    pl = _get(config, "policy_loss")
+    if objective == "sapo":
+        return {"sapo_tau_pos": float(_get(config, "tau_pos", 1.0)), "sapo_tau_neg": float(_get(config, "tau_neg", 1.05))}
+    if objective in ("dppo_tv", "dppo_kl"):  # verl: config.get("clip_ratio_c", 20.0) caps the detached ratio
+        return {"ratio_cap": float(_get(config, "clip_ratio_c", 20.0))}
+    if objective == "clip_cov":
+        return {"clip_cov_ratio": float(_get(pl, "clip_cov_ratio", 2e-4)), "clip_cov_lb": float(_get(pl, "clip_cov_lb", 1.0)),
+                "clip_cov_ub": float(_get(pl, "clip_cov_ub", 5.0))}
+    if objective == "kl_cov":
+        return {"kl_cov_ratio": float(_get(pl, "kl_cov_ratio", 2e-4)), "kl_cov_coef": float(_get(pl, "ppo_kl_coef", 1.0))}
+    if objective == "dro":
+        beta = _get(pl, "dro_beta")
+        if beta is None and "dro_beta" not in overrides:
+            raise ValueError("policy_loss.dro_beta: required (a positive value) for rlkernels_dro, as for verl's dro")
+        return {} if beta is None else {"dro_beta": float(beta)}
+    return {}
 
 
 def policy_loss_fn(preset: str, **overrides) -> Callable:
     """A verl policy loss (verl's signature and return value) for `preset`."""
-    _presets.get(preset)  # validates the name
+    _presets.fields(preset)  # validates the name
 
     def loss_fn(
         old_log_prob: torch.Tensor,
@@ -124,7 +156,7 @@ def policy_loss_fn(preset: str, **overrides) -> Callable:
         config=None,
         rollout_is_weights: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        agg_fields, counts = aggregation(loss_agg_mode, response_mask, config)
+        agg_fields, counts = aggregation(_FIXED_AGG.get(preset, loss_agg_mode), response_mask, config)
         cfg = loss_config(preset, config, **{**agg_fields, **overrides})
         mask = response_mask.bool()
         logp = log_prob if log_prob.dtype in (torch.float32, torch.float64) else log_prob.float()
@@ -133,9 +165,12 @@ def policy_loss_fn(preset: str, **overrides) -> Callable:
         if cfg.ratio == "snis":  # SNIS takes rewards: verl's per-row "advantage" is read as the reward
             kwargs["rewards"] = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             advantages = None
+        rng = torch.get_rng_state() if rollout_is_weights is not None and cfg.objective == "clip_cov" else None
         out = policy_loss(logp, advantages, mask, cfg, **kwargs)
         loss = out.loss
         if rollout_is_weights is not None:
+            if rng is not None:  # Clip-Cov's draw: the weighted loss chooses the tokens the metrics saw, as verl draws once
+                torch.set_rng_state(rng)
             loss = _weighted_loss(logp, advantages, mask, cfg, rollout_is_weights, kwargs)
         return loss, _metrics(out.metrics, logp, old_log_prob, advantages, mask, cfg)
 
@@ -145,7 +180,13 @@ def policy_loss_fn(preset: str, **overrides) -> Callable:
 
 
 def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
-    """verl's rollout correction: the per-token loss times the weights, then aggregated."""
+    """verl's rollout correction: the per-token loss times the weights, then aggregated.
+
+    A sequence ratio (`gspo`, `luspo`) is evaluated in its GSPO-token form, as verl's `gspo`: the same
+    value, and the weight of token t scales the gradient of ℓ_t alone (through the mean, each token's
+    gradient would carry the mean of its row's weights instead)."""
+    if cfg.ratio == "sequence":
+        cfg = cfg.replace(ratio="sequence_token")
     inputs = LossInputs.build(cfg, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask,
                               advantages=advantages, old_logp=kwargs["old_logp"], rewards=kwargs.get("rewards"),
                               num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"])

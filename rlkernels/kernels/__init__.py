@@ -3,21 +3,28 @@
 Every backend module exposes the same two functions over flattened rows
 (``N`` rows of a contiguous ``(N, V)`` logits tensor, inputs already validated by ``ops/``):
 
-``token_logprobs_fwd(logits, targets, temperature, need_entropy) -> (logp, entropy, lse)``
+``token_logprobs_fwd(logits, targets, temperature, need_entropy) -> (logp, entropy, lse_parts)``
     logits ``(N, V)`` fp16/bf16/fp32 (fp64 where the backend supports it), targets ``(N,)``
-    int64 in ``[0, V)``. Returns fp32 tensors of shape ``(N,)`` (fp64 for fp64 logits):
-    ``logp = x_y - lse``, the entropy ``H = lse - sum_v p_v x_v`` (an empty tensor when
-    ``need_entropy`` is False) and ``lse = logsumexp(x)``, with ``x = logits / temperature``.
+    int64 in ``[0, V)``. With ``x = logits / temperature``, ``m = max_v x_v`` and
+    ``s = sum_v e^{x_v - m}``, returns in the accumulation dtype (fp32; fp64 for fp64 logits):
+    ``logp (N,) = (x_y - m) - log s``, the entropy ``H (N,) = log s - sum_v p_v (x_v - m)`` (an
+    empty tensor when ``need_entropy`` is False) and ``lse_parts (N, 2) = [m, log s]``, what the
+    backward needs of the row. logsumexp(x) is ``m + log s``, but no backend forms that sum: it
+    rounds to ulp(m), which at ``|m| ≈ 1e3`` already costs more precision than all else and near
+    ±3e38 all of ``log s``; every log-probability is ``(x_v - m) - log s``, as in log_softmax.
+    A row that is all −inf, or holds a NaN or +inf, has NaN ``logp`` and ``H`` (log_softmax's
+    NaN), on every backend.
 
-``token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None) -> grad_logits``
-    ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with ``g = grad_logp``
-    and ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
+``token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None) -> grad_logits``
+    ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with
+    ``log p_v = (x_v − m) − log s`` from the forward's ``lse_parts``, ``g = grad_logp`` and
+    ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
     ``logits``, shape ``(N, V)``. ``out``: an ``(N, V)`` tensor with unit stride over V to
     write into instead of a new one; it may be ``logits`` itself (every element is read before
     it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
 
 ``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params)``
-``-> (logp, entropy, lse, grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
+``-> (logp, entropy, lse_parts, grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
     The forward above plus the token-level policy loss of docs/math.md, in the same program
     that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each
     token (0 where masked); ``adv (N,)`` the advantage A; ``old_logp (N,)`` ℓ_old or ``None``
@@ -42,7 +49,7 @@ Every backend module exposes the same two functions over flattened rows
 
     Derivatives follow torch's autograd of `losses/` (clamp passes the gradient on its closed
     interval, max / min take the larger / smaller branch). Outputs, all in the accumulation dtype:
-    ``logp, entropy, lse (N,)`` as in the forward; ``grad_logp (N,) = w_agg·∂s/∂ℓ``,
+    ``logp, entropy (N,)`` and ``lse_parts (N, 2)`` as in the forward; ``grad_logp (N,) = w_agg·∂s/∂ℓ``,
     ``grad_entropy (N,) = w_agg·∂s/∂H = −w_agg·c_H`` (0 where masked); ``stats (N, 7)``, columns
     ``token_loss_params.STATS``: w_agg·s, then clip_low, clip_high, ratio, approx_kl, kl, H, each
     0 where masked (so ``stats.sum(0)`` gives the loss and the metrics' masked sums, and

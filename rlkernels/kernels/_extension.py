@@ -28,23 +28,23 @@ def missing_reason() -> Optional[str]:
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy):
-    """(logp, entropy, lse) of (N, V) logits; see rlkernels/kernels/__init__.py."""
+    """(logp, entropy, lse_parts) of (N, V) logits; see rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), bool(need_entropy))
 
 
-def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None):
+def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None):
     """grad_logits (N, V) in the dtype of logits, written into `out` when given (it may be `logits`
     itself); see rlkernels/kernels/__init__.py."""
     if out is None:
         return torch.ops.rlkernels_C.token_logprobs_bwd(
-            logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature))
+            logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature))
     torch.ops.rlkernels_C.token_logprobs_bwd_out(
-        logits, targets, lse, entropy, grad_logp, grad_entropy, float(temperature), out)
+        logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature), out)
     return out
 
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params):
-    """(logp, entropy, lse, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
+    """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
     loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
     p = params
     return torch.ops.rlkernels_C.policy_token_fwd(

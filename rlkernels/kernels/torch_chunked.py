@@ -1,8 +1,8 @@
 """The `torch` backend: chunked pure PyTorch, always available.
 
 Rows are processed in chunks of about `CHUNK_ELEMENTS` logits, so the extra memory is
-O(chunk × V) rather than O(N × V); the backward recomputes softmax from the saved logsumexp
-(DESIGN.md §2) instead of keeping a log_softmax for autograd.
+O(chunk × V) rather than O(N × V); the backward recomputes softmax from the saved (m, log s)
+(docs/design.md §2) instead of keeping a log_softmax for autograd.
 """
 from __future__ import annotations
 
@@ -26,33 +26,40 @@ def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _p_log_p(log_p: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """p·log p with 0·(−inf) = 0, for vocabulary entries whose logit is −inf."""
-    return torch.where(p > 0, p * log_p, torch.zeros((), dtype=p.dtype, device=p.device))
+def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """p·d with 0·(−inf) = 0, for vocabulary entries whose logit is −inf (NaN stays NaN)."""
+    return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * d)
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     n, vocab = logits.shape
     acc = _acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
-    lse = torch.empty_like(logp)
+    lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
     for s, e in _chunks(n, vocab):
         x = logits[s:e].to(acc) / temperature
-        lse[s:e] = torch.logsumexp(x, dim=-1)
-        logp[s:e] = x.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+        # Relative to the row max, as log_softmax: log p = (x − m) − log s, never x − (m + log s),
+        # which rounds to ulp(m). A row of −inf (m = −inf) gives x − m = NaN, so NaN results.
+        m = x.amax(-1, keepdim=True)
+        d = x.sub_(m)
+        e_d = torch.exp(d)
+        total = e_d.sum(-1)
+        log_s = total.log()
+        lse_parts[s:e] = torch.stack((m[:, 0], log_s), 1)
+        logp[s:e] = d.gather(1, targets[s:e, None]).squeeze(1) - log_s
         if need_entropy:
-            log_p = x.sub_(lse[s:e, None])
-            entropy[s:e] = -_p_log_p(log_p, torch.exp(log_p)).sum(-1)
-    return logp, entropy, lse
+            # H = log s − Σ e^{x−m}(x−m) / s: terms relative to m, no cancellation of large numbers.
+            entropy[s:e] = log_s - _p_times(e_d, d).sum(-1) / total
+    return logp, entropy, lse_parts
 
 
-def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, out=None):
+def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None):
     n, vocab = logits.shape
     acc = _acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
     for s, e in _chunks(n, vocab):
-        log_p = logits[s:e].to(acc) / temperature - lse[s:e, None]
+        log_p = (logits[s:e].to(acc) / temperature - lse_parts[s:e, :1]) - lse_parts[s:e, 1:]
         p = torch.exp(log_p)
         g = grad_logp[s:e, None].to(acc)
         chunk = -g * p
@@ -60,6 +67,6 @@ def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, t
         if grad_entropy is not None:
             # ∂H/∂x_v = −p_v (log p_v + H)
             h = grad_entropy[s:e, None].to(acc)
-            chunk -= h * _p_log_p(log_p + entropy[s:e, None], p)
+            chunk -= h * _p_times(p, log_p + entropy[s:e, None])
         grad[s:e] = chunk / temperature
     return grad

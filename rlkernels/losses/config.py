@@ -8,22 +8,26 @@ from typing import Optional
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
-OBJECTIVES = ("clip", "cispo", "reinforce")
+OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo")
 KL_ESTIMATORS = (None, "k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # Which surrogate each ratio can feed (docs/math.md, "Surrogates").
 _VALID_OBJECTIVES = {
-    "token": ("clip", "cispo", "reinforce"),
-    "sequence": ("clip",),
-    "sequence_token": ("clip",),
-    "sequence_sum": ("clip",),
+    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro"),
+    "sequence": ("clip", "sapo"),
+    "sequence_token": ("clip", "sapo"),
+    "sequence_sum": ("clip", "vespo"),
     "group_expectation": ("clip",),
     "geometric": ("clip",),
     "snis": ("reinforce",),
 }
 # delta / dual_clip act on a ratio clipped in ratio space, not on the log-space clips.
 _RATIO_SPACE_CLIP = ("token", "sequence", "sequence_token", "group_expectation")
+# Objectives whose clip_low / clip_high bound the ratio in ratio space (1 - ε_low, 1 + ε_high).
+_RATIO_SPACE_OBJECTIVES = ("clip", "cispo", "clip_cov")
+# Objectives that read clip_low / clip_high at all (dppo_*: as divergence thresholds, docs/math.md §5).
+_CLIPPED_OBJECTIVES = ("clip", "clip_cov", "dppo_tv", "dppo_kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,24 @@ class PolicyLossConfig:
     norm_length: Optional[int] = None
     log_ratio_clamp: float = 20.0
     group_size: Optional[int] = None
+    # SAPO's soft gate (docs/math.md §5): temperature for A > 0 / A ≤ 0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # DPPO: the detached importance weight is min(w, ratio_cap) (truncated IS); None: no cap
+    ratio_cap: Optional[float] = None
+    # Clip-Cov / KL-Cov (verl's policy_loss.clip_cov_* / kl_cov_ratio / ppo_kl_coef)
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 0.1
+    # DRO's quadratic penalty (verl's policy_loss.dro_beta); required (> 0) with objective="dro"
+    dro_beta: Optional[float] = None
+    # VESPO's gamma weight φ(w) = e^λ·w^k·e^{-λw}, (k, λ) for A ≥ 0 / A < 0 (TRL's vespo_*)
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self):
         _choice("ratio", self.ratio, RATIOS)
@@ -58,9 +80,11 @@ class PolicyLossConfig:
                 f"objective: {self.objective!r} cannot be used with ratio={self.ratio!r}; "
                 f"expected one of {_VALID_OBJECTIVES[self.ratio]}"
             )
-        _number("clip_low", self.clip_low, low=0.0, optional=self.objective == "cispo")
-        _number("clip_high", self.clip_high, low=0.0, optional=self.objective == "cispo")
-        if self.ratio in _RATIO_SPACE_CLIP and self.clip_low is not None and self.clip_low >= 1:
+        needs_clip = self.objective in _CLIPPED_OBJECTIVES
+        _number("clip_low", self.clip_low, low=0.0, optional=not needs_clip)
+        _number("clip_high", self.clip_high, low=0.0, optional=not needs_clip)
+        if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
+                and self.clip_low is not None and self.clip_low >= 1):
             raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
         for name in ("delta", "dual_clip"):
             value = getattr(self, name)
@@ -82,8 +106,30 @@ class PolicyLossConfig:
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
         _number("entropy_coef", self.entropy_coef)
         _integer("norm_length", self.norm_length, optional=True)
+        if self.agg == "constant" and self.norm_length is None:
+            raise ValueError(
+                "norm_length: agg='constant' (Dr. GRPO) divides by a constant length, got None; pass the maximum "
+                "completion length (with the padded T the loss would change with the padding)"
+            )
         _number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
         _integer("group_size", self.group_size, optional=True)
+        _number("sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
+        _number("sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
+        _number("ratio_cap", self.ratio_cap, low=0.0, strict=True, optional=True)
+        if self.ratio_cap is not None and self.objective not in ("dppo_tv", "dppo_kl"):
+            raise ValueError(f"ratio_cap: only valid with objective 'dppo_tv' or 'dppo_kl', got {self.objective!r}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _number(name, getattr(self, name), low=0.0, strict=True)
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name}: expected a fraction of the tokens in (0, 1], got {getattr(self, name)}")
+        _number("clip_cov_lb", self.clip_cov_lb)
+        _number("clip_cov_ub", self.clip_cov_ub)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb: expected a value < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
+        _number("kl_cov_coef", self.kl_cov_coef, low=0.0)
+        _number("dro_beta", self.dro_beta, low=0.0, strict=True, optional=self.objective != "dro")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _number(name, getattr(self, name), low=0.0)
 
     def replace(self, **overrides) -> "PolicyLossConfig":
         """A copy with some fields changed (validated again)."""

@@ -10,6 +10,7 @@ _PRESETS = {
     "ppo": dict(ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token_mean"),
     "grpo": dict(ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, kl_estimator="k3", kl_coef=0.04,
                  agg="seq_mean_token_mean"),
+    # Dr. GRPO divides by a constant: `norm_length` (the maximum completion length) has no default.
     "dr_grpo": dict(ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, agg="constant"),
     "dapo": dict(ratio="token", objective="clip", clip_low=0.2, clip_high=0.28, agg="token_mean"),
     "gspo": dict(ratio="sequence", objective="clip", clip_low=3e-4, clip_high=4e-4, agg=_PER_ROW),
@@ -20,19 +21,42 @@ _PRESETS = {
     "cispo": dict(ratio="token", objective="cispo", clip_low=None, clip_high=4.0, agg="token_mean"),
     "gmpo": dict(ratio="geometric", objective="clip", clip_low=0.4, clip_high=0.4, agg=_PER_ROW),
     "snis": dict(ratio="snis", objective="reinforce", agg=_PER_ROW),
+    # Added after the first eleven (the order of NAMES is stable; new presets are appended).
+    "gpg": dict(ratio="token", objective="reinforce", agg="token_mean"),
+    "sapo": dict(ratio="token", objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="seq_mean_token_mean"),
+    "dppo_tv": dict(ratio="token", objective="dppo_tv", clip_low=0.15, clip_high=0.15, agg="token_mean"),
+    "dppo_kl": dict(ratio="token", objective="dppo_kl", clip_low=0.05, clip_high=0.05, agg="token_mean"),
+    "clip_cov": dict(ratio="token", objective="clip_cov", clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+                     clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token_mean"),
+    "kl_cov": dict(ratio="token", objective="kl_cov", kl_cov_ratio=2e-4, kl_cov_coef=0.1, agg="token_mean"),
+    "dro": dict(ratio="token", objective="dro", dro_beta=0.1, agg="token_mean"),
+    "luspo": dict(ratio="sequence", objective="clip", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum"),
+    "vespo": dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                  vespo_lambda_neg=2.0, agg="token_mean"),
 }
 
 NAMES = tuple(_PRESETS)
 
 
-def get(name: str, **overrides) -> PolicyLossConfig:
-    """The preset called `name` with `overrides` applied."""
+def fields(name: str) -> dict:
+    """The fields preset `name` sets (a copy; the others keep `PolicyLossConfig`'s defaults)."""
     if name not in _PRESETS:
         raise ValueError(f"preset: expected one of {NAMES}, got {name!r}")
+    return dict(_PRESETS[name])
+
+
+def get(name: str, **overrides) -> PolicyLossConfig:
+    """The preset called `name` with `overrides` applied."""
+    merged = {**fields(name), **overrides}
     unknown = set(overrides) - {f.name for f in PolicyLossConfig.__dataclass_fields__.values()}
     if unknown:
         raise ValueError(f"overrides: unknown PolicyLossConfig fields {sorted(unknown)}")
-    return PolicyLossConfig(**{**_PRESETS[name], **overrides})
+    if merged.get("agg") == "constant" and merged.get("norm_length") is None:
+        raise ValueError(
+            f"norm_length: the {name!r} preset divides the summed loss by a constant length (Dr. GRPO) and has no "
+            f"default; pass the maximum completion length, e.g. presets.{name}(norm_length=max_completion_length)"
+        )
+    return PolicyLossConfig(**merged)
 
 
 def _preset(name):
@@ -55,3 +79,12 @@ gepo = _preset("gepo")
 cispo = _preset("cispo")
 gmpo = _preset("gmpo")
 snis = _preset("snis")
+gpg = _preset("gpg")
+sapo = _preset("sapo")
+dppo_tv = _preset("dppo_tv")
+dppo_kl = _preset("dppo_kl")
+clip_cov = _preset("clip_cov")
+kl_cov = _preset("kl_cov")
+dro = _preset("dro")
+luspo = _preset("luspo")
+vespo = _preset("vespo")

@@ -6,6 +6,7 @@ row's tokens, so one aggregation serves all of them (docs/math.md, "Surrogates")
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -62,33 +63,150 @@ def _sequence_log_ratio(b: Batch, cfg) -> torch.Tensor:
 
 
 def token(b: Batch, cfg) -> Surrogate:
-    w = torch.exp(_token_log_ratio(b, cfg))
-    if cfg.objective == "clip":
-        return clip_objective(w, b.adv, cfg)
-    if cfg.objective == "reinforce":
-        none = torch.zeros_like(b.mask)
-        return Surrogate(-b.adv * b.logp, w.detach(), none, none)
-    # CISPO: the clipped weight is a constant that scales the REINFORCE gradient.
+    return _TOKEN_OBJECTIVES[cfg.objective](torch.exp(_token_log_ratio(b, cfg)), b, cfg)
+
+
+def _none(b: Batch) -> torch.Tensor:
+    return torch.zeros_like(b.mask)
+
+
+def _clip(w, b: Batch, cfg) -> Surrogate:
+    return clip_objective(w, b.adv, cfg)
+
+
+def _reinforce(w, b: Batch, cfg) -> Surrogate:
+    """REINFORCE (and GPG): −A·ℓ."""
+    return Surrogate(-b.adv * b.logp, w.detach(), _none(b), _none(b))
+
+
+def _cispo(w, b: Batch, cfg) -> Surrogate:
+    """CISPO: the clipped weight is a constant that scales the REINFORCE gradient."""
     low = None if cfg.clip_low is None else 1 - cfg.clip_low
     high = None if cfg.clip_high is None else 1 + cfg.clip_high
     w = w.detach()
-    clipped_low = w < low if low is not None else torch.zeros_like(b.mask)
-    clipped_high = w > high if high is not None else torch.zeros_like(b.mask)
+    clipped_low = w < low if low is not None else _none(b)
+    clipped_high = w > high if high is not None else _none(b)
     return Surrogate(-w.clamp(low, high) * b.adv * b.logp, w, clipped_low, clipped_high)
 
 
+def soft_gate(w, adv, cfg) -> Surrogate:
+    """SAPO: −A·f(w), f(w) = σ(τ(w − 1))·4/τ with τ = τ_pos where A > 0, τ_neg elsewhere (no hard clip)."""
+    tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_tau_pos), adv.new_tensor(cfg.sapo_tau_neg))
+    none = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+    return Surrogate(-adv * torch.sigmoid(tau * (w - 1)) * (4 / tau), w.detach(), none, none)
+
+
+def _sapo(w, b: Batch, cfg) -> Surrogate:
+    return soft_gate(w, b.adv, cfg)
+
+
+def _dppo(w, b: Batch, cfg) -> Surrogate:
+    """DPPO (Binary-TV / Binary-KL): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the divergence trust region."""
+    with torch.no_grad():
+        p, p_old, adv = torch.exp(b.logp), torch.exp(b.old_logp), b.adv
+        if cfg.objective == "dppo_tv":
+            inside_pos = p - p_old <= cfg.clip_high
+            inside_neg = p - p_old >= -cfg.clip_low
+        else:  # the KL between the Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p)
+            kl = p_old * (b.old_logp - b.logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            inside_pos = (kl <= cfg.clip_high) | (p <= p_old)
+            inside_neg = (kl <= cfg.clip_low) | (p >= p_old)
+        inside = torch.where(adv > 0, inside_pos, inside_neg)
+        weight = w.detach() if cfg.ratio_cap is None else w.detach().clamp(max=cfg.ratio_cap)
+    loss = -adv * weight * b.logp * inside.to(w.dtype)
+    w = w.detach()
+    return Surrogate(loss, w, ~inside & (adv < 0), ~inside & (adv > 0))
+
+
+def _dro(w, b: Batch, cfg) -> Surrogate:
+    """DRO: −(A·ℓ − ½β(ℓ − ℓ_old)²); the log-ratio is not exponentiated, so not clamped."""
+    loss = -(b.adv * b.logp - 0.5 * cfg.dro_beta * (b.logp - b.old_logp).square())
+    return Surrogate(loss, w.detach(), _none(b), _none(b))
+
+
+def _covariance(b: Batch) -> torch.Tensor:
+    """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch; detached."""
+    m = b.mask
+    count = m.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=b.logp.dtype, device=b.logp.device)
+    adv, logp = b.adv, b.logp.detach()
+    mean_adv = torch.where(m, adv, zero).sum() / count
+    mean_logp = torch.where(m, logp, zero).sum() / count
+    return (adv - mean_adv) * (logp - mean_logp)
+
+
+def _clip_cov(w, b: Batch, cfg) -> Surrogate:
+    """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance (verl's draw)."""
+    sur = clip_objective(w, b.adv, cfg)
+    with torch.no_grad():
+        wd, adv = w.detach(), b.adv
+        clipped = -adv * wd.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) > -adv * wd
+        cov = _covariance(b)
+        candidates = b.mask & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+        chosen = random_tokens(candidates, b.mask, cfg.clip_cov_ratio)
+    loss = torch.where(chosen, torch.zeros((), dtype=sur.loss.dtype, device=sur.loss.device), sur.loss)
+    return Surrogate(loss, sur.ratio, sur.clipped_low | (chosen & (adv < 0)), sur.clipped_high | (chosen & (adv > 0)))
+
+
+def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """verl's Clip-Cov draw: of the n candidate tokens (row-major order), those at `randperm(n)[:k]`,
+    k = max(⌊fraction·N⌋, 1) with N the masked tokens; `torch.randperm` on the default (CPU) generator,
+    so the choice is that of verl's code from the same torch RNG state. It needs n on the host: one sync."""
+    flat = candidates.reshape(-1)
+    order = torch.argsort((~flat).to(torch.int8), stable=True)  # the candidates first, in row-major order
+    base = flat.numel() + 1
+    n_tokens, n = divmod(int((mask.sum() * base + flat.sum()).item()), base)  # both counts in one sync
+    chosen = torch.zeros_like(flat)
+    if n > 0:
+        k = max(int(fraction * n_tokens), 1)
+        picked = order[:n][torch.randperm(n)[:min(k, n)].to(order.device)]
+        chosen = chosen.index_fill(0, picked, True)
+    return chosen.view_as(candidates)
+
+
+def _kl_cov(w, b: Batch, cfg) -> Surrogate:
+    """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
+    with torch.no_grad():
+        m = b.mask
+        cov = torch.where(m, _covariance(b), torch.full((), float("-inf"), dtype=b.logp.dtype, device=b.logp.device))
+        k = torch.floor(m.sum().to(torch.float64) * cfg.kl_cov_ratio).clamp(min=1)
+        order = torch.sort(cov.reshape(-1), descending=True, stable=True).indices  # ties: the first position wins
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        chosen = (rank.view_as(m) < k) & m
+    penalty = cfg.kl_cov_coef * (b.logp - b.old_logp).abs()
+    loss = -b.adv * w + torch.where(chosen, penalty, torch.zeros((), dtype=penalty.dtype, device=penalty.device))
+    return Surrogate(loss, w.detach(), _none(b), _none(b))
+
+
+_TOKEN_OBJECTIVES = {
+    "clip": _clip,
+    "reinforce": _reinforce,
+    "cispo": _cispo,
+    "sapo": _sapo,
+    "dppo_tv": _dppo,
+    "dppo_kl": _dppo,
+    "clip_cov": _clip_cov,
+    "kl_cov": _kl_cov,
+    "dro": _dro,
+}
+
+
 def sequence(b: Batch, cfg) -> Surrogate:
-    return clip_objective(b.per_token(torch.exp(_sequence_log_ratio(b, cfg))), b.adv, cfg)
+    w = b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
+    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
 
 
 def sequence_token(b: Batch, cfg) -> Surrogate:
     # Value of s_i on every token, gradient of ℓ_{i,t} alone (GSPO-token).
     log_w = _sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach()
-    return clip_objective(torch.exp(log_w), b.adv, cfg)
+    w = torch.exp(log_w)
+    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
 
 
 def sequence_sum(b: Batch, cfg) -> Surrogate:
     """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L."""
+    if cfg.objective == "vespo":
+        return vespo(b, cfg)
     s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
@@ -101,6 +219,23 @@ def sequence_sum(b: Batch, cfg) -> Surrogate:
         b.per_token((s < low) & (adv < 0)),
         b.per_token((s > high) & (adv > 0)),
     )
+
+
+# VESPO's lower bound on the sequence log-ratio, TRL's log(1e-8).
+VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+def vespo(b: Batch, cfg) -> Surrogate:
+    """VESPO: −sg(φ(w_i))·A·ℓ, φ(w) = exp(λ + k·log w − λ·w), w_i the raw sequence ratio (TRL's bounds)."""
+    with torch.no_grad():
+        log_w = masked_sum_rows(_token_log_ratio(b, cfg), b.mask).clamp(VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
+        w = torch.exp(log_w)
+        pos = b.adv_row >= 0
+        k = torch.where(pos, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
+        lam = torch.where(pos, log_w.new_tensor(cfg.vespo_lambda_pos), log_w.new_tensor(cfg.vespo_lambda_neg))
+        lam = lam.clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return Surrogate(-b.per_token(phi) * b.adv * b.logp, b.per_token(w), _none(b), _none(b))
 
 
 def group_expectation(b: Batch, cfg) -> Surrogate:
@@ -132,14 +267,20 @@ def geometric(b: Batch, cfg) -> Surrogate:
 
 
 def snis(b: Batch, cfg) -> Surrogate:
-    """Self-normalised importance weights with a group baseline (experimental, docs/math.md §4)."""
-    s = torch.exp(_sequence_log_ratio(b, cfg)).detach()
+    """Self-normalised importance sampling over the prompt group, with the SNIS baseline (docs/math.md §4, §5).
+
+    ρ_i = exp(clamp(Σ_t m (ℓ − ℓ_old))), ŵ_i = ρ_i / mean_{j∈g} ρ_j (in log space), b_g = mean_{j∈g} ŵ_j R_j;
+    row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants.
+    """
     valid = b.lengths > 0
-    w_hat = torch.where(valid, s / group_mean(s, b.group, b.num_groups, valid)[b.group], torch.zeros_like(s))
+    log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).detach()
+    counts = log_rho.new_zeros(b.num_groups).index_add(0, b.group, valid.to(log_rho.dtype))
+    log_mean = group_logsumexp(log_rho, b.group, b.num_groups, valid) - torch.log(counts.clamp(min=1))
+    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[b.group]), torch.zeros_like(log_rho))
     baseline = group_mean(w_hat * b.rewards, b.group, b.num_groups, valid)[b.group]
-    row_loss = -w_hat * (b.rewards - baseline) * b.row_mean(b.logp)
+    row_loss = -w_hat * (b.rewards - baseline) * masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
-    return Surrogate(b.per_token(row_loss), b.per_token(s), none, none)
+    return Surrogate(b.per_token(row_loss), b.per_token(torch.exp(log_rho)), none, none)
 
 
 def group_mean(x, group, num_groups, valid):

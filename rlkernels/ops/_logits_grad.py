@@ -34,7 +34,7 @@ class _State:
     def __init__(self, blocks, targets, rows, temperature, kernels, inplace):
         self.blocks, self.targets, self.temperature, self.kernels, self.inplace = (
             blocks, targets, temperature, kernels, inplace)
-        self.lse, self.entropy, self.grad_logp, self.grad_entropy = rows
+        self.lse_parts, self.entropy, self.grad_logp, self.grad_entropy = rows
 
     def grad(self, logits: Tensor, grad_out: Tensor) -> Tensor:
         scale = grad_out.to(self.grad_logp.dtype)
@@ -42,12 +42,12 @@ class _State:
         h = None if self.grad_entropy is None else self.grad_entropy * scale
         if not self.inplace and len(self.blocks) == 1:  # the backend allocates (the CPU one asks for huge pages)
             block = self.blocks[0][2]
-            return self.kernels.token_logprobs_bwd(block, self.targets, self.lse, self.entropy, g, h,
+            return self.kernels.token_logprobs_bwd(block, self.targets, self.lse_parts, self.entropy, g, h,
                                                    self.temperature).view(logits.shape)
         grad = logits.detach() if self.inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         out = grad.view(-1, logits.shape[-1])
         for s, e, block in self.blocks:
-            self.kernels.token_logprobs_bwd(block, self.targets[s:e], self.lse[s:e], self.entropy[s:e], g[s:e],
+            self.kernels.token_logprobs_bwd(block, self.targets[s:e], self.lse_parts[s:e], self.entropy[s:e], g[s:e],
                                             None if h is None else h[s:e], self.temperature, out=out[s:e])
         if self.inplace:  # so that autograd refuses any node that saved the logits (they now hold ∂logits)
             torch.autograd.graph.increment_version(logits)
@@ -58,5 +58,6 @@ def deferred_logits_grad(loss: Tensor, logits: Tensor, blocks, targets: Tensor, 
                          kernels, inplace: bool) -> Tensor:
     """`loss` (detached, 0-d) as a function of `logits` whose backward is the backend's kernel.
 
-    `rows = (lse, entropy, grad_logp, grad_entropy or None)`, flat `(N,)` over the rows of `blocks`."""
+    `rows = (lse_parts, entropy, grad_logp, grad_entropy or None)` over the rows of `blocks`: `(N, 2)`, the
+    others `(N,)`."""
     return _LogitsGrad.apply(loss, logits, _State(blocks, targets, rows, temperature, kernels, inplace))

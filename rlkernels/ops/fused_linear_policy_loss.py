@@ -98,8 +98,8 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
     stats = torch.empty(head.n, NUM_STATS, dtype=acc, device=head.hidden.device)
     for s, e in head.chunks():
         buf = head.logits(s, e)
-        _, entropy, lse, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
-        head.backward_chunk(buf, s, e, lse, entropy, grad_logp, grad_entropy if need_h else None, grads)
+        _, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
+        head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, grad_entropy if need_h else None, grads)
     sums = stats.sum(0)
     ratio_max = stats[:, 3].amax() if head.n else sums[3]
     metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
@@ -108,7 +108,7 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
 
 def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
     """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
-    logp, entropy, lse = head.forward(True)
+    logp, entropy, lse_parts = head.forward(True)
     need_h = config.entropy_coef != 0
     with torch.enable_grad():
         logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
@@ -116,5 +116,5 @@ def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
         out = evaluate(logp_leaf, entropy_leaf, inputs, config)
         leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
         d = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
-    grads = head.backward(lse, entropy, d[0].reshape(-1), d[1].reshape(-1) if need_h else None, grads)
+    grads = head.backward(lse_parts, entropy, d[0].reshape(-1), d[1].reshape(-1) if need_h else None, grads)
     return LossOutput(out.loss.detach(), out.metrics), grads

@@ -88,18 +88,18 @@ def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperatu
                                   norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
     per_row = [targets, inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"),
                inputs.flat("ref_logp")]
-    _, entropy, lse, grad_logp, grad_entropy, stats = run_blocks(
+    _, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
         kernels.policy_token_fwd, blocks, per_row, temperature, token_loss_params(config))
     sums = stats.sum(0)
     ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]
     metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
-    rows = (lse, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
+    rows = (lse_parts, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
     return LossOutput(sums[0], metrics), rows
 
 
 def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Any ratio: log-probs and entropy from the kernel, then `losses/` and its autograd on (B, T)."""
-    logp, entropy, lse = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
+    logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
     need_h = config.entropy_coef != 0
     with torch.enable_grad():
         logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
@@ -107,7 +107,7 @@ def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperat
         out = evaluate(logp_leaf, entropy_leaf, inputs, config)
         leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
         grads = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
-    rows = (lse, entropy, grads[0].view(-1), grads[1].view(-1) if need_h else None)
+    rows = (lse_parts, entropy, grads[0].view(-1), grads[1].view(-1) if need_h else None)
     return LossOutput(out.loss.detach(), out.metrics), rows
 
 

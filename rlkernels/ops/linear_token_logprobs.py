@@ -3,15 +3,15 @@
 `token_logprobs(hidden @ weight.T + bias, targets)` without an `(N, V)` logits tensor: rows go
 through in chunks, each chunk's logits are computed (`addmm`, in the hidden dtype) into ONE
 reused buffer and read by the backend's kernels of the logits path. The forward keeps only
-`lse` and the entropy per row; the backward recomputes each chunk's logits, lets the backend's
-backward kernel overwrite them with ∂logits, and turns those into ∂hidden, ∂weight (summed in
-fp32 over chunks) and ∂bias. Extra memory: one chunk (≤ 64 MB by default) plus the fp32
-∂weight accumulator plus O(N).
+`lse_parts` (the row max and log-sum, kernels/__init__.py) and the entropy per row; the backward
+recomputes each chunk's logits, lets the backend's backward kernel overwrite them with ∂logits,
+and turns those into ∂hidden, ∂weight (summed in fp32 over chunks) and ∂bias. Extra memory: one
+chunk (≤ 64 MB by default) plus the fp32 ∂weight accumulator plus O(N).
 
 Vocabulary parallelism (`process_group`): each rank holds a slice of the rows of `weight` (and
 of `bias`); targets are global ids. Each rank runs its kernels on its slice; the per-row
-logsumexp, the entropy sums and the target logit are merged with all-reduces of O(N) numbers
-(docs/math.md §15).
+max and log-sum, the entropy sums and the target logit are merged with all-reduces of O(N)
+numbers (docs/math.md §15).
 The chunk buffer then has one extra column of −inf, the target of rows whose token lives on
 another rank, so the kernels need no notion of "no target here".
 """
@@ -84,41 +84,47 @@ class LinearHead:
         return self.kernels.policy_token_fwd(buf, self.targets[s:e], *sliced, self.spec.temperature, params)
 
     def forward_chunk(self, buf: Tensor, s: int, e: int, need_entropy: bool):
-        """(logp, entropy, lse) of rows s:e; this rank's slice only when sharded (see `merge_shards`)."""
+        """(logp, entropy, lse_parts) of rows s:e; this rank's slice only when sharded (see `merge_shards`)."""
         return self.kernels.token_logprobs_fwd(buf, self.targets[s:e], self.spec.temperature, need_entropy)
 
     def forward(self, need_entropy: bool):
-        """(logp, entropy, lse) of all rows, over the whole vocabulary (merged across ranks)."""
+        """(logp, entropy, lse_parts) of all rows, over the whole vocabulary (merged across ranks)."""
         acc = acc_dtype(self.hidden)
         logp = torch.empty(self.n, dtype=acc, device=self.hidden.device)
-        lse = torch.empty_like(logp)
+        lse_parts = torch.empty(self.n, 2, dtype=acc, device=logp.device)
         entropy = torch.empty(self.n if need_entropy else 0, dtype=acc, device=logp.device)
         for s, e in self.chunks():
-            lp, ent, ls = self.forward_chunk(self.logits(s, e), s, e, need_entropy)
-            logp[s:e], lse[s:e] = lp, ls
+            lp, ent, parts = self.forward_chunk(self.logits(s, e), s, e, need_entropy)
+            logp[s:e], lse_parts[s:e] = lp, parts
             if need_entropy:
                 entropy[s:e] = ent
         if self.sharded:
-            logp, entropy, lse = self.merge_shards(logp, entropy, lse, need_entropy)
-        return logp, entropy, lse
+            logp, entropy, lse_parts = self.merge_shards(logp, entropy, lse_parts, need_entropy)
+        return logp, entropy, lse_parts
 
-    def merge_shards(self, logp, entropy, lse, need_entropy):
-        """Per-rank (logp, H, lse) of the local slices → those of the whole vocabulary.
+    def merge_shards(self, logp, entropy, lse_parts, need_entropy):
+        """Per-rank (logp, H, [m, log s]) of the local slices → those of the whole vocabulary.
 
-        With x = logits/τ, rank r's slice has Σ e^x = e^{lse_r} and Σ e^x·x = e^{lse_r}(lse_r − H_r);
-        the target logit is x_y = logp_r + lse_r on the rank that holds y."""
+        With x = logits/τ, rank r's slice has max m_r, s_r = Σ e^{x − m_r}, Σ e^{x − m_r}(x − m_r) =
+        s_r (log s_r − H_r), and on the rank that holds y, x_y − m_r = logp_r + log s_r. Relative to
+        M = max_r m_r (δ_r = m_r − M): s = Σ_r e^{δ_r + log s_r}, Σ e^{x − M}(x − M) =
+        Σ_r e^{δ_r + log s_r}(log s_r − H_r + δ_r) and x_y − M = logp_r + log s_r + δ_r. Every term is
+        relative to a max, so no large m_r + log s_r is ever rounded."""
         group = self.spec.group
-        top = lse.clone()
+        m, log_s = lse_parts.unbind(1)
+        top = m.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        scale = torch.exp(lse - top)
-        parts = [torch.where(self.owned, logp + lse, torch.zeros_like(lse)), scale]
-        if need_entropy:
-            parts.append(scale * (lse - entropy))
+        shift = m - top
+        scale = torch.exp(shift + log_s)
+        zero = torch.zeros_like(scale)
+        parts = [torch.where(self.owned, (logp + log_s) + shift, zero), scale]
+        if need_entropy:  # a slice of only −inf (scale 0, H_r NaN) adds nothing
+            parts.append(torch.where(scale > 0, scale * ((log_s - entropy) + shift), zero))
         sums = torch.stack(parts)
         dist.all_reduce(sums, group=group)
-        lse_all = top + torch.log(sums[1])
-        entropy_all = lse_all - sums[2] / sums[1] if need_entropy else entropy
-        return sums[0] - lse_all, entropy_all, lse_all
+        log_s_all = torch.log(sums[1])
+        entropy_all = log_s_all - sums[2] / sums[1] if need_entropy else entropy
+        return sums[0] - log_s_all, entropy_all, torch.stack((top, log_s_all), 1)
 
     def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
         acc = acc_dtype(self.hidden)
@@ -128,10 +134,10 @@ class LinearHead:
             bias=torch.zeros(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
         )
 
-    def backward_chunk(self, buf, s, e, lse, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
-        """∂logits of rows s:e from the (global) lse/H and the incoming gradients, written over
+    def backward_chunk(self, buf, s, e, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
+        """∂logits of rows s:e from the (global) lse_parts/H and the incoming gradients, written over
         the chunk's logits in `buf`, then accumulated into `grads`."""
-        g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse, entropy, grad_logp.contiguous(),
+        g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse_parts, entropy, grad_logp.contiguous(),
                                             None if grad_entropy is None else grad_entropy.contiguous(),
                                             self.spec.temperature, out=buf)
         g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
@@ -143,11 +149,11 @@ class LinearHead:
         if grads.bias is not None:
             grads.bias += g.sum(0, dtype=grads.bias.dtype)
 
-    def backward(self, lse, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
+    def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
         """The second pass: recompute each chunk's logits, then `backward_chunk`."""
         for s, e in self.chunks():
             h = None if grad_entropy is None else grad_entropy[s:e]
-            self.backward_chunk(self.logits(s, e), s, e, lse[s:e], entropy[s:e] if h is not None else entropy,
+            self.backward_chunk(self.logits(s, e), s, e, lse_parts[s:e], entropy[s:e] if h is not None else entropy,
                                 grad_logp[s:e], h, grads)
         return self.finish(grads)
 
@@ -203,8 +209,8 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: HeadSpec, need_entropy: bool):
-        logp, entropy, lse = LinearHead(hidden, weight, bias, targets, spec).forward(need_entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        logp, entropy, lse_parts = LinearHead(hidden, weight, bias, targets, spec).forward(need_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_parts, entropy)
         ctx.spec, ctx.need_entropy = spec, need_entropy
         if not need_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -212,14 +218,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse_parts, entropy = ctx.saved_tensors
         head = LinearHead(hidden, weight, bias, targets, ctx.spec)
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = lse_parts.new_zeros(lse_parts.shape[0])
         if not ctx.need_entropy:
             grad_entropy = None
         need = ctx.needs_input_grad
-        grads = head.backward(lse, entropy, grad_logp.reshape(-1), None if grad_entropy is None else grad_entropy.reshape(-1),
+        grads = head.backward(lse_parts, entropy, grad_logp.reshape(-1),
+                              None if grad_entropy is None else grad_entropy.reshape(-1),
                               head.new_grads(need[0], need[1], need[2] and bias is not None))
         grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
         return grad_hidden, grads.weight, grads.bias, None, None, None

@@ -45,33 +45,34 @@ def _register(name: str):
     @fwd.register_fake
     def _(logits, targets, temperature, need_entropy):
         n, dtype = logits.shape[0], acc_dtype(logits)
-        return logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype), logits.new_empty(n, dtype=dtype)
+        return (logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype),
+                logits.new_empty(n, 2, dtype=dtype))
 
     @register(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
     def bwd(
-        logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+        logits: Tensor, targets: Tensor, lse_parts: Tensor, entropy: Tensor, grad_logp: Tensor,
         grad_entropy: Optional[Tensor], temperature: float,
     ) -> Tensor:
-        return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy,
+        return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy,
                                                          temperature, **launch)
 
     @bwd.register_fake
-    def _(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature):
+    def _(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature):
         return torch.empty_like(logits)
 
     def setup_context(ctx, inputs, output):
         logits, targets, temperature, need_entropy = inputs
-        _, entropy, lse = output
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        _, entropy, lse_parts = output
+        ctx.save_for_backward(logits, targets, lse_parts, entropy)
         ctx.temperature, ctx.need_entropy = temperature, need_entropy
 
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        logits, targets, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse_parts):
+        logits, targets, lse_parts, entropy = ctx.saved_tensors
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = lse_parts.new_zeros(lse_parts.shape[0])
         if not ctx.need_entropy:
             grad_entropy = None
-        grad = bwd(logits, targets, lse, entropy, grad_logp.contiguous(),
+        grad = bwd(logits, targets, lse_parts, entropy, grad_logp.contiguous(),
                    None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature)
         return grad, None, None, None
 

@@ -346,8 +346,10 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
 
 def loss_config(cfg: Config, group_size: int):
     """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
-    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says)."""
-    base = presets.get(cfg.algo)
+    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
+    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
+    constant = presets.fields(cfg.algo).get("agg") == "constant"
+    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
     over = {"entropy_coef": cfg.entropy_coef}
     if cfg.clip_low is not None:
         over["clip_low"] = cfg.clip_low

@@ -1,4 +1,4 @@
-// Per-row math of token log-probs and entropy (DESIGN.md §2), written once for every
+// Per-row math of token log-probs and entropy (docs/design.md §2), written once for every
 // compiled backend: CPU (T = float, double, or at::vec::Vectorized<float/double> for the
 // per-lane accumulators) and, later, the CUDA kernels (T = float). No torch includes.
 //
@@ -58,7 +58,9 @@ RLK_HOST_DEVICE inline void softmax_accumulate(T& s, T& u, const T& e, const T& 
 
 // Moving the reference point of (s, u) from m_old to m_new ≥ m_old:
 //     s' = α s,   u' = α (u + δ s),   α = e^{δ},  δ = m_old − m_new.
-// `rescale_factors` gives (α, δ); when m_old = −inf the sums are empty and α = δ = 0.
+// `rescale_factors` gives (α, δ); when m_old = −inf the sums are empty and α = δ = 0. δ is
+// clamped to exp_floor, as the elements' x − m are: α is then exactly 0 all the same, and δ·s
+// stays finite (for logits near ±3e38, δ·s would overflow and 0·inf make u NaN).
 template <typename T>
 RLK_HOST_DEVICE inline void rescale_factors(T m_old, T m_new, T& alpha, T& delta) {
   if (m_old == neg_inf<T>()) {
@@ -66,6 +68,7 @@ RLK_HOST_DEVICE inline void rescale_factors(T m_old, T m_new, T& alpha, T& delta
     delta = T(0);
   } else {
     delta = m_old - m_new;
+    delta = delta < exp_floor<T>() ? exp_floor<T>() : delta;
     alpha = exp_(delta);
   }
 }
@@ -92,28 +95,38 @@ RLK_HOST_DEVICE inline SoftmaxState<T> softmax_merge(const SoftmaxState<T>& a, c
   return out;
 }
 
-// Finalisation: lse = m + log s, H = log s − u/s (= lse − Σ p x), logp = (x_y − m) − log s.
+// log p = (x − m) − log s, never x − lse: lse = m + log s rounds to ulp(m), which for large
+// logits (|m| ≳ 1e3) costs more than every other rounding together, and at |m| ~ 1e38 all of
+// log s. The row is therefore summarised by the pair (m, log s), never by lse.
+template <typename T>
+RLK_HOST_DEVICE inline T log_prob(const T& x, const T& m, const T& log_s) {
+  return (x - m) - log_s;
+}
+
+// Finalisation: log s, logp = (x_y − m) − log s, H = log s − u/s (= lse − Σ p x). A row of
+// −inf logits (m = −inf, s = 0) gives NaN logp and H, as log_softmax would.
 template <typename T>
 struct RowResult {
-  T lse;
+  T m;
+  T log_s;
   T logp;
   T entropy;
 };
 
 template <typename T>
 RLK_HOST_DEVICE inline RowResult<T> softmax_finalize(const SoftmaxState<T>& st, T x_target) {
-  const T log_s = log_(st.s);
   RowResult<T> r;
-  r.lse = st.m + log_s;
-  r.logp = (x_target - st.m) - log_s;
-  r.entropy = log_s - st.u / st.s;
+  r.m = st.m;
+  r.log_s = log_(st.s);
+  r.logp = log_prob(x_target, st.m, r.log_s);
+  r.entropy = r.log_s - st.u / st.s;
   return r;
 }
 
 // Gradient w.r.t. the logits z (x = z/τ), with g = ∂L/∂logp, h = ∂L/∂H, p = softmax(x):
 //     ∂L/∂z_v = (1/τ) [ g (1[v=y] − p_v) − h p_v (log p_v + H) ]
 //             = (1/τ) g 1[v=y] + p_v (A + B log p_v),   A = −(g + h H)/τ,  B = −h/τ.
-// log p_v = x_v − lse is clamped to exp_floor (p_v is then exactly 0 and so is its term).
+// log p_v = log_prob(x_v, m, log s) is clamped to exp_floor (p_v is then exactly 0 and so is its term).
 template <typename T>
 struct GradCoeffs {
   T A;
@@ -138,8 +151,8 @@ RLK_HOST_DEVICE inline T grad_element(const T& p, const T& logp, const T& A, con
 
 // Any element, scalar: the direct formula above.
 template <typename T>
-RLK_HOST_DEVICE inline T grad_logit(T x, T lse, bool is_target, const GradCoeffs<T>& c) {
-  T logp = x - lse;
+RLK_HOST_DEVICE inline T grad_logit(T x, T m, T log_s, bool is_target, const GradCoeffs<T>& c) {
+  T logp = log_prob(x, m, log_s);
   logp = logp < exp_floor<T>() ? exp_floor<T>() : logp;  // NaN stays NaN
   const T p = exp_(logp);
   const T g = grad_element(p, logp, c.A, c.B);

@@ -2,8 +2,8 @@
 
 One program per row makes the forward's single pass over the logits (`row_forward`, shared with
 `token_logprobs`) and then, on the row's scalars, evaluates the per-token loss of
-``token_loss.py``, writing ℓ, H, lse, w_agg·∂s/∂ℓ, w_agg·∂s/∂H and the 7 statistics. The loss
-adds 73 bytes of I/O per row (25 read, 48 written) to the V·b bytes of logits.
+``token_loss.py``, writing ℓ, H, (m, log s), w_agg·∂s/∂ℓ, w_agg·∂s/∂H and the 7 statistics. The
+loss adds 77 bytes of I/O per row (25 read, 52 written) to the V·b bytes of logits.
 """
 
 import torch
@@ -20,7 +20,7 @@ from .token_logprobs import (
 @triton.jit
 def _policy_token_fwd_kernel(
     logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
-    logp_ptr, entropy_ptr, lse_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
+    logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
     V, stride_row, inv_temp,
     ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
@@ -28,11 +28,12 @@ def _policy_token_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
     target = tl.load(targets_ptr + row)
-    logp, entropy, lse = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
-                                     True, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
+                                          True, BLOCK_V)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
-    tl.store(lse_ptr + row, lse)
+    tl.store(lse_parts_ptr + 2 * row, m)
+    tl.store(lse_parts_ptr + 2 * row + 1, log_s)
 
     # As prepare_batch does: a masked token enters the loss as zeros, so padding (NaN, inf)
     # never reaches the arithmetic, and every output below is 0 there.
@@ -66,7 +67,8 @@ def _policy_token_fwd_kernel(
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params,
                      *, wrap=_plain):
-    """(logp, entropy, lse, grad_logp, grad_entropy, stats): fp32 (N,) each, stats (N, 7).
+    """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats): fp32 (N,) each but
+    lse_parts (N, 2) = [m, log s] and stats (N, 7).
 
     ``old_logp=None``: on-policy; ``ref_logp=None``: no reference (kl = 0). ``params``: a
     ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
@@ -80,14 +82,15 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     weight = _row_vector(weight, n, dev, "weight")
     adv = _row_vector(adv, n, dev, "adv")
     has_old, has_ref = old_logp is not None, ref_logp is not None
-    logp, entropy, lse, grad_logp, grad_entropy = (
-        torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5))
+    logp, entropy, grad_logp, grad_entropy = (
+        torch.empty(n, dtype=torch.float32, device=dev) for _ in range(4))
+    lse_parts = torch.empty(n, 2, dtype=torch.float32, device=dev)
     stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
     # Never read when absent.
     old_logp = _row_vector(old_logp, n, dev, "old_logp") if has_old else adv
     ref_logp = _row_vector(ref_logp, n, dev, "ref_logp") if has_ref else adv
     if n == 0:
-        return logp, entropy, lse, grad_logp, grad_entropy, stats
+        return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
     p = params
     # The loss has a KL term only with an estimator and β > 0 (else `kl` reports k3).
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
@@ -95,7 +98,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     with _on_device(dev):
         wrap(_policy_token_fwd_kernel)[(n,)](
             logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp,
-            logp, entropy, lse, grad_logp, grad_entropy, stats,
+            logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
             vocab, logits.stride(0), 1.0 / float(temperature),
             # float(): an int argument would be typed (and specialised) as an integer.
             1.0 - float(p.clip_low), 1.0 + float(p.clip_high), float(p.delta),
@@ -105,4 +108,4 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS,
             BLOCK_V=block, num_warps=warps,
         )
-    return logp, entropy, lse, grad_logp, grad_entropy, stats
+    return logp, entropy, lse_parts, grad_logp, grad_entropy, stats

@@ -7,11 +7,19 @@ cancellation that ``lse − Σ p·x`` suffers for large logits, and both of its 
 
 -inf logits are valid. The guards below keep ``(-inf) − (-inf)`` and ``0 · (-inf)`` from ever
 being formed (they would poison the sums with NaN): while every value seen so far is -inf,
-``m`` is -inf, ``s = t = 0`` and the tile is shifted by 0 instead of by ``m``.
+``m`` is -inf, ``s = t = 0`` and the tile is shifted by 0 instead of by ``m``. A row of only
+-inf (or with a NaN or +inf) gives NaN log-probs and entropy, as log_softmax does.
+
+The row is summarised by the pair ``(m, log s)``, never by ``lse = m + log s``: that sum rounds
+to ulp(m), which for large logits costs more than every other rounding together (docs/design.md §2).
 """
 
 import triton
 import triton.language as tl
+
+# exp(d) is exactly 0 in fp32 below about -104; a rescale by less is clamped here (as in
+# csrc/include/rlkernels/row_math.h), so that δ·s stays finite where δ would be ~ -1e38.
+EXP_FLOOR = tl.constexpr(-128.0)
 
 
 @triton.jit
@@ -37,7 +45,7 @@ def tile_update_entropy(m, s, t, x):
     # Rescale the old sums to the new max: Σ e^{x−m'}(x−m') = α (t + (m − m') s), α = e^{m−m'}.
     # While m is -inf: s = t = 0, α = 0, and m − m' is taken as finite so 0·(-inf) never forms.
     alpha = tl.exp(m - shift)
-    t_old = alpha * (t + (_finite_or_zero(m) - shift) * s)
+    t_old = alpha * (t + tl.maximum(_finite_or_zero(m) - shift, EXP_FLOOR) * s)
     d = x - shift
     e = tl.exp(d)
     # e = 0 exactly where x = -inf (or underflows); those lanes add nothing to t.
@@ -47,21 +55,21 @@ def tile_update_entropy(m, s, t, x):
 
 
 @triton.jit
-def row_lse(m, s):
-    """logsumexp of the row from its final (m, s)."""
-    return m + tl.log(s)
+def log_prob(x, m, log_s):
+    """log p = (x − m) − log s."""
+    return (x - m) - log_s
 
 
 @triton.jit
-def row_entropy(s, t):
+def row_entropy(log_s, s, t):
     """H = lse − Σ p·x = log s − t/s from the final (s, t)."""
-    return tl.log(s) - t / s
+    return log_s - t / s
 
 
 @triton.jit
-def dlogits(x, is_target, lse, entropy, g, h, inv_temp, HAS_H: tl.constexpr):
+def dlogits(x, is_target, m, log_s, entropy, g, h, inv_temp, HAS_H: tl.constexpr):
     """∂L/∂z = (1/τ)[g(1[v=y] − p) − h p (log p + H)] for a tile of ``x = z/τ`` (fp32)."""
-    logp = x - lse
+    logp = log_prob(x, m, log_s)
     p = tl.exp(logp)
     grad = g * (is_target.to(tl.float32) - p)
     if HAS_H:

@@ -1,10 +1,10 @@
-"""Triton kernels for per-token log-probs and entropy (DESIGN.md §2).
+"""Triton kernels for per-token log-probs and entropy (docs/design.md §2).
 
 Forward: one program per row streams the row once in BLOCK_V tiles (`row_forward`, also the
 pass of policy_token.py), keeping an online max, the rescaled Σ e^{x−m} and (for the entropy)
 Σ e^{x−m}·(x−m) in fp32; the target logit is one scalar load, masked to the row (a target
 outside [0, V) gives NaN). Backward: one program per row reads the row once and writes
-∂logits once, from the saved lse (and entropy). The math per tile lives in ``row_math.py``.
+∂logits once, from the saved (m, log s) (and entropy). The math per tile lives in ``row_math.py``.
 
 I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
 """
@@ -26,7 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(logp, entropy, lse) of the row at ``row_ptr``, streamed once; entropy is 0 unless
+    """(logp, entropy, m, log s) of the row at ``row_ptr``, streamed once; entropy is 0 unless
     NEED_ENTROPY. The one pass over the logits that every forward kernel makes."""
     cols = tl.arange(0, BLOCK_V)
     m = -float("inf")
@@ -40,36 +40,37 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
         else:
             m, s = row_math.tile_update(m, s, x)
 
-    lse = row_math.row_lse(m, s)
+    log_s = tl.log(s)
     # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
     in_row = (target >= 0) & (target < V)
-    # Same fp32 product as in the loop, so x_y ≤ m ≤ lse and logp ≤ 0 exactly.
+    # Same fp32 product as in the loop, so x_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
     x_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32) * inv_temp
     entropy = 0.0
     if NEED_ENTROPY:
-        entropy = row_math.row_entropy(s, t)
-    return x_y - lse, entropy, lse
+        entropy = row_math.row_entropy(log_s, s, t)
+    return row_math.log_prob(x_y, m, log_s), entropy, m, log_s
 
 
 @triton.jit
 def _token_logprobs_fwd_kernel(
-    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_parts_ptr,
     V, stride_row, inv_temp,
     NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
     target = tl.load(targets_ptr + row)
-    logp, entropy, lse = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
-                                     NEED_ENTROPY, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
+                                          NEED_ENTROPY, BLOCK_V)
     tl.store(logp_ptr + row, logp)
-    tl.store(lse_ptr + row, lse)
+    tl.store(lse_parts_ptr + 2 * row, m)
+    tl.store(lse_parts_ptr + 2 * row + 1, log_s)
     if NEED_ENTROPY:
         tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit
 def _token_logprobs_bwd_kernel(
-    logits_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
+    logits_ptr, targets_ptr, lse_parts_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
     V, stride_row, stride_out_row, inv_temp,
     HAS_H: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -79,7 +80,8 @@ def _token_logprobs_bwd_kernel(
     cols = tl.arange(0, BLOCK_V)
 
     target = tl.load(targets_ptr + row)
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(lse_parts_ptr + 2 * row)
+    log_s = tl.load(lse_parts_ptr + 2 * row + 1)
     g = tl.load(grad_logp_ptr + row)
     if HAS_H:
         entropy = tl.load(entropy_ptr + row)
@@ -92,7 +94,7 @@ def _token_logprobs_bwd_kernel(
         mask = offs < V
         # Each tile is read before it is written, so `out` may be the logits themselves.
         x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temp
-        grad = row_math.dlogits(x, offs == target, lse, entropy, g, h, inv_temp, HAS_H)
+        grad = row_math.dlogits(x, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
         tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -151,10 +153,11 @@ def _check_logits(logits, targets):
         )
 
 
-def _row_vector(x, n, device, name):
-    """An fp32 contiguous (N,) vector (for lse, entropy and the incoming gradients)."""
-    if x.shape != (n,):
-        raise ValueError(f"{name}: expected shape ({n},), got {tuple(x.shape)}")
+def _row_vector(x, n, device, name, shape=()):
+    """An fp32 contiguous (N, *shape) tensor (for entropy, lse_parts (N, 2) and the incoming
+    gradients)."""
+    if x.shape != (n, *shape):
+        raise ValueError(f"{name}: expected shape {(n, *shape)}, got {tuple(x.shape)}")
     return x.to(device=device, dtype=torch.float32).contiguous()
 
 
@@ -168,8 +171,8 @@ def _plain(kernel):
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plain):
-    """(logp, entropy, lse), fp32 (N,) each; entropy is empty unless ``need_entropy``; logp is
-    NaN where a target is outside [0, V).
+    """(logp, entropy, lse_parts): fp32, (N,), (N,) and (N, 2) = [m, log s]; entropy is empty
+    unless ``need_entropy``; logp is NaN where a target is outside [0, V).
 
     ``wrap``: applied to the kernel before launch; ``torch.library.wrap_triton`` inside a
     ``triton_op`` lets torch.compile see the launch (the default launches it directly).
@@ -179,21 +182,21 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plai
     targets = targets.to(torch.int64).contiguous()
     dev = logits.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    lse_parts = torch.empty(n, 2, dtype=torch.float32, device=dev)
     entropy = torch.empty(n if need_entropy else 0, dtype=torch.float32, device=dev)
     if n == 0:
-        return logp, entropy, lse
+        return logp, entropy, lse_parts
     block, warps = launch_config(vocab, logits.dtype)
     with _on_device(dev):
         wrap(_token_logprobs_fwd_kernel)[(n,)](
-            logits, targets, logp, entropy if need_entropy else lse, lse,
+            logits, targets, logp, entropy if need_entropy else logp, lse_parts,
             vocab, logits.stride(0), 1.0 / float(temperature),
             NEED_ENTROPY=bool(need_entropy), BLOCK_V=block, num_warps=warps,
         )
-    return logp, entropy, lse
+    return logp, entropy, lse_parts
 
 
-def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature,
+def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature,
                        out=None, *, wrap=_plain):
     """∂L/∂logits, (N, V) in the logits' dtype.
 
@@ -212,7 +215,7 @@ def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, t
     if n == 0:
         return out
     targets = targets.to(torch.int64).contiguous()
-    lse = _row_vector(lse, n, dev, "lse")
+    lse_parts = _row_vector(lse_parts, n, dev, "lse_parts", (2,))
     if grad_logp is None:
         grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
     grad_logp = _row_vector(grad_logp, n, dev, "grad_logp")
@@ -221,11 +224,11 @@ def token_logprobs_bwd(logits, targets, lse, entropy, grad_logp, grad_entropy, t
         entropy = _row_vector(entropy, n, dev, "entropy")
         grad_entropy = _row_vector(grad_entropy, n, dev, "grad_entropy")
     else:
-        entropy = grad_entropy = lse  # never read
+        entropy = grad_entropy = grad_logp  # never read
     block, warps = launch_config(vocab, logits.dtype)
     with _on_device(dev):
         wrap(_token_logprobs_bwd_kernel)[(n,)](
-            logits, targets, lse, entropy, grad_logp, grad_entropy, out,
+            logits, targets, lse_parts, entropy, grad_logp, grad_entropy, out,
             vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature),
             HAS_H=has_h, BLOCK_V=block, num_warps=warps,
         )
