@@ -4,6 +4,11 @@ import sys
 # Idle OpenMP threads sleep instead of spinning: the tests start several processes (gloo ranks,
 # benchmarks) on few cores, where spinning threads slowed calls 10-50×. Must precede torch's import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A fresh torch.compile cache per test session: inductor's cache key does not cover the fake
+# implementations of custom ops, so graphs compiled against an older kernel contract would be reused.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="rlkernels_inductor_"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
