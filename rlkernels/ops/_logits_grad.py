@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._precomputed_grad import refuse_create_graph
+
 
 class _LogitsGrad(torch.autograd.Function):
     @staticmethod
@@ -20,10 +22,7 @@ class _LogitsGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError("fused_policy_loss: create_graph=True is not supported (its backward is a kernel, "
-                               "not differentiable again); use policy_loss(token_logprobs(...)) for higher-order "
-                               "gradients")
+        refuse_create_graph()
         (logits,) = ctx.saved_tensors
         return None, ctx.state.grad(logits, grad_out), None
 

@@ -13,6 +13,15 @@ import torch
 from torch import Tensor
 
 
+def refuse_create_graph():
+    """Called in a fused loss's backward: its gradients come from kernels, which are not
+    differentiable again, so a double backward must fail loudly rather than return zeros."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("create_graph=True is not supported by the fused losses (their gradients come from "
+                           "kernels, not differentiable again); compose policy_loss with token_logprobs / "
+                           "linear_token_logprobs for higher-order gradients")
+
+
 class _PrecomputedGrad(torch.autograd.Function):
     """Returns `loss`; its gradient w.r.t. each of the k inputs is the matching precomputed one
     times the incoming gradient. Arguments: `loss, *inputs, *grads` (k of each)."""
@@ -27,10 +36,7 @@ class _PrecomputedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError("create_graph=True is not supported by the fused losses (their gradients come from "
-                               "kernels, not differentiable again); compose policy_loss with token_logprobs / "
-                               "linear_token_logprobs for higher-order gradients")
+        refuse_create_graph()
         grads = tuple(g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
         return (None, *grads, *(None,) * len(grads))
 

@@ -22,16 +22,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.aggregation import aggregation_weights
-from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import evaluate
 from ..kernels.token_loss_params import NUM_STATS
+from ..losses import LossOutput, PolicyLossConfig, policy_loss
+from ..losses.inputs import LossInputs
+from ._loss_step import kernel_inputs, loss_from_stats, row_grads
 from ._precomputed_grad import attach_grads
 from ._rows import acc_dtype
 from .linear_token_logprobs import LinearHead, head_spec, linear_token_logprobs
-from .token_loss_params import kernel_evaluates, token_loss_params
+from .token_loss_params import kernel_evaluates
 
 
 def fused_linear_policy_loss(
@@ -89,32 +87,18 @@ def fused_linear_policy_loss(
 
 def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
     """Token-level: per chunk, the fused forward kernel, then the backward kernel in place."""
-    acc = inputs.dtype
-    weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
-                                  norm_length=config.norm_length, dtype=acc).view(-1)
-    per_row = [inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"), inputs.flat("ref_logp")]
-    params = token_loss_params(config)
+    per_row, params = kernel_inputs(inputs, config)
     need_h = config.entropy_coef != 0
-    stats = torch.empty(head.n, NUM_STATS, dtype=acc, device=head.hidden.device)
+    stats = torch.empty(head.n, NUM_STATS, dtype=inputs.dtype, device=head.hidden.device)
     for s, e in head.chunks():
         buf = head.logits(s, e)
         _, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
         head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, grad_entropy if need_h else None, grads)
-    sums = stats.sum(0)
-    ratio_max = stats[:, 3].amax() if head.n else sums[3]
-    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
-    return LossOutput(sums[0], metrics), head.finish(grads)
+    return loss_from_stats(stats, inputs), head.finish(grads)
 
 
 def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
     """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
     logp, entropy, lse_parts = head.forward(True)
-    need_h = config.entropy_coef != 0
-    with torch.enable_grad():
-        logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
-        entropy_leaf = entropy.view(inputs.mask.shape).requires_grad_(need_h)
-        out = evaluate(logp_leaf, entropy_leaf, inputs, config)
-        leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
-        d = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
-    grads = head.backward(lse_parts, entropy, d[0].reshape(-1), d[1].reshape(-1) if need_h else None, grads)
-    return LossOutput(out.loss.detach(), out.metrics), grads
+    out, grad_logp, grad_entropy = row_grads(logp, entropy, inputs, config)
+    return out, head.backward(lse_parts, entropy, grad_logp, grad_entropy, grads)

@@ -22,14 +22,12 @@ from torch import Tensor
 
 from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import evaluate
 from ._logits_grad import deferred_logits_grad
+from ._loss_step import kernel_inputs, loss_from_stats, row_grads
 from ._rows import acc_dtype, check_logits_args, row_blocks, run_blocks
 from .token_logprobs import token_logprobs
-from .token_loss_params import kernel_evaluates, token_loss_params
+from .token_loss_params import kernel_evaluates
 
 def fused_policy_loss(
     logits: Tensor,
@@ -84,31 +82,18 @@ def fused_policy_loss(
 
 def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Token-level: the loss, its derivatives and the statistics from the forward kernel."""
-    weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
-                                  norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
-    per_row = [targets, inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"),
-               inputs.flat("ref_logp")]
+    per_row, params = kernel_inputs(inputs, config)
     _, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
-        kernels.policy_token_fwd, blocks, per_row, temperature, token_loss_params(config))
-    sums = stats.sum(0)
-    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]
-    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+        kernels.policy_token_fwd, blocks, [targets, *per_row], temperature, params)
     rows = (lse_parts, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
-    return LossOutput(sums[0], metrics), rows
+    return loss_from_stats(stats, inputs), rows
 
 
 def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Any ratio: log-probs and entropy from the kernel, then `losses/` and its autograd on (B, T)."""
     logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
-    need_h = config.entropy_coef != 0
-    with torch.enable_grad():
-        logp_leaf = logp.view(inputs.mask.shape).requires_grad_(True)
-        entropy_leaf = entropy.view(inputs.mask.shape).requires_grad_(need_h)
-        out = evaluate(logp_leaf, entropy_leaf, inputs, config)
-        leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
-        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
-    rows = (lse_parts, entropy, grads[0].view(-1), grads[1].view(-1) if need_h else None)
-    return LossOutput(out.loss.detach(), out.metrics), rows
+    out, grad_logp, grad_entropy = row_grads(logp, entropy, inputs, config)
+    return out, (lse_parts, entropy, grad_logp, grad_entropy)
 
 
 def _describe(x) -> str:

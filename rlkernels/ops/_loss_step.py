@@ -1,0 +1,44 @@
+"""The loss around the kernels, shared by the logits path and the hidden-state path.
+
+Token-level (`kernel_inputs`, `loss_from_stats`): the flat per-token inputs and parameters of
+`policy_token_fwd`, and the loss and metrics from its statistics. Any ratio (`row_grads`): the
+`(B, T)` loss of `losses/` at the kernel's log-probs and entropy, and its derivatives by autograd.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..losses import LossOutput, PolicyLossConfig
+from ..losses.aggregation import aggregation_weights
+from ..losses.inputs import LossInputs
+from ..losses.metrics import metrics_from_sums
+from ..losses.policy_loss import evaluate
+from .token_loss_params import token_loss_params
+
+
+def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
+    """([mask, weight, adv, old_logp, ref_logp] flat `(N,)`, `TokenLossParams`) for `policy_token_fwd`."""
+    weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                                  norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
+    per_row = [inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"), inputs.flat("ref_logp")]
+    return per_row, token_loss_params(config)
+
+
+def loss_from_stats(stats: torch.Tensor, inputs: LossInputs) -> LossOutput:
+    """The loss and metrics from the kernel's `(N, 7)` statistics (column 0 the weighted loss)."""
+    sums = stats.sum(0)
+    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]  # every ratio is ≥ 0, masked ones are 0
+    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[0], metrics)
+
+
+def row_grads(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
+    """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values."""
+    need_h = config.entropy_coef != 0
+    with torch.enable_grad():
+        logp_leaf = logp.detach().view(inputs.mask.shape).requires_grad_(True)
+        entropy_leaf = entropy.detach().view(inputs.mask.shape).requires_grad_(need_h)
+        out = evaluate(logp_leaf, entropy_leaf, inputs, config)
+        leaves = (logp_leaf, entropy_leaf) if need_h else (logp_leaf,)
+        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True, materialize_grads=True)
+    return LossOutput(out.loss.detach(), out.metrics), grads[0].reshape(-1), grads[1].reshape(-1) if need_h else None
