@@ -5,20 +5,26 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import rlkernels
 
 BACKENDS = [b for b in ("cpu", "torch") if rlkernels.backend_info()[b]["available"]]
+# Triton only on a GPU: its CPU interpreter (our tests' Triton) is not thread-safe itself (it
+# patches triton.language while a kernel runs), whatever rlkernels does.
+if torch.cuda.is_available():
+    BACKENDS += [b for b in ("triton", "cuda") if rlkernels.backend_info()[b]["available"]]
 
 SCRIPT = r"""
 import sys, threading, torch, rlkernels
 from rlkernels import presets
 backend = sys.argv[1]
 g = torch.Generator().manual_seed(0)
-x = torch.randn(4, 5, 33, generator=g)
-y = torch.randint(0, 33, (4, 5), generator=g)
-mask = torch.ones(4, 5, dtype=torch.bool)
-adv = torch.randn(4, generator=g)
+dev = "cuda" if backend in ("triton", "cuda") else "cpu"
+x = torch.randn(4, 5, 33, generator=g).to(dev)
+y = torch.randint(0, 33, (4, 5), generator=g).to(dev)
+mask = torch.ones(4, 5, dtype=torch.bool, device=dev)
+adv = torch.randn(4, generator=g).to(dev)
 barrier = threading.Barrier(8)
 results, errors = [None] * 8, []
 

@@ -250,6 +250,20 @@ def test_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # no half-written temp file left behind
 
 
+def test_a_full_disk_while_logging_is_a_one_line_error(tmp_path, monkeypatch):
+    import builtins
+
+    def full(path, mode="r", *args, **kwargs):
+        if "a" in mode or "w" in mode:
+            raise OSError(28, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "open", full, raising=False)
+    for name, mode in (("metrics.jsonl", "a"), ("summary.json", "w")):
+        with pytest.raises(ValueError, match=rf"--out: cannot write .*{name} \(No space left on device\)"):
+            loop.write_file(str(tmp_path / name), "{}", mode)
+
+
 def test_recorded_logprobs_match_the_sampler():
     """ℓ_old from the forward pass equals log softmax(logits / τ) of generate's own logits."""
     torch.manual_seed(0)

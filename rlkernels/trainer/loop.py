@@ -275,6 +275,15 @@ def save_checkpoint(path, state):
         raise ValueError(f"--out: cannot write {path} ({e})") from None
 
 
+def write_file(path: str, text: str, mode: str) -> None:
+    """Write or append `text`; a full disk (or a folder gone read-only) is a one-line error naming --out."""
+    try:
+        with open(path, mode) as f:
+            f.write(text)
+    except OSError as e:
+        raise ValueError(f"--out: cannot write {path} ({e.strerror or e})") from None
+
+
 def prepare_out_dir(out: str) -> None:
     """Create `out` and check that it takes files: now, not after warm-up and evaluation."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -673,8 +682,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
             if master:
-                with open(metrics_path, "a") as f:
-                    f.write(report.dumps(row) + "\n")
+                write_file(metrics_path, report.dumps(row) + "\n", "a")
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                             ent=f"{row['entropy'] or 0:.3f}",
@@ -699,8 +707,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                "final_entropy": last.get("entropy"), "skipped_steps": skipped_total,
                "wall_time_s": round(time.time() - t_start, 1), "out": out_dir, "config": dataclasses.asdict(cfg)}
     if master:
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            f.write(report.dumps(summary, indent=2))
+        write_file(os.path.join(out_dir, "summary.json"), report.dumps(summary, indent=2), "w")
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
                               f"rlkernels.train --algo {cfg.algo}")
         log(report.summary_table(summary))
