@@ -489,6 +489,9 @@ def main(argv: Optional[list] = None) -> int:
     start = time.monotonic()
     rows, notes = [], []
     cuobjdump = find_cuobjdump()
+    # Imported before the nvcc thread starts: it and the Triton jobs both import torch, and two
+    # threads importing torch at once can fail ("partially initialized module").
+    import torch  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="gpu_static_nvcc_") as out_dir, ThreadPoolExecutor(1) as side:
         cuda = None
         if args.backend in (None, "cuda"):
