@@ -16,12 +16,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum_rows(x, mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max over masked entries; 0 for an empty mask."""
-    top = torch.where(mask, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).max()
-    return torch.where(mask.any(), top, torch.zeros_like(top))
-
-
 def aggregation_weights(
     mask: torch.Tensor,
     agg: str,

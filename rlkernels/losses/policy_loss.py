@@ -8,7 +8,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor
 from . import surrogates
-from .aggregation import aggregation_weights
+from .aggregation import aggregate
 from .config import PolicyLossConfig
 from .inputs import LossInputs
 from .kl import kl_estimate
@@ -57,10 +57,9 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy)
-    weights = aggregation_weights(b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
-                                  norm_length=config.norm_length, dtype=logp.dtype)
+    loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                     norm_length=config.norm_length)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    loss = torch.where(b.mask, per_token * weights, zero).sum()
     with torch.no_grad():
         approx_kl = kl_estimate(b.old_logp, b.logp, "k3", config.log_ratio_clamp)
         stats = [sur.clipped_low, sur.clipped_high, sur.ratio, approx_kl, zero.expand_as(logp) if k is None else k]

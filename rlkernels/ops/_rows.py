@@ -8,8 +8,10 @@ from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, INT_DTYPES, check_targets, check_temperature, check_tensor
 
-# Backends whose kernels check every target on the host (and name its row): no device assert needed.
-_KERNEL_CHECKS_TARGETS = ("cpu",)
+def kernel_checks_targets(backend: str) -> bool:
+    """Whether `backend`'s kernels check every target on the host (naming its row): then no
+    device assert is needed before them."""
+    return backend == "cpu"
 
 
 def acc_dtype(t: Tensor) -> torch.dtype:
@@ -24,7 +26,7 @@ def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     check_tensor("targets", targets, shape=tuple(logits.shape[:-1]), dtypes=INT_DTYPES, device=logits.device)
     temperature = check_temperature(temperature)
-    if backend not in _KERNEL_CHECKS_TARGETS:
+    if not kernel_checks_targets(backend):
         check_targets(targets, logits.shape[-1], "V = logits.shape[-1]")
     return temperature
 

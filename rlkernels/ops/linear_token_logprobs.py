@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_temperature, check_tensor
-from ._rows import acc_dtype
+from ._rows import acc_dtype, kernel_checks_targets
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
 
@@ -197,7 +197,7 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
         dist.all_reduce(sizes, group=process_group)
         start, vocab = sizes[: dist.get_rank(process_group)].sum(), sizes.sum()
     name = _backend.resolve(backend, hidden.device)
-    if process_group is not None or name != "cpu":  # the CPU kernels check their (local) targets on the host
+    if process_group is not None or not kernel_checks_targets(name):  # sharded: the kernels see local ids only
         check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is None:
         rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))

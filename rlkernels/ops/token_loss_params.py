@@ -45,7 +45,8 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
 def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
     """The kernels' parameters of a config that `kernel_supports`."""
     if not kernel_supports(config):
-        raise ValueError(f"config: the fused kernels evaluate token-level losses only, got ratio={config.ratio!r}")
+        raise ValueError("config: the fused kernels evaluate token-level clip, cispo and reinforce losses only, got "
+                         f"ratio={config.ratio!r}, objective={config.objective!r}")
     kl_in_loss = config.kl_coef > 0
     return k.TokenLossParams(
         objective=_OBJECTIVES[config.objective],
