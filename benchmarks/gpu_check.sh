@@ -1,34 +1,59 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (docs/design.md §9), under 8 minutes: build, run the gpu tests,
-# benchmark. torch is preinstalled there; --no-build-isolation builds against it.
-# Arguments are passed to benchmarks.report (e.g. --vocabs 151936 --providers eager rlkernels-triton).
-set -euo pipefail
+# One command for a GPU machine (docs/design.md §9), under 8 minutes: build, test the kernels on the
+# device, count launches and syncs there, benchmark. torch is preinstalled there; --no-build-isolation
+# builds against it. Each stage has its own time limit, and a failing stage does not stop the next
+# (the exit status reports it), so one run always brings back the benchmark.
+#   RLK_OUT=dir   where the report goes (default benchmarks/results)
+# Arguments are passed to benchmarks.report (e.g. --providers eager rlkernels-triton).
+set -uo pipefail
 cd "$(dirname "$0")/.."
+out=${RLK_OUT:-benchmarks/results}
+PY=$(command -v python3 || command -v python)
+mkdir -p "$out"
+status=0
+stage() { echo; echo "=== gpu_check: $1 (t=${SECONDS}s)"; }
 
-python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+$PY -c 'import torch, triton; assert torch.cuda.is_available(), "no CUDA device"
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+
+stage "build"
 # The extension with csrc/cuda/ (setup.py adds it when torch is a CUDA build and nvcc exists),
 # for the GPU(s) present unless TORCH_CUDA_ARCH_LIST says otherwise. If that build fails (say,
 # nvcc and torch disagree on the CUDA major version), the CPU-only build keeps the rest running.
 command -v nvcc >/dev/null && nvcc --version | tail -n 2 || echo "gpu_check: nvcc not on PATH: no cuda backend"
-if ! pip install -v --no-build-isolation -e . > /tmp/rlkernels_build.log 2>&1; then
+if ! $PY -m pip install -v --no-build-isolation --no-deps -e . > /tmp/rlkernels_build.log 2>&1; then
   tail -n 40 /tmp/rlkernels_build.log
   echo "gpu_check: the CUDA build failed (log above); building without CUDA"
-  RLKERNELS_NO_CUDA=1 pip install --no-build-isolation -e . 2>&1 | tail -n 3
+  status=1
+  RLKERNELS_NO_CUDA=1 $PY -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -n 3
 fi
 grep -m1 "rlkernels: building" /tmp/rlkernels_build.log || true
-python -c 'import rlkernels, pprint; pprint.pprint(rlkernels.backend_info())'
-
-# Tests marked gpu, and the kernel-contract tests whose cases run on CUDA when a device is present
-# (the fused loss kernels of every backend against losses/); a failure (or a missing cuda backend)
-# is reported but the benchmark still runs.
-status=0
-python -c 'import rlkernels; assert rlkernels.backend_info()["cuda"]["available"]' \
+$PY -c 'import rlkernels, pprint; pprint.pprint(rlkernels.backend_info())'
+$PY -c 'import rlkernels; assert rlkernels.backend_info()["cuda"]["available"]' \
   || { echo "gpu_check: the cuda backend is not available (reason above); its tests are skipped"; status=1; }
-timeout 150 python -m pytest -q -m gpu python_tests || status=$?
-timeout 120 python -m pytest -q python_tests/test_policy_token_kernel.py python_tests/test_triton_policy_token.py \
-  python_tests/test_triton_fused.py python_tests/test_triton_kernels.py || status=$?
 
-# The device machine has no network: Liger's rows run only if liger-kernel is already installed
-# there (the report lists them under "Not measured" otherwise). A trimmed grid fits the budget.
-timeout 270 python -m benchmarks.report --budget-s 220 --vocabs 32768 151936 --ns 2048 8192 "$@" || status=$?
+stage "tests"
+# The kernel-contract tests run their cases on CUDA when a device is present (every backend against
+# losses/), plus the tests marked gpu. pytest-xdist spreads them when it is installed.
+parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
+timeout 150 $PY -m pytest -q -p no:cacheprovider $parallel \
+  python_tests/test_cuda_kernels.py python_tests/test_triton_kernels.py python_tests/test_policy_token_kernel.py \
+  python_tests/test_triton_policy_token.py python_tests/test_triton_fused.py python_tests/test_compile.py \
+  python_tests/test_threads.py python_tests/test_precision.py python_tests/test_edge_inputs.py \
+  python_tests/test_token_logprobs.py python_tests/test_linear_path.py || status=1
+
+stage "launches and host syncs on the device"
+for backend in cuda triton; do
+  echo "--- backend $backend"
+  timeout 60 $PY -m benchmarks.launches --device cuda --backend "$backend" || status=1
+done
+
+stage "benchmark report"
+# The device machine has no network: Liger's rows run only if liger-kernel is installed there (the
+# report lists them under "Not measured" otherwise). The issue-11 point (V = 151936, N = 8192, bf16)
+# comes first; --budget-s cuts the rest.
+timeout 240 $PY -m benchmarks.report --budget-s 180 --vocabs 151936 32768 --ns 8192 2048 --out "$out" "$@" \
+  || status=1
+stage "done, status $status"
 exit "$status"

@@ -5,6 +5,7 @@ these counts are the launch overhead of the loss head, measured deterministicall
 
     python -m benchmarks.launches                  # every preset, both paths, cpu backend
     python -m benchmarks.launches --backend torch  # another backend
+    python -m benchmarks.launches --device cuda --backend triton   # on a GPU: the same counts there
 
 Counted: every aten op that is not a view (views, `detach` and `empty*` allocate nothing and
 launch nothing) and every custom op (one launch each; what runs inside it is not seen). A sync
@@ -61,7 +62,7 @@ class Count:
     names: Dict[str, int]
 
 
-def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0):
+def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0, device="cpu"):
     """Inputs of one call with every argument the preset uses (ragged masks, off-policy)."""
     from rlkernels import presets
 
@@ -78,7 +79,8 @@ def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0):
     advantages = torch.randn(B, generator=g)
     if config.ratio == "snis":
         kwargs["rewards"], advantages = torch.randint(0, 2, (B,), generator=g).float(), None
-    return config, targets, advantages, mask, kwargs
+    to = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return config, to(targets), to(advantages), to(mask), {k: to(v) for k, v in kwargs.items()}
 
 
 def count(fn) -> Count:
@@ -88,11 +90,11 @@ def count(fn) -> Count:
     return Count(counter.ops, counter.syncs, dict(counter.names) | {f"SYNC {k}": v for k, v in counter.sync_names.items()})
 
 
-def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000) -> Count:
+def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000, device="cpu") -> Count:
     import rlkernels
 
-    config, targets, advantages, mask, kwargs = loss_inputs(preset)
-    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device)
+    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(True)
 
     def call():
         out = rlkernels.fused_policy_loss(logits, targets, advantages, mask, config, backend=backend, **kwargs)
@@ -103,13 +105,13 @@ def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: i
 
 
 def fused_linear_policy_loss_count(preset: str, chunk_size: int, backend: Optional[str] = None,
-                                   vocab: int = 1000, hidden: int = 64) -> Count:
+                                   vocab: int = 1000, hidden: int = 64, device="cpu") -> Count:
     import rlkernels
 
-    config, targets, advantages, mask, kwargs = loss_inputs(preset)
+    config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device)
     g = torch.Generator().manual_seed(2)
-    h = torch.randn(*targets.shape, hidden, generator=g).requires_grad_(True)
-    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).requires_grad_(True)
+    h = torch.randn(*targets.shape, hidden, generator=g).to(device).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(device).requires_grad_(True)
 
     def call():
         out = rlkernels.fused_linear_policy_loss(h, w, targets, advantages, mask, config, backend=backend,
@@ -120,22 +122,22 @@ def fused_linear_policy_loss_count(preset: str, chunk_size: int, backend: Option
     return count(call)
 
 
-def linear_split(preset: str, backend: Optional[str] = None, rows: int = 8 * 256):
+def linear_split(preset: str, backend: Optional[str] = None, rows: int = 8 * 256, device="cpu"):
     """(ops per chunk, ops besides the chunks, syncs) from two chunk sizes: ops = a + b·chunks."""
-    c1 = fused_linear_policy_loss_count(preset, rows // 4, backend)
-    c2 = fused_linear_policy_loss_count(preset, rows // 8, backend)
+    c1 = fused_linear_policy_loss_count(preset, rows // 4, backend, device=device)
+    c2 = fused_linear_policy_loss_count(preset, rows // 8, backend, device=device)
     per_chunk = (c2.ops - c1.ops) / 4
     return per_chunk, c1.ops - 4 * per_chunk, max(c1.syncs, c2.syncs)
 
 
-def table(backend: Optional[str] = None) -> str:
+def table(backend: Optional[str] = None, device="cpu") -> str:
     from rlkernels import presets
 
     lines = ["| preset | ratio | fused_policy_loss ops | syncs | fused_linear_policy_loss ops per chunk | besides | syncs |",
              "|---|---|---|---|---|---|---|"]
     for name in presets.NAMES:
-        c = fused_policy_loss_count(name, backend)
-        per_chunk, besides, lsyncs = linear_split(name, backend)
+        c = fused_policy_loss_count(name, backend, device=device)
+        per_chunk, besides, lsyncs = linear_split(name, backend, device=device)
         lines.append(f"| {name} | {loss_inputs(name)[0].ratio} | {c.ops} | {c.syncs} | {per_chunk:g} | {besides:g} | {lsyncs} |")
     return "\n".join(lines)
 
@@ -143,15 +145,16 @@ def table(backend: Optional[str] = None) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=None, help="rlkernels backend (default: automatic, cpu on CPU)")
+    parser.add_argument("--device", default="cpu", help="where the inputs live (cpu, cuda)")
     parser.add_argument("--preset", default=None, help="print the op names of one preset's fused_policy_loss call")
     args = parser.parse_args(argv)
     if args.preset:
-        c = fused_policy_loss_count(args.preset, args.backend)
+        c = fused_policy_loss_count(args.preset, args.backend, device=args.device)
         for name, n in sorted(c.names.items(), key=lambda kv: -kv[1]):
             print(f"{n:5d}  {name}")
         print(f"{c.ops} ops, {c.syncs} syncs")
         return
-    print(table(args.backend))
+    print(table(args.backend, args.device))
 
 
 if __name__ == "__main__":

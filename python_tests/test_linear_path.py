@@ -323,6 +323,10 @@ def test_loss_bad_inputs():
 @pytest.mark.parametrize("name", ["grpo", "gspo"])  # one pass, two passes
 def test_triton_backend_loss_tiny(name):
     hidden, weight, b, targets, inputs = _loss_case(B=2, T=3, H=4, V=19)
+    # On a GPU machine Triton runs compiled on CUDA tensors, elsewhere interpreted on CPU ones.
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hidden, weight, b, targets = (x.to(dev) for x in (hidden, weight, b, targets))
+    inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     config = presets.get(name, entropy_coef=0.01)
     kw = _kwargs(inputs, config)
     args = (targets, inputs["advantages"].float(), inputs["mask"], config)

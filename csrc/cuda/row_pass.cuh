@@ -127,15 +127,6 @@ RLK_HOST_DEVICE __forceinline__ float clamp_floor(float d) {  // max(d, exp_floo
   return d < rlk::exp_floor<float>() ? rlk::exp_floor<float>() : d;
 }
 
-// x·y rounded on its own: never contracted with the add or subtract that follows.
-RLK_HOST_DEVICE __forceinline__ float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;  // the host test (csrc/tests/test_row_pass.cu) is built without FMA contraction
-#endif
-}
-
 // e^d for d in [exp_floor, 0]: ex2.approx after one multiply (__expf, with subnormal results
 // flushed to 0: they are below 1e-38 of the terms that matter). Relative error below 2e-6 for
 // d > −20, exactly 1 at d = 0 and 0 at exp_floor. The host version is for the host test.
@@ -208,7 +199,7 @@ RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int6
   Online<kEntropy> acc;
   const int64_t head = min64(V, lead_elems(z));
   if (lane < head) {
-    const float x[1] = {mul_rn(P::to_float(z[lane]), inv_tau)};
+    const float x[1] = {rlk::mul_rn(P::to_float(z[lane]), inv_tau)};
     acc.add(x);
   }
   const T* body = z + head;
@@ -218,18 +209,18 @@ RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int6
   for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
     load_step<T, kThreads, true>(body, i, packs, x);
 #pragma unroll
-    for (int e = 0; e < kStep; ++e) x[e] = mul_rn(x[e], inv_tau);
+    for (int e = 0; e < kStep; ++e) x[e] = rlk::mul_rn(x[e], inv_tau);
     acc.add(x);
   }
   if (i < packs) {  // the last step, partial
     load_step<T, kThreads, false>(body, i, packs, x);
 #pragma unroll
-    for (int e = 0; e < kStep; ++e) x[e] = mul_rn(x[e], inv_tau);
+    for (int e = 0; e < kStep; ++e) x[e] = rlk::mul_rn(x[e], inv_tau);
     acc.add(x);
   }
   const int64_t done = head + packs * K;
   if (lane < V - done) {
-    const float x1[1] = {mul_rn(P::to_float(z[done + lane]), inv_tau)};
+    const float x1[1] = {rlk::mul_rn(P::to_float(z[done + lane]), inv_tau)};
     acc.add(x1);
   }
   return acc.st;
@@ -241,7 +232,7 @@ struct GradOf {
   rlk::GradCoeffs<float> c;
   int64_t target;
   RLK_HOST_DEVICE __forceinline__ float no_target(float z) const {  // the term every element has
-    const float l = clamp_floor(rlk::log_prob(mul_rn(z, inv_tau), m, log_s));
+    const float l = clamp_floor(rlk::log_prob(rlk::mul_rn(z, inv_tau), m, log_s));
     return rlk::grad_element(fast_exp(l), l, c.A, c.B);
   }
   RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const {

@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   }
   if (lane == 0) {
     const int64_t y = targets[row];
-    const float x_y = (y >= 0 && y < V) ? rows::mul_rn(Pack<T>::to_float(z[y]), inv_tau) : __int_as_float(0x7fc00000);
+    const float x_y = (y >= 0 && y < V) ? rlk::mul_rn(Pack<T>::to_float(z[y]), inv_tau) : __int_as_float(0x7fc00000);
     out(row, rlk::softmax_finalize(st, x_y));
   }
 }

@@ -84,16 +84,16 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
     if (pattern == 4) x = v == V - 1 || (2 * v >= V && rng() % 16 == 0) ? 2e38f : 1e38f;
     z[v] = Pack<T>::from_float(x);
     zf[v] = Pack<T>::to_float(z[v]);
-    xs[v] = pattern >= 3 ? double(mul_rn(zf[v], inv_tau)) : double(zf[v]) / tau;
+    xs[v] = pattern >= 3 ? double(rlk::mul_rn(zf[v], inv_tau)) : double(zf[v]) / tau;
   }
 
   // Forward: every lane's state, merged.
   State st = rlk::softmax_init<float>();
   for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, inv_tau, lane));
-  const rlk::RowResult<float> r = rlk::softmax_finalize(st, mul_rn(zf[target], inv_tau));
+  const rlk::RowResult<float> r = rlk::softmax_finalize(st, rlk::mul_rn(zf[target], inv_tau));
   State st0 = rlk::softmax_init<float>();
   for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, inv_tau, lane));
-  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, mul_rn(zf[target], inv_tau));
+  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, rlk::mul_rn(zf[target], inv_tau));
 
   double m = -INFINITY;
   for (long v = 0; v < V; ++v) m = std::fmax(m, xs[v]);

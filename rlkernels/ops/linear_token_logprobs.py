@@ -6,7 +6,7 @@ reused buffer and read by the backend's kernels of the logits path. The forward 
 `lse_parts` (the row max and log-sum, kernels/__init__.py) and the entropy per row; the backward
 recomputes each chunk's logits, lets the backend's backward kernel overwrite them with ∂logits,
 and turns those into ∂hidden, ∂weight (summed in fp32 over chunks) and ∂bias. Extra memory: one
-chunk (≤ 64 MB by default) plus the fp32 ∂weight accumulator plus O(N).
+chunk (≤ 64 MB by default; on a GPU at least 1024 rows) plus the fp32 ∂weight accumulator plus O(N).
 
 Vocabulary parallelism (`process_group`): each rank holds a slice of the rows of `weight` (and
 of `bias`); targets are global ids. Each rank runs its kernels on its slice; the per-row
@@ -29,6 +29,13 @@ from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_
 from ._rows import acc_dtype, kernel_checks_targets
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
+# On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator: with r rows
+# it does r/4 FLOP per byte of it, and an H100/H200 needs ~200 to stay compute-bound, so chunks
+# of fewer rows run at a fraction of the matmul rate (110-row chunks at V = 152k, H = 4096 spent
+# ~85% of the backward there).
+GPU_MIN_CHUNK_ROWS = 1024
+# CUDA has half-precision matmuls with an fp32 result (torch ≥ 2.9); elsewhere the chunk is upcast.
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +150,12 @@ class LinearHead:
         g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
         if grads.hidden is not None:
             torch.mm(g, self.weight, out=grads.hidden[s:e])
-        if grads.weight is not None:
-            # fp32 accumulation over chunks; half-precision chunks are upcast for this product.
-            grads.weight.addmm_(g.t().to(grads.weight.dtype), self.hidden[s:e].to(grads.weight.dtype))
+        if grads.weight is not None:  # fp32 accumulation over chunks
+            acc, h = grads.weight, self.hidden[s:e]
+            if acc.is_cuda and g.dtype != acc.dtype and _ADDMM_OUT_DTYPE:
+                torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
+            else:
+                acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
         if grads.bias is not None:
             grads.bias += g.sum(0, dtype=grads.bias.dtype)
 
@@ -201,6 +211,8 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
         check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is None:
         rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
+        if hidden.is_cuda:
+            rows = max(rows, GPU_MIN_CHUNK_ROWS)
     else:
         rows = check_int("chunk_size", chunk_size, 1)
     return HeadSpec(temperature, name, rows, process_group, start)
@@ -249,7 +261,7 @@ def linear_token_logprobs(
     hidden `(..., H)`, weight `(V, H)` (may be the tied input embedding), bias `(V,)` or None,
     targets `(...)` integers in `[0, V)`, already aligned (the caller shifts). Returns fp32
     log-probs shaped like `targets`, or `(logp, entropy)` with `return_entropy`. Differentiable
-    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits).
+    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least 1024 rows on a GPU).
     `process_group`: `weight`/`bias` hold this rank's slice of the vocabulary rows (slices in
     rank order), targets are global ids; the outputs are those of the whole vocabulary.
     """

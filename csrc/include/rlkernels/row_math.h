@@ -18,6 +18,22 @@
 
 namespace rlk {
 
+// a·b rounded on its own. nvcc contracts a product and the add or subtract that follows into one
+// FMA by default, and where two values must cancel exactly (x − m at the row max; the target term
+// against A at p = 1) that leaves the product's rounding error instead of 0. The CPU build is
+// compiled with -ffp-contract=off, so there a plain product is already rounded.
+template <typename T>
+RLK_HOST_DEVICE inline T mul_rn(const T& a, const T& b) {
+  return a * b;
+}
+RLK_HOST_DEVICE inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 RLK_HOST_DEVICE inline float exp_(float x) { return ::expf(x); }
 RLK_HOST_DEVICE inline double exp_(double x) { return ::exp(x); }
 RLK_HOST_DEVICE inline float log_(float x) { return ::logf(x); }
@@ -137,9 +153,10 @@ struct GradCoeffs {
 template <typename T>
 RLK_HOST_DEVICE inline GradCoeffs<T> grad_coeffs(T g, T h, T entropy, T inv_tau) {
   GradCoeffs<T> c;
-  c.A = -(g + h * entropy) * inv_tau;
+  // Rounded alone: at p = 1 (one finite logit) target + A must be exactly 0.
+  c.A = -mul_rn(g + h * entropy, inv_tau);
   c.B = -h * inv_tau;
-  c.target = g * inv_tau;
+  c.target = mul_rn(g, inv_tau);
   return c;
 }
 

@@ -173,6 +173,9 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     s = s - p.entropy_coef * in.entropy;
     out.grad_entropy = -in.weight * p.entropy_coef;
   }
+  // A NaN ℓ (on a GPU, a target outside [0, V): not checked there) keeps its gradient NaN;
+  // a clipped branch would give 0 and hide it.
+  if (in.logp != in.logp) ds = in.logp;
   out.grad_logp = in.weight * ds;
   out.stats[kStatLoss] = in.weight * s;
   out.stats[kStatClipLow] = clip_low ? T(1) : T(0);

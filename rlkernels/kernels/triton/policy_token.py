@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
-from . import token_loss
+from .token_loss import token_loss  # by name, as token_logprobs.py says
 from .token_logprobs import (
     _check_logits, _on_device, _plain, _row_vector, launch_config, row_forward,
 )
@@ -47,7 +47,7 @@ def _policy_token_fwd_kernel(
     ref_logp = 0.0
     if HAS_REF:
         ref_logp = tl.where(valid, tl.load(ref_logp_ptr + row), 0.0)
-    s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss.token_loss(
+    s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
         l, old_logp, ref_logp, adv, h,
         ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
         log_ratio_clamp, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,

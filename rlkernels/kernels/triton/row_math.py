@@ -16,10 +16,28 @@ to ulp(m), which for large logits costs more than every other rounding together 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.libdevice import mul_rn  # unqualified, for torch.compile (token_logprobs.py)
 
 # exp(d) is exactly 0 in fp32 below about -104; a rescale by less is clamped here (as in
 # csrc/include/rlkernels/row_math.h), so that δ·s stays finite where δ would be ~ -1e38.
 EXP_FLOOR = tl.constexpr(-128.0)
+
+
+# Compiled kernels round x = z/τ on its own (below); the interpreter cannot call libdevice and
+# rounds every product anyway.
+ROUND_ALONE = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def scaled(z, inv_temp):
+    """x = z·(1/τ) in fp32, rounded before any use. Left to the compiler, the product is fused with
+    the x − m that follows into one FMA: at the row max x − m is then the rounding error of z/τ,
+    not 0 (log p > 0 in a one-logit row, p ≠ 1; seen on an H200), and the backward's x − m differs
+    from the forward's."""
+    if ROUND_ALONE:
+        return mul_rn(z, inv_temp)
+    else:
+        return z * inv_temp
 
 
 @triton.jit

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import row_math
+# Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
+# by their global names (a module attribute such as row_math.f is not followed).
+from .row_math import dlogits, log_prob, row_entropy, scaled, tile_update, tile_update_entropy
 
 # Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
 # before this module was first imported.
@@ -34,21 +36,21 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
     t = 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32) * inv_temp
+        x = scaled(tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32), inv_temp)
         if NEED_ENTROPY:
-            m, s, t = row_math.tile_update_entropy(m, s, t, x)
+            m, s, t = tile_update_entropy(m, s, t, x)
         else:
-            m, s = row_math.tile_update(m, s, x)
+            m, s = tile_update(m, s, x)
 
     log_s = tl.log(s)
     # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
     in_row = (target >= 0) & (target < V)
     # Same fp32 product as in the loop, so x_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
-    x_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32) * inv_temp
+    x_y = scaled(tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32), inv_temp)
     entropy = 0.0
     if NEED_ENTROPY:
-        entropy = row_math.row_entropy(log_s, s, t)
-    return row_math.log_prob(x_y, m, log_s), entropy, m, log_s
+        entropy = row_entropy(log_s, s, t)
+    return log_prob(x_y, m, log_s), entropy, m, log_s
 
 
 @triton.jit
@@ -93,8 +95,8 @@ def _token_logprobs_bwd_kernel(
         offs = start + cols
         mask = offs < V
         # Each tile is read before it is written, so `out` may be the logits themselves.
-        x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temp
-        grad = row_math.dlogits(x, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
+        x = scaled(tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32), inv_temp)
+        grad = dlogits(x, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
         tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -145,5 +145,8 @@ def token_loss(
             s += kl_coef * kl
             ds += kl_coef * dkl
     s -= entropy_coef * entropy
+    # A NaN ℓ (on a GPU, a target outside [0, V): not checked there) keeps its gradient NaN;
+    # a clipped branch would give 0 and hide it.
+    ds = tl.where(logp != logp, logp, ds)
     # clamp(ℓ_old − ℓ, ±c) is exactly −r.
     return s, ds, clip_low, clip_high, w, k3(-r), kl
