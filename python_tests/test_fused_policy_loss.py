@@ -54,6 +54,13 @@ def test_every_preset_equals_the_composition(backend, name):
     assert set(fused.metrics) == set(composed.metrics)
     for key in composed.metrics:
         torch.testing.assert_close(fused.metrics[key], composed.metrics[key], msg=key)
+    with torch.no_grad():  # no gradient: the same values (from the kernel's statistics where it has the loss)
+        torch.manual_seed(0)
+        evaluated = rlkernels.fused_policy_loss(logits, targets, adv, mask, config, temperature=0.8, backend=backend,
+                                                **kw)
+    torch.testing.assert_close(evaluated.loss, fused.loss.detach(), rtol=1e-6, atol=1e-7)
+    for key in composed.metrics:
+        torch.testing.assert_close(evaluated.metrics[key], fused.metrics[key], msg=key)
 
     # and both equal the reference evaluated on the logits in fp64
     z = logits.double().requires_grad_(True)

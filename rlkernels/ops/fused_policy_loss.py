@@ -58,13 +58,17 @@ def fused_policy_loss(
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(f"logits: expected a tensor of shape (B, T, V), got {_describe(logits)}")
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
-        logp, entropy = token_logprobs(logits, targets, temperature=temperature, return_entropy=True, backend=backend)
-        return policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
+    if torch.compiler.is_compiling():
+        return _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs)
 
     name = _backend.resolve(backend, logits.device)
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = _backend.kernels(name)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    # Without a gradient the fused kernel still pays: its statistics are the loss and the metrics,
+    # one launch where the composition makes ~60 (on a GPU the forward was host-bound).
+    if not needs_grad and not kernel_evaluates(kernels, name, config):
+        return _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs)
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
     acc = acc_dtype(logits)
@@ -76,8 +80,17 @@ def fused_policy_loss(
         out, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
     else:
         out, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+    if not needs_grad:
+        return LossOutput(out.loss, out.metrics)
     loss = deferred_logits_grad(out.loss, logits, blocks, flat_targets, rows, temperature, kernels, inplace)
     return LossOutput(loss, out.metrics)
+
+
+def _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs):
+    """The definition, `policy_loss(token_logprobs(...))`: under torch.compile (the custom ops
+    trace; the deferred backward does not) and without a gradient where the kernel lacks the loss."""
+    logp, entropy = token_logprobs(logits, targets, temperature=temperature, return_entropy=True, backend=backend)
+    return policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
 
 
 def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
