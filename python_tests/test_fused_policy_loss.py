@@ -217,3 +217,46 @@ def test_sliced_logits_are_read_in_place(backend):
     if backend == "cpu":  # (the torch backend's chunk temporaries make its resident peak unreliable here)
         grad_bytes = copy.numel() * copy.element_size()
         assert extra < 1.5 * grad_bytes, f"{extra / 2**20:.0f} MB extra: more than the gradient, the logits were copied"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo"])  # in the kernel (clip), general path, sequence
+@pytest.mark.parametrize("per_row", [False, True])
+def test_importance_weights_equal_the_composition(backend, name, per_row):
+    """`is_weights` on both fused paths (logits, hidden states) = `policy_loss(..., is_weights=...)`:
+    the token-level clip presets take them folded into the advantage inside the kernel."""
+    config = preset(name, entropy_coef=0.01)
+    logits, targets, inputs = _case(seed=11, per_token_adv=config.ratio == "token")
+    adv, mask = inputs["advantages"].float(), inputs["mask"]
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(B if per_row else (B, T), generator=g) * 1.6
+    w = w.masked_fill(w < 0.3, 0.0)
+    kw = dict(_kwargs(inputs, config), is_weights=w)
+
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
+    fused.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.8, return_entropy=True, backend=backend)
+    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
+    composed.loss.backward()
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], msg=key)
+    unweighted = rlkernels.policy_loss(logp.detach(), adv, mask, config, entropy=ent.detach(), **_kwargs(inputs, config))
+    assert not torch.allclose(unweighted.loss, composed.loss), "the weights change the loss"
+
+    H = 8  # the hidden-state path: logits = hidden @ weightᵀ
+    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
+    weight = torch.randn(logits.shape[-1], H, generator=g, requires_grad=True)
+    lin = rlkernels.fused_linear_policy_loss(hidden, weight, targets, adv, mask, config, temperature=0.8,
+                                             backend=backend, chunk_size=5, **kw)
+    gh, gw = torch.autograd.grad(lin.loss, (hidden, weight))
+    h2, w2 = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    ref = rlkernels.fused_policy_loss(h2 @ w2.t(), targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
+    rh, rw = torch.autograd.grad(ref.loss, (h2, w2))
+    torch.testing.assert_close(lin.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-6)

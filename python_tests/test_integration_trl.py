@@ -105,34 +105,50 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
     seen, clipped = [], 0.0
 
-    def checked(model, inputs):
+    def compare(model, inputs, params, loss_type, level, eps_high, beta, what=""):
         nonlocal clipped
+        trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high = loss_type, level, eps_high
+        trainer.beta = beta
+        assert rk_trl.loss_config(trainer)[0] is not None, rk_trl.loss_config(trainer)[1]
+        ours = ours_fn(model, inputs)
+        ours_grads = _grads(ours, params)
+        trainer._get_per_token_logps_and_entropies = trl_logps  # TRL all the way down
+        try:
+            ref = GRPOTrainer._compute_loss(trainer, model, inputs)
+        finally:
+            del trainer._get_per_token_logps_and_entropies
+        ref_grads = _grads(ref, params)
+        tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(ours.detach(), ref.detach(), **tol, msg=f"{loss_type}/{level}{what}")
+        for p, a, b in zip(params, ours_grads, ref_grads):
+            scale = b.abs().max().item() + 1e-12
+            assert (a - b).abs().max().item() <= (3e-2 if bf16 else 1e-5) * scale, f"{loss_type}/{level}{what}"
+        seen.append((loss_type, level, "old_per_token_logps" in inputs))
+        clipped = max(clipped, trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+
+    def checked(model, inputs):
         params = [p for p in model.parameters() if p.requires_grad]
-        for loss_type, level, eps_high, beta in CASES if not bf16 else CASES[::4]:
-            trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high = loss_type, level, eps_high
-            trainer.beta = beta
-            assert rk_trl.loss_config(trainer)[0] is not None, rk_trl.loss_config(trainer)[1]
-            ours = ours_fn(model, inputs)
-            ours_grads = _grads(ours, params)
-            trainer._get_per_token_logps_and_entropies = trl_logps  # TRL all the way down
+        for case in CASES if not bf16 else CASES[::4]:
+            compare(model, inputs, params, *case)
+        if not bf16:  # vLLM importance sampling correction, as TRL's four modes leave the ratio: per token or per row
+            B, T = inputs["completion_mask"].shape
+            g = torch.Generator().manual_seed(len(seen))
+            trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
             try:
-                ref = GRPOTrainer._compute_loss(trainer, model, inputs)
+                for shape in ((B, T), (B, 1)):
+                    ratio = torch.rand(shape, generator=g) * 1.6
+                    inputs["importance_sampling_ratio"] = ratio.masked_fill(ratio < 0.3, 0.0)  # the mask modes' zeros
+                    for case in CASES[::3]:
+                        compare(model, inputs, params, *case, what=f" vLLM IS {tuple(shape)}")
             finally:
-                del trainer._get_per_token_logps_and_entropies
-            ref_grads = _grads(ref, params)
-            tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(ours.detach(), ref.detach(), **tol, msg=f"{loss_type}/{level}")
-            for p, a, b in zip(params, ours_grads, ref_grads):
-                scale = b.abs().max().item() + 1e-12
-                assert (a - b).abs().max().item() <= (3e-2 if bf16 else 1e-5) * scale, f"{loss_type}/{level}"
-            seen.append((loss_type, level, "old_per_token_logps" in inputs))
-            clipped = max(clipped, trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+                trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
+                inputs.pop("importance_sampling_ratio", None)
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high, trainer.beta = "dapo", "token", 0.03, 0.04
         return ours_fn(model, inputs)
 
     trainer._compute_loss = checked
     trainer.train()
-    assert len(seen) == 4 * (len(CASES) if not bf16 else len(CASES[::4]))  # 2 steps × 2 micro-batches
+    assert len(seen) == 4 * (len(CASES) + 2 * len(CASES[::3]) if not bf16 else len(CASES[::4]))  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"
 

@@ -88,6 +88,55 @@ def test_presets_match_reference(name, noise, dtype):
         _compare(preset(name), inputs, dtype)
 
 
+def _is_weights(inputs, per_row, seed):
+    """Importance weights as the rollout corrections leave them: truncated ratios, zeros where masked
+    out, NaN in the padding (never read)."""
+    B, T = inputs["mask"].shape
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(B if per_row else B * T, generator=g, dtype=torch.float64) * 1.6
+    w = w.masked_fill(w < 0.3, 0.0)
+    if per_row:
+        return w
+    w = w.view(B, T)
+    w[~inputs["mask"]] = float("nan")
+    return w
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("name", presets.NAMES)
+def test_importance_weights_match_reference(name, per_row):
+    for seed in range(2):
+        inputs = random_loss_inputs(noise=0.3, seed=seed)
+        _compare(preset(name, entropy_coef=0.01), inputs, torch.float64, is_weights=_is_weights(inputs, per_row, seed))
+
+
+@pytest.mark.parametrize("name", ["grpo", "cispo", "gspo", "snis"])
+def test_constant_importance_weight_scales_the_policy_term(name):
+    """ω ≡ c multiplies the surrogate part of the loss and its gradient by c; the KL and entropy
+    terms stay (checked without the reference: loss(ω = c) = c·loss_policy + loss_rest)."""
+    inputs = random_loss_inputs(noise=0.3, seed=4)
+    config = preset(name, entropy_coef=0.01, kl_coef=0.05, kl_estimator="k3")
+    logp = inputs["logp"].clone().requires_grad_(True)
+    B = inputs["mask"].shape[0]
+    parts = {}
+    for c in (0.0, 1.0, 2.5):
+        out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, config, is_weights=torch.full((B,), c))
+        parts[c] = (out.loss.detach(), torch.autograd.grad(out.loss, logp)[0])
+    for i in (0, 1):  # loss(2.5) − loss(0) = 2.5·(loss(1) − loss(0)), and so for the gradient
+        torch.testing.assert_close(parts[2.5][i] - parts[0.0][i], 2.5 * (parts[1.0][i] - parts[0.0][i]))
+    unweighted = _call(rlkernels.policy_loss, inputs, config)
+    torch.testing.assert_close(unweighted.loss, parts[1.0][0])
+
+
+def test_bad_importance_weights_are_named():
+    inputs = random_loss_inputs(seed=1)
+    B, T = inputs["mask"].shape
+    with pytest.raises(ValueError, match="is_weights: expected shape"):
+        _call(rlkernels.policy_loss, inputs, presets.grpo(), is_weights=torch.ones(B, T + 1))
+    with pytest.raises(ValueError, match="is_weights: expected finite values >= 0"):
+        _call(rlkernels.policy_loss, inputs, presets.grpo(), is_weights=-torch.ones(B))
+
+
 @pytest.mark.parametrize("name,overrides", OPTIONS, ids=[f"{n}-{'-'.join(o) or 'default'}" for n, o in OPTIONS])
 def test_options_match_reference(name, overrides):
     config = preset(name, **overrides)

@@ -163,7 +163,7 @@ def _kl(delta, estimator):
 
 
 def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
-                group_ids=None, rewards=None, num_items=None, num_seqs=None):
+                group_ids=None, rewards=None, num_items=None, num_seqs=None, is_weights=None):
     """(loss, metrics) of docs/math.md §3-§10 for logp (B, T); `config` is read by attribute name.
     Each non-empty row i is handled on its valid tokens only; sequence-level surrogates are
     broadcast to the row's tokens, then KL/entropy are added per token and §8 aggregates."""
@@ -325,6 +325,11 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             raise ValueError(f"unknown ratio {ratio!r}")
 
         loss_tok = surr
+        if is_weights is not None:           # §7 importance weights of the surrogate term, per token
+            w_is = is_weights.detach().to(dt)
+            w_is = tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
+            loss_tok = surr * w_is
+            low, high = low & (w_is > 0), high & (w_is > 0)   # §10: a zero-weight token is not clipped
         # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
         # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
         if ref_logp is not None:

@@ -13,6 +13,8 @@ Either way two methods change:
 TRL's loss in `PolicyLossConfig` terms (`ε_low = epsilon`, `ε_high = epsilon_high or epsilon`,
 `delta`, KL `k3` with `kl_coef = beta`; `importance_sampling_level` token → `ratio="token"`,
 sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
+vLLM importance sampling correction (on by default with `use_vllm`): TRL's
+`importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7).
 `B` = rows of the micro-batch (empty rows included, as TRL's `.mean()`), `G` = gradient
 accumulation steps in training (1 in evaluation):
 
@@ -26,8 +28,8 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: loss types `sapo`, `luspo`, `vespo`; `cispo` with sequence-level sampling or
-`epsilon_high < 1`; `top_entropy_quantile < 1`; `off_policy_mask_threshold`; vLLM importance
-sampling correction; `use_bias_correction_kl` with `beta ≠ 0` (TRL's default: the KL times the
+`epsilon_high < 1`; `top_entropy_quantile < 1`; `off_policy_mask_threshold`;
+`use_bias_correction_kl` with `beta ≠ 0` (TRL's default: the KL times the
 ratio *with* its gradient, where `kl_bias_correction` detaches it); an entropy bonus (TRL
 normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
 Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
@@ -72,7 +74,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
         (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
         (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
-        (trainer.use_vllm and args.vllm_importance_sampling_correction, "vLLM importance sampling correction"),
         (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False),
          "use_bias_correction_kl=True with beta != 0 (TRL's default: the KL times the differentiable ratio, "
          "which PolicyLossConfig's kl_bias_correction, a detached ratio, does not express)"),
@@ -227,6 +228,9 @@ def compute_loss(self, model, inputs):
     mask = mask.bool()
     keep = completion_ids.size(1)
     counts = _counts(self, self.loss_type, mask, inputs)
+    # TRL's vLLM importance sampling correction: its truncated or masked ratio times the policy term.
+    vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+    is_weights = inputs["importance_sampling_ratio"] if vllm_is else None
 
     def head(module, hidden):
         hidden, weight, bias = _head_inputs(self, module, hidden, keep)
@@ -234,7 +238,7 @@ def compute_loss(self, model, inputs):
             out = fused_linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, cfg, bias=bias,
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
-                temperature=output_temperature(module.config, self.temperature), **counts)
+                is_weights=is_weights, temperature=output_temperature(module.config, self.temperature), **counts)
         return {"loss": out.loss, "metrics": out.metrics}
 
     with self.accelerator.autocast():

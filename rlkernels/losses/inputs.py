@@ -36,6 +36,7 @@ class LossInputs:
     num_items: Optional[float]
     num_seqs: Optional[float]
     dtype: torch.dtype  # the dtype every float input was converted to
+    is_weights: Optional[Tensor] = None  # (B, T) importance weights of the surrogate terms, detached
 
     @classmethod
     def build(
@@ -53,6 +54,7 @@ class LossInputs:
         rewards: Optional[Tensor] = None,
         num_items: Optional[float] = None,
         num_seqs: Optional[float] = None,
+        is_weights: Optional[Tensor] = None,
         what: str = "logp",
     ) -> "LossInputs":
         """Validate the inputs of a `(B, T)` = `shape` batch; `what` names where the shape comes from."""
@@ -87,7 +89,9 @@ class LossInputs:
                 B, group_ids, None if group_ids is not None else config.group_size, device, ref_name=f"{what} rows",
                 exact_count=False,
             )
-        return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype)
+        is_weights = _is_weights(is_weights, mask, shape, dtype, device, what)
+        return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype,
+                   is_weights)
 
     def flat(self, name: str) -> Optional[Tensor]:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""
@@ -102,6 +106,26 @@ def _per_token(name, t, shape, device, what, dtypes=FLOAT_DTYPES):
     if t.device != torch.device(device):
         raise ValueError(f"{name}: expected a tensor on {device} like {what}, got one on {t.device}")
     return t
+
+
+def _is_weights(w, mask, shape, dtype, device, what):
+    """Importance weights per token `(B, T)` (or one per row, `(B,)` / `(B, 1)`), detached; finite and
+    ≥ 0 on the tokens of the mask (checked on the device; padding may hold anything)."""
+    if w is None:
+        return None
+    check_tensor("is_weights", w, dtypes=FLOAT_DTYPES)
+    if w.device != torch.device(device):
+        raise ValueError(f"is_weights: expected a tensor on {device} like {what}, got one on {w.device}")
+    B, T = shape
+    if tuple(w.shape) in ((B,), (B, 1)):
+        w = w.reshape(B, 1).expand(B, T)
+    elif tuple(w.shape) != (B, T):
+        raise ValueError(f"is_weights: expected shape ({B}, {T}), ({B}, 1) or ({B},) matching {what}, got "
+                         f"{tuple(w.shape)}")
+    w = w.detach().to(dtype)
+    valid = torch.where(mask, w, torch.zeros((), dtype=dtype, device=device))
+    check_on_device(((valid >= 0) & (valid < float("inf"))).all(), "is_weights: expected finite values >= 0")
+    return w
 
 
 def _advantages(advantages, mask, config, shape, dtype, device, what):

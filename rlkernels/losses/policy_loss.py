@@ -36,18 +36,21 @@ def policy_loss(
     rewards: Optional[torch.Tensor] = None,
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> LossOutput:
     """The policy loss of `config` on log-probs `logp (B, T)` of the sampled tokens.
 
     `advantages` is `(B,)` or `(B, T)` (`None` for `snis`, which takes `rewards (B,)`);
     `old_logp=None` means on-policy. `num_items` / `num_seqs` replace the local token / row
     counts of the aggregation (global counts for gradient accumulation and data parallel).
+    `is_weights` `(B, T)` or `(B,)`: constant weights of each token's surrogate term (not of the KL
+    or entropy terms), e.g. the rollout correction's importance weights (docs/math.md §7).
     """
     check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
     inputs = LossInputs.build(
         config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask, advantages=advantages,
         old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards, num_items=num_items,
-        num_seqs=num_seqs,
+        num_seqs=num_seqs, is_weights=is_weights,
     )
     return evaluate(logp, entropy, inputs, config)
 
@@ -56,13 +59,17 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
-    per_token, sur, k = per_token_loss(b, config, ref_logp, entropy)
+    w = None if inputs.is_weights is None else torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                      norm_length=config.norm_length)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     with torch.no_grad():
         approx_kl = kl_estimate(b.old_logp, b.logp, "k3", config.log_ratio_clamp)
-        stats = [sur.clipped_low, sur.clipped_high, sur.ratio, approx_kl, zero.expand_as(logp) if k is None else k]
+        low, high = sur.clipped_low, sur.clipped_high
+        if w is not None:  # a token whose surrogate has weight 0 is not counted as clipped (§10)
+            low, high = low & (w > 0), high & (w > 0)
+        stats = [low, high, sur.ratio, approx_kl, zero.expand_as(logp) if k is None else k]
         stats.append(zero.expand_as(logp) if entropy is None else entropy)
         stats = torch.where(b.mask[..., None], torch.stack([s.to(logp.dtype) for s in stats], -1), zero)
         ratio_max = torch.where(b.mask, sur.ratio, zero).amax() if logp.numel() else zero
@@ -91,14 +98,17 @@ def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
     return b, where(inputs.ref_logp), where(entropy)
 
 
-def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy):
-    """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): surrogate + β·k − c_H·H.
+def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):
+    """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): w·surrogate + β·k − c_H·H,
+    w the importance weights (1 when None).
 
     For `ratio="token"` every term depends on its own token only, so this may be evaluated on
     any subset of tokens (the kernels evaluate it token by token).
     """
     sur = surrogates.BY_RATIO[cfg.ratio](b, cfg)
     per_token, k = sur.loss, None
+    if is_weights is not None:  # a sequence surrogate, broadcast to its tokens, is weighted token by token
+        per_token = per_token * is_weights
     if ref_logp is not None:
         k = kl_estimate(ref_logp, b.logp, cfg.kl_estimator or "k3", cfg.log_ratio_clamp)
         if cfg.kl_coef > 0:

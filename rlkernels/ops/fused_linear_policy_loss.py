@@ -47,6 +47,7 @@ def fused_linear_policy_loss(
     rewards: Optional[Tensor] = None,
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
+    is_weights: Optional[Tensor] = None,
     temperature: float = 1.0,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
@@ -60,7 +61,7 @@ def fused_linear_policy_loss(
     computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
-                       num_items=num_items, num_seqs=num_seqs)
+                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights)
     if not isinstance(hidden, Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden: expected shape (B, T, H), got {tuple(getattr(hidden, 'shape', ()))}")
     grad_on = torch.is_grad_enabled()
@@ -76,7 +77,7 @@ def fused_linear_policy_loss(
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
                               mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
     grads = head.new_grads(*need)
-    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config):
+    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config, is_weights is not None):
         out, grads = _one_pass(head, grads, inputs, config)
     else:
         out, grads = _two_passes(head, grads, inputs, config)

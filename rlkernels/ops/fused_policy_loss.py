@@ -42,6 +42,7 @@ def fused_policy_loss(
     rewards: Optional[Tensor] = None,
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
+    is_weights: Optional[Tensor] = None,
     temperature: float = 1.0,
     inplace: bool = False,
     backend: Optional[str] = None,
@@ -53,7 +54,7 @@ def fused_policy_loss(
     `inplace=True`: the backward writes ∂logits over the logits (the caller gives them up).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
-                       num_items=num_items, num_seqs=num_seqs)
+                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:
@@ -65,9 +66,10 @@ def fused_policy_loss(
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = _backend.kernels(name)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    in_kernel = kernel_evaluates(kernels, name, config, weighted=is_weights is not None)
     # Without a gradient the fused kernel still pays: its statistics are the loss and the metrics,
     # one launch where the composition makes ~60 (on a GPU the forward was host-bound).
-    if not needs_grad and not kernel_evaluates(kernels, name, config):
+    if not needs_grad and not in_kernel:
         return _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs)
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
@@ -76,7 +78,7 @@ def fused_policy_loss(
                               advantages=advantages, what="logits (B, T, V)", **loss_kwargs)
     blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
     flat_targets = targets.reshape(-1).to(torch.int64)
-    if kernel_evaluates(kernels, name, config):
+    if in_kernel:
         out, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
     else:
         out, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)

@@ -28,17 +28,22 @@ def kernel_supports(config: PolicyLossConfig) -> bool:
 _warned = set()
 
 
-def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
-    """Whether backend `kernels` evaluate this config's loss in their forward. Says once per
-    (backend, objective) when a compiled backend leaves a token-level loss to the general path
-    (a new objective its kernels do not implement yet): same values, more launches."""
+def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: bool = False) -> bool:
+    """Whether backend `kernels` evaluate this config's loss in their forward (`weighted`: with
+    importance weights, which they take folded into the advantage: exact for the clip objective,
+    whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
+    (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
+    objective its kernels do not implement yet): same values, more launches."""
+    what = f"objective={config.objective!r}"
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
-        return True
-    key = (backend, config.objective)
+        if not weighted or config.objective == "clip":
+            return True
+        what += " with is_weights"
+    key = (backend, what)
     if config.ratio == "token" and backend != "torch" and key not in _warned:
         _warned.add(key)
-        warnings.warn(f"the {backend} kernels do not evaluate objective={config.objective!r} yet; using the general "
-                      "path (same values, more launches)")
+        warnings.warn(f"the {backend} kernels do not evaluate {what} yet; using the general path (same values, "
+                      "more launches)")
     return False
 
 
