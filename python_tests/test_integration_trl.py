@@ -130,6 +130,14 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
         params = [p for p in model.parameters() if p.requires_grad]
         for case in CASES if not bf16 else CASES[::4]:
             compare(model, inputs, params, *case)
+        if not bf16:  # TRL's unbiased KL (the k3 times the token ratio, with its gradient)
+            trainer.args.use_bias_correction_kl = True
+            try:
+                for case in CASES:
+                    if case[1] == "token" and case[3] != 0:
+                        compare(model, inputs, params, *case, what=" use_bias_correction_kl")
+            finally:
+                trainer.args.use_bias_correction_kl = False
         if not bf16:  # vLLM importance sampling correction, as TRL's four modes leave the ratio: per token or per row
             B, T = inputs["completion_mask"].shape
             g = torch.Generator().manual_seed(len(seen))
@@ -148,7 +156,9 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
 
     trainer._compute_loss = checked
     trainer.train()
-    assert len(seen) == 4 * (len(CASES) + 2 * len(CASES[::3]) if not bf16 else len(CASES[::4]))  # 2 steps × 2 micro-batches
+    bias_cases = sum(1 for _, level, _, beta in CASES if level == "token" and beta != 0)
+    expected = len(CASES) + bias_cases + 2 * len(CASES[::3]) if not bf16 else len(CASES[::4])
+    assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"
 

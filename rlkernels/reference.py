@@ -339,8 +339,8 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 k = _kl(d_ref, est)
                 if kl_clamp is not None:
                     k = torch.clamp(k, -kl_clamp, kl_clamp)
-                if _cfg(config, "kl_bias_correction"):
-                    k = k * w_tok.detach()
+                if _cfg(config, "kl_bias_correction"):   # with the ratio's gradient
+                    k = k * w_tok
                 loss_tok = loss_tok + coef * k
             else:
                 k = _kl(d_ref, "k3")

@@ -234,18 +234,14 @@ void token_loss_derivatives(std::mt19937& rng) {
       continue;
     }
     const bool kl_in_loss = in.has_ref && p.kl_estimator != rlk::kKlNone && p.kl_coef > 0;
-    if (kl_in_loss && p.kl_bias_correction) {  // the KL term's loss and gradient, times w
+    if (kl_in_loss && p.kl_bias_correction) {  // the KL term's value times w (its gradient, through w too, below)
       rlk::TokenLossParams<double> plain = p, no_kl = p;
       plain.kl_bias_correction = false;
       no_kl.kl_coef = 0;
       const rlk::TokenOut<double> a = rlk::token_loss(in, plain), b = rlk::token_loss(in, no_kl);
-      const double w = out.stats[rlk::kStatRatio];
-      for (int j : {0, 1}) {  // 0: the gradient, 1: the loss
-        const double got = j ? out.stats[rlk::kStatLoss] : out.grad_logp;
-        const double base = j ? b.stats[rlk::kStatLoss] : b.grad_logp, kl = (j ? a.stats[rlk::kStatLoss] : a.grad_logp) - base;
-        if (!close(got, base + w * kl, scale)) fail_token("token_loss kl_bias_correction", trial, got, base + w * kl);
-      }
-      continue;
+      const double w = out.stats[rlk::kStatRatio], got = out.stats[rlk::kStatLoss];
+      const double base = b.stats[rlk::kStatLoss], kl = a.stats[rlk::kStatLoss] - base;
+      if (!close(got, base + w * kl, scale)) fail_token("token_loss kl_bias_correction", trial, got, base + w * kl);
     }
     if (p.objective == rlk::kCispo) {  // REINFORCE with the advantage times the clamped weight
       rlk::TokenLossParams<double> reinforce = p;

@@ -11,7 +11,8 @@ Either way two methods change:
   value and gradient equal TRL's, gradient accumulation included.
 
 TRL's loss in `PolicyLossConfig` terms (`ε_low = epsilon`, `ε_high = epsilon_high or epsilon`,
-`delta`, KL `k3` with `kl_coef = beta`; `importance_sampling_level` token → `ratio="token"`,
+`delta`, KL `k3` with `kl_coef = beta` (`use_bias_correction_kl` → `kl_bias_correction`, the KL
+times the token ratio with its gradient); `importance_sampling_level` token → `ratio="token"`,
 sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
 vLLM importance sampling correction (on by default with `use_vllm`): TRL's
 `importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7).
@@ -29,8 +30,8 @@ accumulation steps in training (1 in evaluation):
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: loss types `sapo`, `luspo`, `vespo`; `cispo` with sequence-level sampling or
 `epsilon_high < 1`; `top_entropy_quantile < 1`; `off_policy_mask_threshold`;
-`use_bias_correction_kl` with `beta ≠ 0` (TRL's default: the KL times the
-ratio *with* its gradient, where `kl_bias_correction` detaches it); an entropy bonus (TRL
+`use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
+ratio there); an entropy bonus (TRL
 normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
 Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
 ValueError (`integrations/transformers.py`).
@@ -74,9 +75,9 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
         (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
         (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
-        (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False),
-         "use_bias_correction_kl=True with beta != 0 (TRL's default: the KL times the differentiable ratio, "
-         "which PolicyLossConfig's kl_bias_correction, a detached ratio, does not express)"),
+        (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",
+         "use_bias_correction_kl=True with beta != 0 and importance_sampling_level='sequence' (TRL then weights "
+         "the KL by the sequence ratio; kl_bias_correction uses the token ratio)"),
         (getattr(trainer, "_entropy_bonus_enabled", False), "an entropy bonus"),
         (getattr(trainer, "aux_loss_enabled", False), "a MoE auxiliary loss"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -88,7 +89,10 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
     else:
         clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
-    kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta)) if trainer.beta != 0.0 else {}
+    kl = {}
+    if trainer.beta != 0.0:
+        kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
+                  kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)))
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
     try:
         cfg = PolicyLossConfig(ratio=level, agg=_AGG[loss_type], **clip, **kl, **norm)

@@ -115,7 +115,7 @@ def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy
             if cfg.kl_clamp is not None:
                 k = k.clamp(-cfg.kl_clamp, cfg.kl_clamp)
             if cfg.kl_bias_correction:
-                k = k * torch.exp((b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)).detach()
+                k = k * torch.exp((b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
             per_token = per_token + cfg.kl_coef * k
         else:  # the metric reports k3 when no KL enters the loss
             k = kl_estimate(ref_logp, b.logp, "k3", cfg.log_ratio_clamp)

@@ -43,7 +43,7 @@ struct TokenLossParams {
   int kl_estimator;       // kKlNone, kKlK1, kKlK2, kKlK3: the estimator of the KL loss term
   T kl_coef;              // β ≥ 0
   T kl_clamp;             // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
-  bool kl_bias_correction;  // the KL term times the (detached) ratio w
+  bool kl_bias_correction;  // the KL term times the ratio w (differentiated through w too)
   T entropy_coef;         // c_H
   T log_ratio_clamp;      // c: ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
 };
@@ -159,13 +159,16 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
       }
       if (!passes_(k, -p.kl_clamp, p.kl_clamp)) dk = T(0);
       k = clamp_(k, -p.kl_clamp, p.kl_clamp);
-      if (p.kl_bias_correction) {  // times w, detached
+      T dk_ratio = T(0);  // ∂(k·w)/∂ℓ through w = k·dw
+      if (p.kl_bias_correction) {  // times w, with its gradient
+        dk_ratio = k * dw;
         k = k * w;
         dk = dk * w;
       }
       kl = k;
       s = s + p.kl_coef * k;
       if (passes_(e, -c, c)) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
+      ds = ds + p.kl_coef * dk_ratio;
     }
   }
 

@@ -94,10 +94,10 @@ def surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta, dual_clip, OBJECTI
 
 
 @triton.jit
-def kl_term(logp, ref_logp, w, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
+def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
             BIAS_CORRECTION: tl.constexpr):
     """(k, ∂k/∂ℓ) with Δ = clamp(ℓ_ref − ℓ, ±c): the KL term of the loss, or for KL_NONE the
-    k3 statistic (∂ = 0)."""
+    k3 statistic (∂ = 0). With the bias correction k·w, differentiated through w too (dw = ∂w/∂ℓ)."""
     delta, passes = clamp_with_pass(ref_logp - logp, -log_ratio_clamp, log_ratio_clamp)
     if KL == KL_NONE:
         k = k3(delta)
@@ -117,8 +117,8 @@ def kl_term(logp, ref_logp, w, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
         k, k_passes = clamp_with_pass(k, -kl_clamp, kl_clamp)
         dk = tl.where(k_passes, dk, 0.0)
         if BIAS_CORRECTION:
+            dk = dk * w + k * dw
             k = k * w
-            dk = dk * w
     return k, dk
 
 
@@ -140,7 +140,7 @@ def token_loss(
                                            dual_clip, OBJECTIVE)
     kl = 0.0
     if HAS_REF:
-        kl, dkl = kl_term(logp, ref_logp, w, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
+        kl, dkl = kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
         if KL != KL_NONE:
             s += kl_coef * kl
             ds += kl_coef * dkl
