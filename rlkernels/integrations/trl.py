@@ -26,10 +26,13 @@ accumulation steps in training (1 in evaluation):
 | `dr_grpo` | `constant`, `norm_length = max_completion_length` | `num_seqs = B·G` | `dr_grpo` (norm = padded T) |
 | `dapo` | `token_mean` | `num_items = num_items_in_batch / processes · G / steps_per_generation` (train) | `dapo` (global count) |
 | `cispo` | `objective="cispo"`, `clip_low=None`, `clip_high = epsilon_high − 1` | as `dapo` | `cispo` (TRL caps at ε_high) |
+| `sapo` | `objective="sapo"`, τ± = `sapo_temperature_pos/neg`, `seq_mean_token_mean` | as `grpo` | `sapo` |
+| `luspo` | clip as `grpo`, `seq_mean_token_sum` | as `grpo` | `luspo` (TRL's ε) |
+| `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: loss types `sapo`, `luspo`, `vespo`; `cispo` with sequence-level sampling or
-`epsilon_high < 1`; `top_entropy_quantile < 1`; `off_policy_mask_threshold`;
+says why: `cispo` with sequence-level sampling or `epsilon_high < 1`; `vespo` with vLLM importance
+sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1`; `off_policy_mask_threshold`;
 `use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
 ratio there); an entropy bonus (TRL
 normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
@@ -58,7 +61,7 @@ from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import backbone_hidden_states, output_temperature
 
 _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
-        "cispo": "token_mean"}
+        "cispo": "token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum", "vespo": "token_mean"}
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 # keyword arguments of a causal LM's forward that belong to its head, not to the backbone
@@ -72,6 +75,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     reasons = [
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
         (loss_type == "cispo" and level != "token", "loss_type='cispo' with importance_sampling_level='sequence'"),
+        (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction,
+         "loss_type='vespo' with vLLM importance sampling (TRL adds the IS log-ratio into VESPO's sequence ratio)"),
         (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
         (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
         (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
@@ -85,8 +90,15 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     for hit, why in reasons:
         if hit:
             return None, why
+    ratio = level
     if loss_type == "cispo":
         clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
+    elif loss_type == "sapo":
+        clip = dict(objective="sapo", sapo_tau_pos=args.sapo_temperature_pos, sapo_tau_neg=args.sapo_temperature_neg)
+    elif loss_type == "vespo":  # its own sequence ratio Σ_t log(π/π_old), whatever the level
+        ratio = "sequence_sum"
+        clip = dict(objective="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                    vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
     else:
         clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
     kl = {}
@@ -95,7 +107,7 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
                   kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)))
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
     try:
-        cfg = PolicyLossConfig(ratio=level, agg=_AGG[loss_type], **clip, **kl, **norm)
+        cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm)
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
         return None, str(err)
     return cfg, ""
@@ -106,7 +118,7 @@ def _counts(trainer, loss_type, mask, inputs) -> dict:
     train = trainer.model.training
     accum = trainer.current_gradient_accumulation_steps if train else 1
     rows = mask.shape[0]
-    if loss_type in ("grpo", "dr_grpo"):
+    if loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):
         return {"num_seqs": float(rows * accum)}
     if loss_type == "bnpo":
         return {"num_items": max(float(mask.sum()), 1.0) * accum}
