@@ -233,6 +233,9 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     w = torch.rand(B if per_row else (B, T), generator=g) * 1.6
     w = w.masked_fill(w < 0.3, 0.0)
     kw = dict(_kwargs(inputs, config), is_weights=w)
+    if name == "ppo":  # and the off-policy mask, which takes the general path
+        config = config.replace(off_policy_mask=0.01)
+        kw["rollout_logp"] = inputs["old_logp"].float() + 0.1
 
     x = logits.clone().requires_grad_(True)
     fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)

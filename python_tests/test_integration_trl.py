@@ -92,6 +92,7 @@ CASES = [(t, lvl, 0.03, 0.04) for t in ("grpo", "bnpo", "dr_grpo", "dapo") for l
 CASES += [("cispo", "token", 1.02, 0.04), ("dapo", "token", 0.03, 0.0), ("grpo", "sequence", 0.03, 0.0)]
 CASES += [(t, lvl, 0.03, 0.04) for t in ("sapo", "luspo") for lvl in ("token", "sequence")] + [("vespo", "token", 0.03, 0.04)]
 IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]  # TRL's vespo folds vLLM IS into its own ratio: not mapped
+OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
 
 
 def _grads(loss, params):
@@ -140,6 +141,22 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
                         compare(model, inputs, params, *case, what=" use_bias_correction_kl")
             finally:
                 trainer.args.use_bias_correction_kl = False
+        if not bf16:  # DeepSeek-V3.2's off-policy sequence mask, against the old or the sampler's log-probs
+            g = torch.Generator().manual_seed(len(seen))
+            old = inputs.get("old_per_token_logps")
+            try:
+                # thresholds away from 0: at an on-policy point the gap is 0 for us and TRL's rounding for TRL
+                for threshold, sampled in ((-0.01, False), (0.05, True)):
+                    trainer.off_policy_mask_threshold = threshold
+                    if sampled and old is not None:  # vLLM's log-probs, NaN where it could not score a token
+                        noisy = old + 0.2 * torch.randn(old.shape, generator=g)
+                        nan = torch.rand(old.shape, generator=g) < 0.1
+                        inputs["sampling_per_token_logps"] = noisy.masked_fill(nan, float("nan"))
+                    for case in OPSM_CASES:
+                        compare(model, inputs, params, *case, what=f" off-policy mask {threshold}")
+            finally:
+                trainer.off_policy_mask_threshold = None
+                inputs.pop("sampling_per_token_logps", None)
         if not bf16:  # vLLM importance sampling correction, as TRL's four modes leave the ratio: per token or per row
             B, T = inputs["completion_mask"].shape
             g = torch.Generator().manual_seed(len(seen))
@@ -159,7 +176,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if level == "token" and beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) if not bf16 else len(CASES[::4])
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 2 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"
@@ -200,8 +217,7 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     assert cfg is None and "epsilon_high" in why  # TRL's cispo caps the ratio at ε_high, which must be ≥ 1
     trainer.loss_type = "dapo"
     for attr, value, words in [("top_entropy_quantile", 0.5, "top_entropy_quantile"),
-                               ("_entropy_bonus_enabled", True, "entropy bonus"),
-                               ("off_policy_mask_threshold", 0.1, "off_policy_mask_threshold")]:
+                               ("_entropy_bonus_enabled", True, "entropy bonus")]:
         old = getattr(trainer, attr)
         setattr(trainer, attr, value)
         assert words in rk_trl.loss_config(trainer)[1]

@@ -128,6 +128,35 @@ def test_constant_importance_weight_scales_the_policy_term(name):
     torch.testing.assert_close(unweighted.loss, parts[1.0][0])
 
 
+@pytest.mark.parametrize("name", ["grpo", "dapo", "cispo", "gspo", "gspo_token", "gmpo", "sapo"])
+@pytest.mark.parametrize("rollout", [False, True])
+def test_off_policy_mask_matches_reference(name, rollout):
+    for seed in range(2):
+        inputs = random_loss_inputs(noise=0.3, seed=seed, per_token_adv=name in ("dapo", "gspo_token"))
+        extra = {"is_weights": _is_weights(inputs, False, seed)} if seed else {}
+        if rollout:  # the sampler's log-probs, NaN where it could not score a token
+            g = torch.Generator().manual_seed(seed)
+            r = inputs["old_logp"] + 0.2 * torch.randn(inputs["old_logp"].shape, generator=g, dtype=torch.float64)
+            extra["rollout_logp"] = r.masked_fill(torch.rand(r.shape, generator=g) < 0.1, float("nan"))
+        _compare(preset(name, off_policy_mask=0.02), inputs, torch.float64, **extra)
+
+
+def test_off_policy_mask_extremes():
+    """A threshold nothing exceeds changes nothing; one everything exceeds drops the surrogate of
+    every negative-advantage token, as importance weights 1[A ≥ 0] do."""
+    inputs = random_loss_inputs(noise=0.3, seed=7)
+    config = preset("grpo", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    plain = _call(rlkernels.policy_loss, inputs, config)
+    loose = _call(rlkernels.policy_loss, inputs, config.replace(off_policy_mask=1e9))
+    strict = _call(rlkernels.policy_loss, inputs, config.replace(off_policy_mask=-1e9))
+    positive = _call(rlkernels.policy_loss, inputs, config, is_weights=(inputs["advantages"] >= 0).double())
+    torch.testing.assert_close(loose.loss, plain.loss)
+    torch.testing.assert_close(strict.loss, positive.loss)
+    assert not torch.allclose(strict.loss, plain.loss)
+    with pytest.raises(ValueError, match="off_policy_mask"):
+        preset("snis", off_policy_mask=0.1)
+
+
 def test_bad_importance_weights_are_named():
     inputs = random_loss_inputs(seed=1)
     B, T = inputs["mask"].shape

@@ -15,7 +15,7 @@ _CONFIG_DEFAULTS = dict(
     kl_bias_correction=False, entropy_coef=0.0, agg="token_mean", norm_length=None,
     log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
     clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=0.1, dro_beta=None,
-    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
 )
 
 
@@ -163,7 +163,7 @@ def _kl(delta, estimator):
 
 
 def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
-                group_ids=None, rewards=None, num_items=None, num_seqs=None, is_weights=None):
+                group_ids=None, rewards=None, num_items=None, num_seqs=None, is_weights=None, rollout_logp=None):
     """(loss, metrics) of docs/math.md §3-§10 for logp (B, T); `config` is read by attribute name.
     Each non-empty row i is handled on its valid tokens only; sequence-level surrogates are
     broadcast to the row's tokens, then KL/entropy are added per token and §8 aggregates."""
@@ -325,11 +325,18 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             raise ValueError(f"unknown ratio {ratio!r}")
 
         loss_tok = surr
-        if is_weights is not None:           # §7 importance weights of the surrogate term, per token
+        omega = torch.ones(L, dtype=dt)      # §7 ω: importance weights times the off-policy mask
+        if is_weights is not None:
             w_is = is_weights.detach().to(dt)
-            w_is = tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
-            loss_tok = surr * w_is
-            low, high = low & (w_is > 0), high & (w_is > 0)   # §10: a zero-weight token is not clipped
+            omega = omega * tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
+        thr = _cfg(config, "off_policy_mask")
+        if thr is not None:                  # keep unless A < 0 and mean(ℓ_rollout - ℓ) > thr
+            src = lo if rollout_logp is None else tok(rollout_logp.detach().to(dt), i)
+            gap = float(torch.nan_to_num(src - l.detach(), nan=0.0).mean())
+            omega = omega * ((a >= 0) | (gap <= thr)).to(dt)
+        if is_weights is not None or thr is not None:
+            loss_tok = surr * omega
+            low, high = low & (omega > 0), high & (omega > 0)   # §10: a zero-weight token is not clipped
         # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
         # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
         if ref_logp is not None:

@@ -15,7 +15,8 @@ TRL's loss in `PolicyLossConfig` terms (`ε_low = epsilon`, `ε_high = epsilon_h
 times the token ratio with its gradient); `importance_sampling_level` token → `ratio="token"`,
 sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
 vLLM importance sampling correction (on by default with `use_vllm`): TRL's
-`importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7).
+`importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7);
+`off_policy_mask_threshold` → `off_policy_mask`, read against `sampling_per_token_logps` when TRL has them.
 `B` = rows of the micro-batch (empty rows included, as TRL's `.mean()`), `G` = gradient
 accumulation steps in training (1 in evaluation):
 
@@ -32,7 +33,7 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `cispo` with sequence-level sampling or `epsilon_high < 1`; `vespo` with vLLM importance
-sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1`; `off_policy_mask_threshold`;
+sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1`;
 `use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
 ratio there); an entropy bonus (TRL
 normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
@@ -79,7 +80,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
          "loss_type='vespo' with vLLM importance sampling (TRL adds the IS log-ratio into VESPO's sequence ratio)"),
         (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
         (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
-        (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
         (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",
          "use_bias_correction_kl=True with beta != 0 and importance_sampling_level='sequence' (TRL then weights "
          "the KL by the sequence ratio; kl_bias_correction uses the token ratio)"),
@@ -106,6 +106,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
                   kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)))
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
+    if trainer.off_policy_mask_threshold is not None:
+        norm["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
     try:
         cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm)
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
@@ -254,7 +256,8 @@ def compute_loss(self, model, inputs):
             out = fused_linear_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, cfg, bias=bias,
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
-                is_weights=is_weights, temperature=output_temperature(module.config, self.temperature), **counts)
+                is_weights=is_weights, rollout_logp=inputs.get("sampling_per_token_logps"),
+                temperature=output_temperature(module.config, self.temperature), **counts)
         return {"loss": out.loss, "metrics": out.metrics}
 
     with self.accelerator.autocast():

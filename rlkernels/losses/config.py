@@ -69,6 +69,9 @@ class PolicyLossConfig:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    # DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a row with A < 0 whose
+    # mean (ℓ_rollout − ℓ) exceeds this loses its surrogate term (docs/math.md §7); None: off
+    off_policy_mask: Optional[float] = None
 
     def __post_init__(self):
         _choice("ratio", self.ratio, RATIOS)
@@ -130,6 +133,9 @@ class PolicyLossConfig:
         _number("dro_beta", self.dro_beta, low=0.0, strict=True, optional=self.objective != "dro")
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             _number(name, getattr(self, name), low=0.0)
+        _number("off_policy_mask", self.off_policy_mask, optional=True)
+        if self.off_policy_mask is not None and self.ratio == "snis":
+            raise ValueError("off_policy_mask: reads the sign of the advantage, and ratio='snis' takes rewards")
 
     def replace(self, **overrides) -> "PolicyLossConfig":
         """A copy with some fields changed (validated again)."""

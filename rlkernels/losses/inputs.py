@@ -37,6 +37,7 @@ class LossInputs:
     num_seqs: Optional[float]
     dtype: torch.dtype  # the dtype every float input was converted to
     is_weights: Optional[Tensor] = None  # (B, T) importance weights of the surrogate terms, detached
+    rollout_logp: Optional[Tensor] = None  # (B, T) the sampler's log-probs, detached (the off-policy mask)
 
     @classmethod
     def build(
@@ -55,6 +56,7 @@ class LossInputs:
         num_items: Optional[float] = None,
         num_seqs: Optional[float] = None,
         is_weights: Optional[Tensor] = None,
+        rollout_logp: Optional[Tensor] = None,
         what: str = "logp",
     ) -> "LossInputs":
         """Validate the inputs of a `(B, T)` = `shape` batch; `what` names where the shape comes from."""
@@ -91,7 +93,7 @@ class LossInputs:
             )
         is_weights = _is_weights(is_weights, mask, shape, dtype, device, what)
         return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype,
-                   is_weights)
+                   is_weights, float_input("rollout_logp", rollout_logp))
 
     def flat(self, name: str) -> Optional[Tensor]:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""

@@ -37,6 +37,7 @@ def policy_loss(
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
     is_weights: Optional[torch.Tensor] = None,
+    rollout_logp: Optional[torch.Tensor] = None,
 ) -> LossOutput:
     """The policy loss of `config` on log-probs `logp (B, T)` of the sampled tokens.
 
@@ -45,12 +46,13 @@ def policy_loss(
     counts of the aggregation (global counts for gradient accumulation and data parallel).
     `is_weights` `(B, T)` or `(B,)`: constant weights of each token's surrogate term (not of the KL
     or entropy terms), e.g. the rollout correction's importance weights (docs/math.md §7).
+    `rollout_logp` `(B, T)`: the sampler's log-probs, read by `config.off_policy_mask` (default: `old_logp`).
     """
     check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
     inputs = LossInputs.build(
         config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask, advantages=advantages,
         old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards, num_items=num_items,
-        num_seqs=num_seqs, is_weights=is_weights,
+        num_seqs=num_seqs, is_weights=is_weights, rollout_logp=rollout_logp,
     )
     return evaluate(logp, entropy, inputs, config)
 
@@ -59,7 +61,7 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
-    w = None if inputs.is_weights is None else torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    w = surrogate_weights(b, inputs, config)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                      norm_length=config.norm_length)
@@ -76,6 +78,20 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
         count = b.mask.sum().clamp(min=1)
         metrics = metrics_from_sums(stats.sum((0, 1)), count, ratio_max, entropy is not None)
     return LossOutput(loss, metrics)
+
+
+def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig):
+    """ω of §7, (B, T) or None: the importance weights times the off-policy sequence mask."""
+    w = None if inputs.is_weights is None else torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    if config.off_policy_mask is None:
+        return w
+    # DeepSeek-V3.2: drop a row with A < 0 whose mean (ℓ_rollout − ℓ) exceeds the threshold. NaN
+    # rollout log-probs (tokens the sampler could not score) count as 0, as TRL does.
+    rollout = inputs.rollout_logp if inputs.rollout_logp is not None else b.old_logp
+    gap = torch.where(b.mask, torch.nan_to_num(rollout - b.logp.detach(), nan=0.0), 0.0)
+    mean_gap = gap.sum(-1, keepdim=True) / b.lengths.clamp(min=1)[:, None]
+    keep = ((b.adv >= 0) | (mean_gap <= config.off_policy_mask)).to(b.logp.dtype)
+    return keep if w is None else w * keep
 
 
 def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):

@@ -48,6 +48,7 @@ def fused_linear_policy_loss(
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
     is_weights: Optional[Tensor] = None,
+    rollout_logp: Optional[Tensor] = None,
     temperature: float = 1.0,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
@@ -61,7 +62,8 @@ def fused_linear_policy_loss(
     computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
-                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights)
+                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
+                       rollout_logp=rollout_logp)
     if not isinstance(hidden, Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden: expected shape (B, T, H), got {tuple(getattr(hidden, 'shape', ()))}")
     grad_on = torch.is_grad_enabled()

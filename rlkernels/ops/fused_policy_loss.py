@@ -43,6 +43,7 @@ def fused_policy_loss(
     num_items: Optional[float] = None,
     num_seqs: Optional[float] = None,
     is_weights: Optional[Tensor] = None,
+    rollout_logp: Optional[Tensor] = None,
     temperature: float = 1.0,
     inplace: bool = False,
     backend: Optional[str] = None,
@@ -54,7 +55,8 @@ def fused_policy_loss(
     `inplace=True`: the backward writes ∂logits over the logits (the caller gives them up).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
-                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights)
+                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
+                       rollout_logp=rollout_logp)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:

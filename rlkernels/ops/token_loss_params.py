@@ -21,8 +21,9 @@ def _bound(x: Optional[float]) -> float:
 
 
 def kernel_supports(config: PolicyLossConfig) -> bool:
-    """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token)."""
-    return config.ratio == "token" and config.objective in _OBJECTIVES
+    """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
+    the off-policy mask needs a row mean of the log-probs first)."""
+    return config.ratio == "token" and config.objective in _OBJECTIVES and config.off_policy_mask is None
 
 
 _warned = set()
@@ -34,7 +35,7 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
     whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
     (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
     objective its kernels do not implement yet): same values, more launches."""
-    what = f"objective={config.objective!r}"
+    what = f"objective={config.objective!r}" + (" with off_policy_mask" if config.off_policy_mask is not None else "")
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
         if not weighted or config.objective == "clip":
             return True
