@@ -6,7 +6,7 @@ Layers (docs/design.md §1): `reference` (the naive truth), `kernels` (passes ov
 """
 from . import advantages, presets, sampling
 from ._backend import backend_info
-from .losses import LossOutput, PolicyLossConfig, policy_loss, value_loss
+from .losses import LossOutput, PolicyLossConfig, policy_loss, rollout_is_weights, value_loss
 from .ops import fused_linear_policy_loss, fused_policy_loss, linear_token_logprobs, token_logprobs
 
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ __all__ = [
     "fused_linear_policy_loss",
     "policy_loss",
     "value_loss",
+    "rollout_is_weights",
     "PolicyLossConfig",
     "LossOutput",
     "presets",

@@ -1,0 +1,82 @@
+"""Rollout correction: the importance weights ω = π_old/π_rollout that make up for the gap between
+the engine that sampled (vLLM, SGLang) and the policy being trained, to pass as `is_weights` to
+the losses (docs/math.md §7). TRL's four `vllm_importance_sampling_mode`s and verl's
+`rollout_is` / `rollout_is_threshold` / `rollout_is_batch_normalize` are settings of one function."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._checks import FLOAT_DTYPES, check_mask, check_real, check_tensor
+
+LEVELS = ("token", "sequence")
+MODES = ("truncate", "mask")
+
+
+def rollout_is_weights(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    upper: Optional[float] = 2.0,
+    lower: Optional[float] = None,
+    batch_normalize: bool = False,
+    log_ratio_clamp: float = 20.0,
+) -> Tensor:
+    """Detached `(B, T)` weights, 0 on padding, from the trainer's `old_logp` and the sampler's
+    `rollout_logp` (both `(B, T)`).
+
+    `level="token"`: ω_t = exp(ℓ_old − ℓ_rollout) per token; `"sequence"`: the row's product,
+    exp(Σ_t (ℓ_old − ℓ_rollout)), on each of its tokens. The log-ratio is clamped to
+    ±`log_ratio_clamp`; a NaN rollout log-prob (a token the engine could not score) counts as 0.
+    `mode="truncate"`: ω clamped to [lower, upper] (truncated IS; TRL's `*_truncate` with
+    clip_min/clip_max, verl's single threshold). `"mask"`: ω kept inside [lower, upper], 0 outside
+    (IcePop; TRL's `*_mask`, verl's "lower_upper" threshold). `None` is no bound.
+    `batch_normalize`: ω divided by its mean over the tokens (token level) or the non-empty rows
+    (sequence level) of this call, as verl's `rollout_is_batch_normalize` within one process.
+    """
+    check_tensor("old_logp", old_logp, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("rollout_logp", rollout_logp, shape=tuple(old_logp.shape), dtypes=FLOAT_DTYPES, device=old_logp.device)
+    check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
+    mask = check_mask("mask", mask)
+    if level not in LEVELS:
+        raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    upper = None if upper is None else check_real("upper", upper, 0, lo_open=True)
+    lower = None if lower is None else check_real("lower", lower, 0)
+    if upper is not None and lower is not None and lower > upper:
+        raise ValueError(f"lower: expected a value <= upper ({upper}), got {lower}")
+    if not isinstance(batch_normalize, bool):
+        raise TypeError(f"batch_normalize: expected a bool, got {type(batch_normalize).__name__}")
+    clamp = check_real("log_ratio_clamp", log_ratio_clamp, 0, lo_open=True)
+
+    dtype = torch.float64 if old_logp.dtype == torch.float64 else torch.float32
+    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
+    log_ratio = torch.where(mask, torch.nan_to_num(old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype),
+                                                   nan=0.0), zero)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    w = torch.exp(log_ratio.clamp(-clamp, clamp))
+    if mode == "truncate":
+        w = w.clamp(min=lower, max=upper)
+    else:
+        inside = torch.ones_like(mask)
+        if lower is not None:
+            inside = inside & (w >= lower)
+        if upper is not None:
+            inside = inside & (w <= upper)
+        w = torch.where(inside, w, zero)
+    w = torch.where(mask, w, zero)
+    if batch_normalize:
+        if level == "token":
+            mean = w.sum() / mask.sum().clamp(min=1)
+        else:  # one weight per non-empty row
+            rows = mask.any(-1)
+            mean = torch.where(rows, w.amax(-1), zero).sum() / rows.sum().clamp(min=1)
+        w = torch.where(mean > 1e-8, w / mean, w)  # an all-zero batch stays as it is (no sync)
+    return w
