@@ -236,6 +236,8 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     if name == "ppo":  # and the off-policy mask, which takes the general path
         config = config.replace(off_policy_mask=0.01)
         kw["rollout_logp"] = inputs["old_logp"].float() + 0.1
+    if name == "cispo":  # and the entropy mask (the kernels' entropies)
+        config = config.replace(top_entropy_quantile=0.5)
 
     x = logits.clone().requires_grad_(True)
     fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)

@@ -157,6 +157,14 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
             finally:
                 trainer.off_policy_mask_threshold = None
                 inputs.pop("sampling_per_token_logps", None)
+        if not bf16:  # the 80/20 rule: only the highest-entropy tokens keep their policy term
+            try:
+                for rho in (0.2, 0.5):
+                    trainer.top_entropy_quantile = rho
+                    for case in OPSM_CASES:
+                        compare(model, inputs, params, *case, what=f" top_entropy_quantile {rho}")
+            finally:
+                trainer.top_entropy_quantile = 1.0
         if not bf16:  # vLLM importance sampling correction, as TRL's four modes leave the ratio: per token or per row
             B, T = inputs["completion_mask"].shape
             g = torch.Generator().manual_seed(len(seen))
@@ -176,7 +184,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if level == "token" and beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 2 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 4 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"
@@ -216,8 +224,7 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     cfg, why = rk_trl.loss_config(trainer)
     assert cfg is None and "epsilon_high" in why  # TRL's cispo caps the ratio at ε_high, which must be ≥ 1
     trainer.loss_type = "dapo"
-    for attr, value, words in [("top_entropy_quantile", 0.5, "top_entropy_quantile"),
-                               ("_entropy_bonus_enabled", True, "entropy bonus")]:
+    for attr, value, words in [("_entropy_bonus_enabled", True, "entropy bonus")]:
         old = getattr(trainer, attr)
         setattr(trainer, attr, value)
         assert words in rk_trl.loss_config(trainer)[1]

@@ -141,6 +141,33 @@ def test_off_policy_mask_matches_reference(name, rollout):
         _compare(preset(name, off_policy_mask=0.02), inputs, torch.float64, **extra)
 
 
+@pytest.mark.parametrize("name", ["grpo", "cispo", "gspo", "sapo"])
+@pytest.mark.parametrize("rho", [0.2, 0.5, 1.0])
+def test_top_entropy_quantile_matches_reference(name, rho):
+    for seed in range(2):
+        inputs = random_loss_inputs(noise=0.3, seed=seed)
+        extra = {"is_weights": _is_weights(inputs, True, seed)} if seed else {}
+        _compare(preset(name, top_entropy_quantile=rho), inputs, torch.float64, **extra)
+
+
+def test_top_entropy_quantile_keeps_that_fraction():
+    """ρ of the masked tokens (the highest entropies) keep their policy gradient, the others get none from it."""
+    inputs = random_loss_inputs(B=8, T=25, noise=0.3, seed=3)
+    mask = inputs["mask"]
+    logp = inputs["logp"].clone().requires_grad_(True)
+    out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, preset("grpo",
+                top_entropy_quantile=0.25, kl_coef=0.0, clip_low=0.99, clip_high=1e6))  # no clip bites: every kept token has a gradient
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    kept = (grad != 0) & mask
+    n = int(mask.sum())
+    assert abs(int(kept.sum()) - 0.25 * n) <= 1
+    h = inputs["entropy"]
+    assert h[kept].min() >= h[mask & ~kept].max()
+    with pytest.raises(ValueError, match="entropy: required"):
+        _call(rlkernels.policy_loss, {k: v for k, v in inputs.items() if k != "entropy"}, preset("grpo",
+              top_entropy_quantile=0.5))
+
+
 def test_off_policy_mask_extremes():
     """A threshold nothing exceeds changes nothing; one everything exceeds drops the surrogate of
     every negative-advantage token, as importance weights 1[A ≥ 0] do."""

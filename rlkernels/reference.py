@@ -16,6 +16,7 @@ _CONFIG_DEFAULTS = dict(
     log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
     clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=0.1, dro_beta=None,
     vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
+    top_entropy_quantile=None,
 )
 
 
@@ -232,6 +233,10 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 top = sorted(range(len(cells)), key=lambda j: -cov[j])[:k]   # stable: ties by position
                 chosen = {cells[j] for j in top}
 
+    rho = _cfg(config, "top_entropy_quantile")   # §7 entropy mask: threshold over all valid tokens
+    h_thr = None
+    if rho is not None and rho < 1 and bool(valid.any()):
+        h_thr = torch.quantile(entropy.detach().to(dt)[valid], 1 - rho)
     row_losses = []
     m_ratio, m_low, m_high, m_kl, m_akl, m_ent = [], [], [], [], [], []
     for i in rows:
@@ -329,12 +334,14 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         if is_weights is not None:
             w_is = is_weights.detach().to(dt)
             omega = omega * tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
+        if h_thr is not None:                # keep the tokens with the top ρ entropies of the call
+            omega = omega * (tok(entropy.detach().to(dt), i) >= h_thr).to(dt)
         thr = _cfg(config, "off_policy_mask")
         if thr is not None:                  # keep unless A < 0 and mean(ℓ_rollout - ℓ) > thr
             src = lo if rollout_logp is None else tok(rollout_logp.detach().to(dt), i)
             gap = float(torch.nan_to_num(src - l.detach(), nan=0.0).mean())
             omega = omega * ((a >= 0) | (gap <= thr)).to(dt)
-        if is_weights is not None or thr is not None:
+        if is_weights is not None or thr is not None or h_thr is not None:
             loss_tok = surr * omega
             low, high = low & (omega > 0), high & (omega > 0)   # §10: a zero-weight token is not clipped
         # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;

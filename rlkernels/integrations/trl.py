@@ -16,7 +16,8 @@ times the token ratio with its gradient); `importance_sampling_level` token → 
 sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
 vLLM importance sampling correction (on by default with `use_vllm`): TRL's
 `importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7);
-`off_policy_mask_threshold` → `off_policy_mask`, read against `sampling_per_token_logps` when TRL has them.
+`off_policy_mask_threshold` → `off_policy_mask`, read against `sampling_per_token_logps` when TRL has them;
+`top_entropy_quantile` → `top_entropy_quantile`.
 `B` = rows of the micro-batch (empty rows included, as TRL's `.mean()`), `G` = gradient
 accumulation steps in training (1 in evaluation):
 
@@ -33,7 +34,8 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `cispo` with sequence-level sampling or `epsilon_high < 1`; `vespo` with vLLM importance
-sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1`;
+sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1` on several
+processes (TRL's quantile spans them all);
 `use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
 ratio there); an entropy bonus (TRL
 normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
@@ -79,7 +81,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction,
          "loss_type='vespo' with vLLM importance sampling (TRL adds the IS log-ratio into VESPO's sequence ratio)"),
         (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
-        (trainer.top_entropy_quantile < 1.0, f"top_entropy_quantile={trainer.top_entropy_quantile}"),
+        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
+         "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",
          "use_bias_correction_kl=True with beta != 0 and importance_sampling_level='sequence' (TRL then weights "
          "the KL by the sequence ratio; kl_bias_correction uses the token ratio)"),
@@ -108,6 +111,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
     if trainer.off_policy_mask_threshold is not None:
         norm["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
+    if trainer.top_entropy_quantile < 1.0:
+        norm["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     try:
         cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm)
     except (TypeError, ValueError) as err:  # e.g. delta <= 1

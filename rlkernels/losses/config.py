@@ -72,6 +72,9 @@ class PolicyLossConfig:
     # DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a row with A < 0 whose
     # mean (ℓ_rollout − ℓ) exceeds this loses its surrogate term (docs/math.md §7); None: off
     off_policy_mask: Optional[float] = None
+    # 80/20 rule (Wang et al. 2025; TRL's top_entropy_quantile): only the fraction ρ of the call's tokens
+    # with the highest entropy keep their surrogate term (docs/math.md §7); None: all
+    top_entropy_quantile: Optional[float] = None
 
     def __post_init__(self):
         _choice("ratio", self.ratio, RATIOS)
@@ -134,6 +137,9 @@ class PolicyLossConfig:
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             _number(name, getattr(self, name), low=0.0)
         _number("off_policy_mask", self.off_policy_mask, optional=True)
+        _number("top_entropy_quantile", self.top_entropy_quantile, low=0.0, strict=True, optional=True)
+        if self.top_entropy_quantile is not None and self.top_entropy_quantile > 1:
+            raise ValueError(f"top_entropy_quantile: expected a fraction in (0, 1], got {self.top_entropy_quantile}")
         if self.off_policy_mask is not None and self.ratio == "snis":
             raise ValueError("off_policy_mask: reads the sign of the advantage, and ratio='snis' takes rewards")
 

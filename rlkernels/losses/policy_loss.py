@@ -61,7 +61,7 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
-    w = surrogate_weights(b, inputs, config)
+    w = surrogate_weights(b, inputs, config, entropy)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                      norm_length=config.norm_length)
@@ -80,9 +80,12 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
     return LossOutput(loss, metrics)
 
 
-def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig):
-    """ω of §7, (B, T) or None: the importance weights times the off-policy sequence mask."""
+def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, entropy=None):
+    """ω of §7, (B, T) or None: the importance weights times the off-policy and the entropy masks."""
     w = None if inputs.is_weights is None else torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    if config.top_entropy_quantile is not None and config.top_entropy_quantile < 1:
+        keep = (entropy.detach() >= _quantile(entropy.detach(), b.mask, 1 - config.top_entropy_quantile)) & b.mask
+        w = keep.to(b.logp.dtype) if w is None else w * keep
     if config.off_policy_mask is None:
         return w
     # DeepSeek-V3.2: drop a row with A < 0 whose mean (ℓ_rollout − ℓ) exceeds the threshold. NaN
@@ -92,6 +95,16 @@ def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLos
     mean_gap = gap.sum(-1, keepdim=True) / b.lengths.clamp(min=1)[:, None]
     keep = ((b.adv >= 0) | (mean_gap <= config.off_policy_mask)).to(b.logp.dtype)
     return keep if w is None else w * keep
+
+
+def _quantile(x, mask, q: float):
+    """torch.quantile (linear interpolation) of the masked entries of x, without copying their count
+    to the host: sort with the others at +inf, then interpolate at q·(n − 1). +inf if none."""
+    values = torch.where(mask, x, float("inf")).reshape(-1).sort().values
+    pos = q * (mask.sum() - 1).clamp(min=0).to(x.dtype)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    low, high = values[lo], values[hi]
+    return torch.where(hi > lo, low + (high - low) * (pos - lo), low)
 
 
 def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
@@ -106,6 +119,8 @@ def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
         entropy = entropy.to(logp.dtype)
     if config.entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={config.entropy_coef})")
+    if config.top_entropy_quantile is not None and entropy is None:
+        raise ValueError(f"entropy: required when top_entropy_quantile is set ({config.top_entropy_quantile})")
     logp_m = where(logp)
     old = logp_m.detach() if inputs.old_logp is None else where(inputs.old_logp)
     lengths = mask.sum(-1).to(logp.dtype)

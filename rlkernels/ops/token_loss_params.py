@@ -22,8 +22,9 @@ def _bound(x: Optional[float]) -> float:
 
 def kernel_supports(config: PolicyLossConfig) -> bool:
     """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
-    the off-policy mask needs a row mean of the log-probs first)."""
-    return config.ratio == "token" and config.objective in _OBJECTIVES and config.off_policy_mask is None
+    the off-policy and entropy masks need row means or quantiles of the kernel's outputs first)."""
+    return (config.ratio == "token" and config.objective in _OBJECTIVES and config.off_policy_mask is None
+            and config.top_entropy_quantile is None)
 
 
 _warned = set()
@@ -35,7 +36,8 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
     whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
     (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
     objective its kernels do not implement yet): same values, more launches."""
-    what = f"objective={config.objective!r}" + (" with off_policy_mask" if config.off_policy_mask is not None else "")
+    masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
+    what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
         if not weighted or config.objective == "clip":
             return True
