@@ -178,6 +178,23 @@ def test_geo_mean_is_gmpo(weights):
     _compare("geo_mean", "gmpo", mode, cfg, weights=weights, spread=1.0, empty_row=False, metrics=("actor/ppo_kl",))
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("weights", [False, True])
+def test_verl_mode_names(mode, weights):
+    """rlkernels_<verl mode> under verl's own names: vanilla, and geo_mean with verl's mean over every row
+    of the micro-batch (an empty one included), whatever loss_agg_mode and the global counts."""
+    for verl_name, info in (("vanilla", {}), ("geo_mean", {"dp_size": 2, "global_batch_size": 13})):
+        cfg = _actor_config(clip_ratio_low=0.3, clip_ratio_high=0.3, clip_ratio_c=3.0, loss_agg_mode=mode)
+        cfg.global_batch_info.update(info)
+        logp, old, adv, mask, w = _inputs(spread=1.0)
+        w = w if weights else None
+        ref = _loss_and_grad(core_algos.get_policy_loss_fn(verl_name), logp, old, adv, mask, mode, cfg, w)
+        got = _loss_and_grad(rk_verl.verl_mode_fn(verl_name), logp, old, adv, mask, mode, cfg, w)
+        assert ref[0].abs() > 1e-6
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-9, msg=verl_name)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-9, msg=verl_name)
+
+
 def test_config_mapping():
     cfg = _actor_config(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=0.35, clip_ratio_c=4.0)
     assert rk_verl.loss_config("ppo", cfg) == presets.ppo(clip_low=0.3, clip_high=0.35, dual_clip=4.0)
@@ -207,5 +224,5 @@ def test_bad_agg_mode():
 def test_readme_register(restore_verl):
     text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     exec(re.search(r"<!-- example: verl -->\s*```python\n(.*?)```", text, re.S).group(1), {})
-    for name in presets.NAMES:
+    for name in [*presets.NAMES, *rk_verl.VERL_MODES]:  # the presets, and verl's own names
         assert core_algos.get_policy_loss_fn(f"rlkernels_{name}").__name__ == f"rlkernels_{name}"

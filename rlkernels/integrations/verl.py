@@ -42,7 +42,9 @@ verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies th
 `gspo` = `rlkernels_gspo_token` (and `rlkernels_gspo`, whose gradient is the same while
 `rollout_is_weights` is constant within a row); `cispo` = `rlkernels_cispo`; `geo_mean` =
 `rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
-averages over all rows, empty ones included); `sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
+averages over all rows, empty ones included: `rlkernels_geo_mean` does exactly that);
+`register()` also adds `rlkernels_vanilla` (= `rlkernels_ppo`) and `rlkernels_geo_mean`, so every
+verl mode but `bypass_mode` (rejection sampling: not yet) has an `rlkernels_` twin under its name; `sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
 `kl_cov`, `dro` = `rlkernels_<same name>` (Clip-Cov draws its tokens from torch's RNG as verl
 does: the same state, the same tokens). Differences in guards: rlkernels clamps every
 exponentiated log-ratio to ±20 (verl's `gspo` clamps at +10, `geo_mean` not at all) and gives 0,
@@ -67,6 +69,9 @@ _NO_CLIP_FIELDS = ("fspo", "snis", "gpg", "sapo", "kl_cov", "dro", "vespo")
 _GROUPED = ("group_expectation", "snis")
 # verl losses that ignore loss_agg_mode: sapo always aggregates "seq-mean-token-mean"
 _FIXED_AGG = {"sapo": "seq-mean-token-mean"}
+# verl 0.9.1's policy-loss modes whose preset has another name (sapo, gspo, gpg, dppo_*, clip_cov, kl_cov,
+# dro and cispo are presets of the same name); `register()` adds rlkernels_<mode> for them too.
+VERL_MODES = {"vanilla": "ppo", "geo_mean": "gmpo"}
 
 
 def _get(config, name, default=None):
@@ -143,7 +148,18 @@ def _objective_fields(objective: str, config, overrides) -> dict:
     return {}
 
 
-def policy_loss_fn(preset: str, **overrides) -> Callable:
+def verl_mode_fn(mode: str, **overrides) -> Callable:
+    """verl's policy-loss mode `mode`, under verl's name, computed by its preset. `geo_mean` also
+    aggregates as verl's does: the mean over the micro-batch's rows, empty ones included, whatever
+    `loss_agg_mode` and the global counts say."""
+    if mode not in VERL_MODES:
+        return policy_loss_fn(mode, **overrides)
+    fn = policy_loss_fn(VERL_MODES[mode], _all_rows=mode == "geo_mean", **overrides)
+    fn.__name__ = f"{PREFIX}{mode}"
+    return fn
+
+
+def policy_loss_fn(preset: str, _all_rows: bool = False, **overrides) -> Callable:
     """A verl policy loss (verl's signature and return value) for `preset`."""
     _presets.fields(preset)  # validates the name
 
@@ -156,7 +172,11 @@ def policy_loss_fn(preset: str, **overrides) -> Callable:
         config=None,
         rollout_is_weights: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        agg_fields, counts = aggregation(_FIXED_AGG.get(preset, loss_agg_mode), response_mask, config)
+        if _all_rows:
+            agg_fields, counts = {"agg": "seq_mean_token_mean"}, {"num_items": None,
+                                                                  "num_seqs": float(response_mask.shape[0])}
+        else:
+            agg_fields, counts = aggregation(_FIXED_AGG.get(preset, loss_agg_mode), response_mask, config)
         cfg = loss_config(preset, config, **{**agg_fields, **overrides})
         mask = response_mask.bool()
         logp = log_prob if log_prob.dtype in (torch.float32, torch.float64) else log_prob.float()
@@ -228,11 +248,16 @@ def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fuse
     if fused_kernels:
         patch_fused_kernels()
     names = []
-    for preset in _presets.NAMES if presets is None else presets:
+    chosen = list(_presets.NAMES if presets is None else presets)
+    for preset in chosen:
         register_policy_loss(prefix + preset)(policy_loss_fn(preset, **overrides))
         names.append(prefix + preset)
+    for mode, preset in VERL_MODES.items():  # verl's own names for the same losses
+        if preset in chosen:
+            register_policy_loss(prefix + mode)(verl_mode_fn(mode, **overrides))
+            names.append(prefix + mode)
     return names
 
 
-__all__ = ["register", "policy_loss_fn", "loss_config", "aggregation", "PREFIX", "patch_fused_kernels",
-           "linear_cross_entropy", "FusedLinearForPPO"]
+__all__ = ["register", "policy_loss_fn", "verl_mode_fn", "VERL_MODES", "loss_config", "aggregation", "PREFIX",
+           "patch_fused_kernels", "linear_cross_entropy", "FusedLinearForPPO"]
