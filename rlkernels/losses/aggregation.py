@@ -34,7 +34,7 @@ def aggregation_weights(
     lengths = m.sum(-1, keepdim=True)
     if agg == "token_mean":
         return m / (lengths.sum().clamp(min=1) if num_items is None else num_items)
-    seqs = (lengths > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    seqs = torch.count_nonzero(lengths).clamp(min=1) if num_seqs is None else num_seqs  # non-empty rows
     if agg == "seq_mean_token_mean":
         return m / (lengths.clamp(min=1) * seqs)
     if agg == "seq_mean_token_sum":
