@@ -1,5 +1,4 @@
 import os
-import sys
 
 # Idle OpenMP threads sleep instead of spinning: the tests start several processes (gloo ranks,
 # benchmarks) on few cores, where spinning threads slowed calls 10-50×. Must precede torch's import.
@@ -13,8 +12,6 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="rlkern
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))  # shared input builders (loss_inputs.py)
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the benchmarks package
 
 # @triton.jit picks interpreter or compiled mode when a kernel is decorated, so the interpreter
 # must be chosen before any test imports rlkernels' Triton kernels.
