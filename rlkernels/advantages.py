@@ -19,6 +19,7 @@ from ._checks import (
     check_same_shape,
     check_tensor,
 )
+from ._dtypes import acc_dtype
 from ._groups import check_ids, group_centered, group_index, group_std, pair_index
 
 __all__ = ["gae", "group_normalized", "rloo", "tree_grpo"]
@@ -26,13 +27,8 @@ __all__ = ["gae", "group_normalized", "rloo", "tree_grpo"]
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (A − mean) * rsqrt(var + 1e-8)
 
 
-def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype a float input is computed (and returned) in: fp64 kept, else fp32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _work(rewards: torch.Tensor) -> torch.Tensor:
-    return rewards.to(_work_dtype(rewards))
+    return rewards.to(acc_dtype(rewards))
 
 
 def _check_rewards(rewards) -> torch.Tensor:
@@ -70,7 +66,7 @@ def gae(
     if not isinstance(whiten, bool):
         raise TypeError(f"whiten: expected a bool, got {type(whiten).__name__}")
 
-    dtype = torch.promote_types(_work_dtype(rewards), _work_dtype(values))
+    dtype = torch.promote_types(acc_dtype(rewards), acc_dtype(values))
     r, v = rewards.to(dtype), values.to(dtype)
     B, T = r.shape
     adv = torch.empty_like(r)

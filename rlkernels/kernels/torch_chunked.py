@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import acc_dtype
+
 # 4M fp32 elements = 16 MB per temporary; a 152k vocabulary gives chunks of 27 rows.
 CHUNK_ELEMENTS = 1 << 22
 
@@ -22,10 +24,6 @@ def _chunks(n_rows: int, vocab: int):
         yield start, min(start + step, n_rows)
 
 
-def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """p·d with 0·(−inf) = 0, for vocabulary entries whose logit is −inf (NaN stays NaN)."""
     return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * d)
@@ -33,7 +31,7 @@ def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     n, vocab = logits.shape
-    acc = _acc_dtype(logits)
+    acc = acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
@@ -56,7 +54,7 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None):
     n, vocab = logits.shape
-    acc = _acc_dtype(logits)
+    acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
     for s, e in _chunks(n, vocab):
         log_p = (logits[s:e].to(acc) / temperature - lse_parts[s:e, :1]) - lse_parts[s:e, 1:]

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, check_mask, check_real, check_tensor
+from .._dtypes import acc_dtype
 
 LEVELS = ("token", "sequence")
 MODES = ("truncate", "mask")
@@ -55,7 +56,7 @@ def rollout_is_weights(
         raise TypeError(f"batch_normalize: expected a bool, got {type(batch_normalize).__name__}")
     clamp = check_real("log_ratio_clamp", log_ratio_clamp, 0, lo_open=True)
 
-    dtype = torch.float64 if old_logp.dtype == torch.float64 else torch.float32
+    dtype = acc_dtype(old_logp)
     zero = torch.zeros((), dtype=dtype, device=old_logp.device)
     log_ratio = torch.where(mask, torch.nan_to_num(old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype),
                                                    nan=0.0), zero)

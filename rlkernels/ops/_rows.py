@@ -8,15 +8,11 @@ from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, INT_DTYPES, check_targets, check_temperature, check_tensor
 
+
 def kernel_checks_targets(backend: str) -> bool:
     """Whether `backend`'s kernels check every target on the host (naming its row): then no
     device assert is needed before them."""
     return backend == "cpu"
-
-
-def acc_dtype(t: Tensor) -> torch.dtype:
-    """The accumulation dtype of the kernels for logits / hidden states of t's dtype."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str) -> float:

@@ -27,7 +27,7 @@ from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ..losses.inputs import LossInputs
 from ._loss_step import kernel_inputs, loss_from_stats, row_grads
 from ._precomputed_grad import attach_grads
-from ._rows import acc_dtype
+from .._dtypes import acc_dtype
 from .linear_token_logprobs import LinearHead, head_spec, linear_token_logprobs
 from .token_loss_params import kernel_evaluates
 

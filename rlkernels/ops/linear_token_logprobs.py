@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_temperature, check_tensor
-from ._rows import acc_dtype, kernel_checks_targets
+from .._dtypes import acc_dtype
+from ._rows import kernel_checks_targets
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
 # On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator: with r rows

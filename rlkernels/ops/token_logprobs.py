@@ -16,7 +16,8 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_tensor
-from ._rows import acc_dtype, check_logits_args, row_blocks, run_blocks
+from .._dtypes import acc_dtype
+from ._rows import check_logits_args, row_blocks, run_blocks
 
 _OPS = {}
 _DEFINE_LOCK = threading.Lock()
