@@ -3,13 +3,14 @@
 Builds a small random causal LM from a config (nothing is downloaded), samples groups of
 completions, and computes the GRPO loss of the logits twice: with rlkernels
 (`token_logprobs` + `policy_loss`) and written plainly (log_softmax + gather, as TRL does).
-Prints both losses, the largest gradient difference, and the time and extra peak memory of
-each path, each measured in a fresh process.
+Prints both losses, the largest gradient difference, and the time (median of warm calls) and
+extra peak memory (first call) of each path, each measured in a fresh process.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import sys
 import time
 
@@ -61,17 +62,23 @@ def _loss_plain(logits, targets, mask, adv, ref_logp, backend):
 _PATHS = {"rlkernels": _loss_rlkernels, "plain": _loss_plain}
 
 
-def _measure(path, args, backend, queue):
+def _measure(path, args, backend, queue, reps=3):
+    """(median seconds of `reps` warm forward + backward calls, extra peak bytes of the first call).
+    The memory is read on the first call, before freed pages can be reused; the time on later ones,
+    after the one-time costs of a first call (op registration, lazy imports) that no training step pays."""
     torch.set_num_threads(args.threads)
     logits, *rest = _setup(args)
     logits.requires_grad_(True)
     start_rss = reset_peak()
-    start = time.perf_counter()
-    loss = _PATHS[path](logits, *rest, backend)
-    loss.backward()
-    elapsed = time.perf_counter() - start
+    _PATHS[path](logits, *rest, backend).backward()
     peak = peak_since(start_rss)
-    queue.put((elapsed, peak))
+    times = []
+    for _ in range(reps):
+        logits.grad = None
+        start = time.perf_counter()
+        _PATHS[path](logits, *rest, backend).backward()
+        times.append(time.perf_counter() - start)
+    queue.put((statistics.median(times), peak))
 
 
 def _loss_and_grad(path, inputs, backend):
