@@ -61,3 +61,13 @@ def test_report_rejects_unknown_provider(capsys):
     with pytest.raises(SystemExit):
         report.parse_args(["--providers", "eagre"])
     assert "--providers: unknown ['eagre']" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two spawned processes, each importing torch and transformers: ~20 s on 2 cores
+def test_demo_runs_and_both_paths_agree(capsys):
+    """`python -m rlkernels.demo` at a tiny size: exit 0 means the two losses and gradients agree."""
+    from rlkernels import demo
+
+    assert demo.main(["--vocab", "512", "--seq-len", "16", "--groups", "1", "--group-size", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rlkernels" in out and "plain log_softmax + gather" in out
