@@ -4,9 +4,9 @@ Layers (docs/design.md §1): `reference` (the naive truth), `kernels` (passes ov
 `ops` (autograd-aware torch.library ops, backend dispatch), `losses` (RL objectives),
 `advantages` / `sampling`, `trainer`, `integrations`.
 """
-from . import advantages, presets, sampling
+from . import advantages, sampling
 from ._backend import backend_info
-from .losses import LossOutput, PolicyLossConfig, policy_loss, rollout_is_weights, value_loss
+from .losses import LossOutput, PolicyLossConfig, policy_loss, presets, rollout_is_weights, value_loss
 from .ops import fused_linear_policy_loss, fused_policy_loss, linear_token_logprobs, token_logprobs
 
 __version__ = "0.1.0"
