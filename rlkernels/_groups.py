@@ -87,6 +87,20 @@ def group_reduce(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, op: st
     return x.new_zeros(num_groups).scatter_reduce_(0, inverse, x, op, include_self=False)
 
 
+def group_mean(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` mean of ``x (B,)`` over the ``valid`` rows of each group (0 for a group with none)."""
+    sums = group_sum(torch.where(valid, x, torch.zeros_like(x)), inverse, num_groups)
+    return sums / group_sum(valid.to(x.dtype), inverse, num_groups).clamp(min=1)
+
+
+def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` logsumexp of ``x (B,)`` over the ``valid`` rows of each group (−inf for a group with none)."""
+    x = x.masked_fill(~valid, float("-inf"))
+    top = group_reduce(x, inverse, num_groups, "amax")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    return torch.log(group_sum(torch.exp(x - top[inverse]), inverse, num_groups)) + top
+
+
 def group_centered(
     x: torch.Tensor, inverse: torch.Tensor, num_groups: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:

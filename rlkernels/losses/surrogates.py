@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .._groups import group_logsumexp, group_mean, group_sum
 from .aggregation import masked_sum_rows
 
 
@@ -274,30 +275,13 @@ def snis(b: Batch, cfg) -> Surrogate:
     """
     valid = b.lengths > 0
     log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).detach()
-    counts = log_rho.new_zeros(b.num_groups).index_add(0, b.group, valid.to(log_rho.dtype))
+    counts = group_sum(valid.to(log_rho.dtype), b.group, b.num_groups)
     log_mean = group_logsumexp(log_rho, b.group, b.num_groups, valid) - torch.log(counts.clamp(min=1))
     w_hat = torch.where(valid, torch.exp(log_rho - log_mean[b.group]), torch.zeros_like(log_rho))
     baseline = group_mean(w_hat * b.rewards, b.group, b.num_groups, valid)[b.group]
     row_loss = -w_hat * (b.rewards - baseline) * masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
     return Surrogate(b.per_token(row_loss), b.per_token(torch.exp(log_rho)), none, none)
-
-
-def group_mean(x, group, num_groups, valid):
-    """Mean of x over the valid rows of each group (0 for a group with none)."""
-    zeros = x.new_zeros(num_groups)
-    sums = zeros.index_add(0, group, torch.where(valid, x, torch.zeros_like(x)))
-    counts = zeros.index_add(0, group, valid.to(x.dtype))
-    return sums / counts.clamp(min=1)
-
-
-def group_logsumexp(x, group, num_groups, valid):
-    """logsumexp of x over the valid rows of each group (−inf for a group with none)."""
-    x = x.masked_fill(~valid, float("-inf"))
-    top = x.new_full((num_groups,), float("-inf")).scatter_reduce(0, group, x, "amax")
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
-    sums = x.new_zeros(num_groups).index_add(0, group, torch.exp(x - top[group]))
-    return torch.log(sums) + top
 
 
 BY_RATIO = {
