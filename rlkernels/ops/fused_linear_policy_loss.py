@@ -28,7 +28,8 @@ from ..losses.inputs import LossInputs
 from ._loss_step import kernel_inputs, loss_from_stats, row_grads
 from ._precomputed_grad import attach_grads
 from .._dtypes import acc_dtype
-from .linear_token_logprobs import LinearHead, head_spec, linear_token_logprobs
+from ._linear_head import LinearHead, head_spec
+from .linear_token_logprobs import linear_token_logprobs
 from .token_loss_params import kernel_evaluates
 
 

@@ -1,0 +1,207 @@
+"""The hidden-state head, shared by `linear_token_logprobs` and `fused_linear_policy_loss`
+(docs/design.md §4): `head_spec` validates the inputs, `LinearHead` runs the chunk loop over
+logits = hidden @ weightᵀ (+ bias) with the backend's kernels, forward and backward, and merges
+the per-row results of vocabulary shards; `HeadGrads` carries ∂hidden, ∂weight and ∂bias.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_temperature, check_tensor
+from .._dtypes import acc_dtype
+from ._rows import kernel_checks_targets
+
+CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
+# On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator: with r rows
+# it does r/4 FLOP per byte of it, and an H100/H200 needs ~200 to stay compute-bound, so chunks
+# of fewer rows run at a fraction of the matmul rate (110-row chunks at V = 152k, H = 4096 spent
+# ~85% of the backward there).
+GPU_MIN_CHUNK_ROWS = 1024
+# CUDA has half-precision matmuls with an fp32 result (torch ≥ 2.9); elsewhere the chunk is upcast.
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """What the forward and the backward agree on, besides the tensors."""
+
+    temperature: float
+    backend: str
+    rows: int  # rows per chunk
+    group: Optional[object] = None  # torch.distributed process group (vocabulary parallel), or None
+    vocab_start: object = 0  # first global vocabulary id of this rank's slice of `weight` (a 0-d tensor when sharded)
+
+
+class LinearHead:
+    """hidden `(N, H)` × weight `(V, H)`ᵀ (+ bias) in row chunks through one reused logits buffer."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, spec: HeadSpec):
+        self.hidden = hidden.detach().reshape(-1, hidden.shape[-1]).contiguous()
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.spec = spec
+        self.kernels = _backend.kernels(spec.backend)
+        self.n, self.vocab = self.hidden.shape[0], self.weight.shape[0]
+        targets = targets.reshape(-1).to(torch.int64)
+        self.sharded = spec.group is not None
+        if self.sharded:  # local ids; rows whose token is on another rank aim at the −inf column
+            local = targets - spec.vocab_start
+            self.owned = (local >= 0) & (local < self.vocab)
+            targets = torch.where(self.owned, local, torch.full_like(local, self.vocab))
+        self.targets = targets.contiguous()
+        width = self.vocab + self.sharded
+        self.buffer = torch.empty(min(spec.rows, self.n), width, dtype=self.hidden.dtype, device=self.hidden.device)
+
+    def chunks(self):
+        for start in range(0, self.n, self.spec.rows):
+            yield start, min(start + self.spec.rows, self.n)
+
+    def logits(self, s: int, e: int) -> Tensor:
+        """The logits of rows s:e, written into the buffer (a contiguous `(e − s, V)` view of it)."""
+        buf = self.buffer[: e - s]
+        view = buf[:, : self.vocab]  # with the extra column: a strided view BLAS writes into directly
+        if self.bias is None:
+            torch.mm(self.hidden[s:e], self.weight.t(), out=view)
+        else:
+            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=view)
+        if self.sharded:
+            buf[:, self.vocab] = float("-inf")
+        return buf
+
+    def policy_chunk(self, buf: Tensor, s: int, e: int, per_row, params):
+        """The fused forward (log-probs and the token-level loss) of rows s:e; `per_row` are the
+        kernel's flat per-token inputs (mask, weight, adv, old_logp, ref_logp), sliced here."""
+        sliced = [None if x is None else x[s:e] for x in per_row]
+        return self.kernels.policy_token_fwd(buf, self.targets[s:e], *sliced, self.spec.temperature, params)
+
+    def forward_chunk(self, buf: Tensor, s: int, e: int, need_entropy: bool):
+        """(logp, entropy, lse_parts) of rows s:e; this rank's slice only when sharded (see `merge_shards`)."""
+        return self.kernels.token_logprobs_fwd(buf, self.targets[s:e], self.spec.temperature, need_entropy)
+
+    def forward(self, need_entropy: bool):
+        """(logp, entropy, lse_parts) of all rows, over the whole vocabulary (merged across ranks)."""
+        acc = acc_dtype(self.hidden)
+        logp = torch.empty(self.n, dtype=acc, device=self.hidden.device)
+        lse_parts = torch.empty(self.n, 2, dtype=acc, device=logp.device)
+        entropy = torch.empty(self.n if need_entropy else 0, dtype=acc, device=logp.device)
+        for s, e in self.chunks():
+            lp, ent, parts = self.forward_chunk(self.logits(s, e), s, e, need_entropy)
+            logp[s:e], lse_parts[s:e] = lp, parts
+            if need_entropy:
+                entropy[s:e] = ent
+        if self.sharded:
+            logp, entropy, lse_parts = self.merge_shards(logp, entropy, lse_parts, need_entropy)
+        return logp, entropy, lse_parts
+
+    def merge_shards(self, logp, entropy, lse_parts, need_entropy):
+        """Per-rank (logp, H, [m, log s]) of the local slices → those of the whole vocabulary.
+
+        With x = logits/τ, rank r's slice has max m_r, s_r = Σ e^{x − m_r}, Σ e^{x − m_r}(x − m_r) =
+        s_r (log s_r − H_r), and on the rank that holds y, x_y − m_r = logp_r + log s_r. Relative to
+        M = max_r m_r (δ_r = m_r − M): s = Σ_r e^{δ_r + log s_r}, Σ e^{x − M}(x − M) =
+        Σ_r e^{δ_r + log s_r}(log s_r − H_r + δ_r) and x_y − M = logp_r + log s_r + δ_r. Every term is
+        relative to a max, so no large m_r + log s_r is ever rounded."""
+        group = self.spec.group
+        m, log_s = lse_parts.unbind(1)
+        top = m.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shift = m - top
+        scale = torch.exp(shift + log_s)
+        zero = torch.zeros_like(scale)
+        parts = [torch.where(self.owned, (logp + log_s) + shift, zero), scale]
+        if need_entropy:  # a slice of only −inf (scale 0, H_r NaN) adds nothing
+            parts.append(torch.where(scale > 0, scale * ((log_s - entropy) + shift), zero))
+        sums = torch.stack(parts)
+        dist.all_reduce(sums, group=group)
+        log_s_all = torch.log(sums[1])
+        entropy_all = log_s_all - sums[2] / sums[1] if need_entropy else entropy
+        return sums[0] - log_s_all, entropy_all, torch.stack((top, log_s_all), 1)
+
+    def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
+        acc = acc_dtype(self.hidden)
+        return HeadGrads(
+            hidden=torch.empty_like(self.hidden) if need_hidden else None,
+            weight=torch.zeros(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
+            bias=torch.zeros(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
+        )
+
+    def backward_chunk(self, buf, s, e, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
+        """∂logits of rows s:e from the (global) lse_parts/H and the incoming gradients, written over
+        the chunk's logits in `buf`, then accumulated into `grads`."""
+        g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse_parts, entropy, grad_logp.contiguous(),
+                                            None if grad_entropy is None else grad_entropy.contiguous(),
+                                            self.spec.temperature, out=buf)
+        g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
+        if grads.hidden is not None:
+            torch.mm(g, self.weight, out=grads.hidden[s:e])
+        if grads.weight is not None:  # fp32 accumulation over chunks
+            acc, h = grads.weight, self.hidden[s:e]
+            if acc.is_cuda and g.dtype != acc.dtype and _ADDMM_OUT_DTYPE:
+                torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
+            else:
+                acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
+        if grads.bias is not None:
+            grads.bias += g.sum(0, dtype=grads.bias.dtype)
+
+    def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
+        """The second pass: recompute each chunk's logits, then `backward_chunk`."""
+        for s, e in self.chunks():
+            h = None if grad_entropy is None else grad_entropy[s:e]
+            self.backward_chunk(self.logits(s, e), s, e, lse_parts[s:e], entropy[s:e] if h is not None else entropy,
+                                grad_logp[s:e], h, grads)
+        return self.finish(grads)
+
+    def finish(self, grads: "HeadGrads") -> "HeadGrads":
+        """∂hidden summed over ranks (each rank saw its slice of the vocabulary); dtypes of the inputs."""
+        if self.sharded and grads.hidden is not None:
+            dist.all_reduce(grads.hidden, group=self.spec.group)
+        return HeadGrads(
+            hidden=grads.hidden,
+            weight=None if grads.weight is None else grads.weight.to(self.weight.dtype),
+            bias=None if grads.bias is None else grads.bias.to(self.bias.dtype),
+        )
+
+
+@dataclasses.dataclass
+class HeadGrads:
+    hidden: Optional[Tensor]  # (N, H), dtype of hidden
+    weight: Optional[Tensor]  # (V, H), fp32 accumulator until `finish`
+    bias: Optional[Tensor]  # (V,)
+
+
+def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group) -> HeadSpec:
+    """Validate the inputs of the hidden-state path; the spec both passes share."""
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden: expected shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    if weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"weight: expected shape (V, {hidden.shape[-1]}) (V >= 1, H of hidden), got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor("targets", targets, shape=tuple(hidden.shape[:-1]), dtypes=INT_DTYPES, device=hidden.device)
+    temperature = check_temperature(temperature)
+    vocab, start = weight.shape[0], 0
+    if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group: expected a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        # The slices' sizes stay on the device: the start and the total are 0-d tensors (no sync).
+        sizes = torch.zeros(dist.get_world_size(process_group), dtype=torch.int64, device=hidden.device)
+        sizes[dist.get_rank(process_group)] = vocab
+        dist.all_reduce(sizes, group=process_group)
+        start, vocab = sizes[: dist.get_rank(process_group)].sum(), sizes.sum()
+    name = _backend.resolve(backend, hidden.device)
+    if process_group is not None or not kernel_checks_targets(name):  # sharded: the kernels see local ids only
+        check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
+    if chunk_size is None:
+        rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
+        if hidden.is_cuda:
+            rows = max(rows, GPU_MIN_CHUNK_ROWS)
+    else:
+        rows = check_int("chunk_size", chunk_size, 1)
+    return HeadSpec(temperature, name, rows, process_group, start)
