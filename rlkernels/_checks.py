@@ -108,9 +108,12 @@ def check_real(
     *,
     lo_open: bool = False,
     hi_open: bool = False,
-) -> float:
+    optional: bool = False,
+) -> Optional[float]:
     """A finite real Python number (not a bool, not a tensor) in the range [lo, hi]
-    (open ends where asked); returns it as ``float``."""
+    (open ends where asked); returns it as ``float``. ``optional``: None passes (and is returned)."""
+    if x is None and optional:
+        return None
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(x).__name__}")
     x = float(x)
@@ -137,8 +140,11 @@ def check_temperature(temperature) -> float:
     return temperature
 
 
-def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None) -> int:
-    """A Python int (not a bool) that is at least ``lo``; ``what`` overrides the wording."""
+def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None, optional: bool = False) -> Optional[int]:
+    """A Python int (not a bool) that is at least ``lo``; ``what`` overrides the wording.
+    ``optional``: None passes (and is returned)."""
+    if x is None and optional:
+        return None
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
     x = int(x)

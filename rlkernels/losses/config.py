@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
+
+from .._checks import check_choice, check_int, check_real
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
@@ -77,18 +78,18 @@ class PolicyLossConfig:
     top_entropy_quantile: Optional[float] = None
 
     def __post_init__(self):
-        _choice("ratio", self.ratio, RATIOS)
-        _choice("objective", self.objective, OBJECTIVES)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("agg", self.agg, AGGREGATIONS)
+        check_choice("ratio", self.ratio, RATIOS)
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("agg", self.agg, AGGREGATIONS)
         if self.objective not in _VALID_OBJECTIVES[self.ratio]:
             raise ValueError(
                 f"objective: {self.objective!r} cannot be used with ratio={self.ratio!r}; "
                 f"expected one of {_VALID_OBJECTIVES[self.ratio]}"
             )
         needs_clip = self.objective in _CLIPPED_OBJECTIVES
-        _number("clip_low", self.clip_low, low=0.0, optional=not needs_clip)
-        _number("clip_high", self.clip_high, low=0.0, optional=not needs_clip)
+        check_real("clip_low", self.clip_low, 0.0, optional=not needs_clip)
+        check_real("clip_high", self.clip_high, 0.0, optional=not needs_clip)
         if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
                 and self.clip_low is not None and self.clip_low >= 1):
             raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
@@ -96,48 +97,48 @@ class PolicyLossConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            _number(name, value, low=1.0, strict=True)
+            check_real(name, value, 1.0, lo_open=True)
             if self.objective != "clip" or self.ratio not in _RATIO_SPACE_CLIP:
                 raise ValueError(
                     f"{name}: only valid with objective='clip' and ratio in {_RATIO_SPACE_CLIP}, "
                     f"got objective={self.objective!r}, ratio={self.ratio!r}"
                 )
-        _number("fspo_c_low", self.fspo_c_low, low=0.0)
-        _number("fspo_c_high", self.fspo_c_high, low=0.0)
-        _number("kl_coef", self.kl_coef, low=0.0)
+        check_real("fspo_c_low", self.fspo_c_low, 0.0)
+        check_real("fspo_c_high", self.fspo_c_high, 0.0)
+        check_real("kl_coef", self.kl_coef, 0.0)
         if self.kl_coef > 0 and self.kl_estimator is None:
             raise ValueError("kl_estimator: kl_coef > 0 needs an estimator ('k1', 'k2' or 'k3'), got None")
-        _number("kl_clamp", self.kl_clamp, low=0.0, strict=True, optional=True)
+        check_real("kl_clamp", self.kl_clamp, 0.0, lo_open=True, optional=True)
         if not isinstance(self.kl_bias_correction, bool):
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
-        _number("entropy_coef", self.entropy_coef)
-        _integer("norm_length", self.norm_length, optional=True)
+        check_real("entropy_coef", self.entropy_coef)
+        check_int("norm_length", self.norm_length, 1, optional=True)
         if self.agg == "constant" and self.norm_length is None:
             raise ValueError(
                 "norm_length: agg='constant' (Dr. GRPO) divides by a constant length, got None; pass the maximum "
                 "completion length (with the padded T the loss would change with the padding)"
             )
-        _number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
-        _integer("group_size", self.group_size, optional=True)
-        _number("sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
-        _number("sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
-        _number("ratio_cap", self.ratio_cap, low=0.0, strict=True, optional=True)
+        check_real("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True)
+        check_int("group_size", self.group_size, 1, optional=True)
+        check_real("sapo_tau_pos", self.sapo_tau_pos, 0.0, lo_open=True)
+        check_real("sapo_tau_neg", self.sapo_tau_neg, 0.0, lo_open=True)
+        check_real("ratio_cap", self.ratio_cap, 0.0, lo_open=True, optional=True)
         if self.ratio_cap is not None and self.objective not in ("dppo_tv", "dppo_kl"):
             raise ValueError(f"ratio_cap: only valid with objective 'dppo_tv' or 'dppo_kl', got {self.objective!r}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            _number(name, getattr(self, name), low=0.0, strict=True)
+            check_real(name, getattr(self, name), 0.0, lo_open=True)
             if getattr(self, name) > 1:
                 raise ValueError(f"{name}: expected a fraction of the tokens in (0, 1], got {getattr(self, name)}")
-        _number("clip_cov_lb", self.clip_cov_lb)
-        _number("clip_cov_ub", self.clip_cov_ub)
+        check_real("clip_cov_lb", self.clip_cov_lb)
+        check_real("clip_cov_ub", self.clip_cov_ub)
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb: expected a value < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
-        _number("kl_cov_coef", self.kl_cov_coef, low=0.0)
-        _number("dro_beta", self.dro_beta, low=0.0, strict=True, optional=self.objective != "dro")
+        check_real("kl_cov_coef", self.kl_cov_coef, 0.0)
+        check_real("dro_beta", self.dro_beta, 0.0, lo_open=True, optional=self.objective != "dro")
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _number(name, getattr(self, name), low=0.0)
-        _number("off_policy_mask", self.off_policy_mask, optional=True)
-        _number("top_entropy_quantile", self.top_entropy_quantile, low=0.0, strict=True, optional=True)
+            check_real(name, getattr(self, name), 0.0)
+        check_real("off_policy_mask", self.off_policy_mask, optional=True)
+        check_real("top_entropy_quantile", self.top_entropy_quantile, 0.0, lo_open=True, optional=True)
         if self.top_entropy_quantile is not None and self.top_entropy_quantile > 1:
             raise ValueError(f"top_entropy_quantile: expected a fraction in (0, 1], got {self.top_entropy_quantile}")
         if self.off_policy_mask is not None and self.ratio == "snis":
@@ -146,28 +147,3 @@ class PolicyLossConfig:
     def replace(self, **overrides) -> "PolicyLossConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **overrides)
-
-
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
-
-
-def _number(name, value, *, low=None, strict=False, optional=False):
-    if value is None:
-        if optional:
-            return
-        raise ValueError(f"{name}: expected a number, got None")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value}")
-    if low is not None and (value <= low if strict else value < low):
-        raise ValueError(f"{name}: expected a value {'>' if strict else '>='} {low}, got {value}")
-
-
-def _integer(name, value, *, optional=False):
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
