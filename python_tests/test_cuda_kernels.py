@@ -2,7 +2,7 @@
 
 Called directly through rlkernels.kernels.cuda (the kernel contract), then once through ops/.
 Marked `gpu`: skipped without a CUDA device or without an extension built with CUDA; run by
-benchmarks/gpu_check.sh. The reference and the error bounds are those of test_cpu_kernels.py.
+benchmarks/gpu_check.sh. The reference and the error bounds are those of kernel_cases.py.
 """
 import pytest
 import torch
@@ -11,7 +11,7 @@ import rlkernels
 from rlkernels import presets
 from rlkernels.kernels import cuda
 
-from test_cpu_kernels import DTYPES, _close, _close_grad, _inputs, _reference, check_backward_matches_autograd
+from kernel_cases import DTYPES, _close, _close_grad, _inputs, _reference, check_backward_matches_autograd
 
 _OK, _REASON = cuda.available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
