@@ -71,3 +71,21 @@ def test_demo_runs_and_both_paths_agree(capsys):
     assert demo.main(["--vocab", "512", "--seq-len", "16", "--groups", "1", "--group-size", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "rlkernels" in out and "plain log_softmax + gather" in out
+
+
+def test_extension_errors_raise_and_never_crash():
+    """Each kind of argument error of the compiled extension raises (the H200 run saw SIGSEGV there:
+    benchmarks/RESULTS.md). In this process, as a test; `python -m benchmarks.exception_probe` runs
+    each case in its own process, for a machine where they crash. CUDA cases need a GPU."""
+    import torch
+
+    from benchmarks import exception_probe
+    from rlkernels.kernels import cpu
+
+    if not cpu.available()[0]:
+        pytest.skip(cpu.available()[1])
+    for what, call in exception_probe.CASES:
+        if "cuda" in call and not torch.cuda.is_available():
+            continue
+        with pytest.raises((RuntimeError, ValueError, TypeError)):
+            exec(exception_probe.SETUP + call, {})
