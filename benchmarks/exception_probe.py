@@ -27,7 +27,8 @@ CASES = [
     ("TORCH_CHECK_TYPE, CPU binding, float mask", "policy(one, 0.2)"),
     ("TORCH_CHECK_VALUE, CPU binding, negative clip_low", "policy(mask, -1.0)"),
     ("two exceptions in one process, CPU binding",
-     "for _ in range(2):\n    try: fwd(z[None], y, 1.0, True)\n    except RuntimeError: pass\nfwd(z[None], y, 1.0, True)"),
+     "for _ in range(2):\n    try: fwd(z[None], y, 1.0, True)\n    except RuntimeError: pass\n"
+     "fwd(z[None], y, 1.0, True)"),
     ("TORCH_CHECK, CUDA binding, float64 logits", "fwd(z.cuda().double(), y.cuda(), 1.0, True)"),
     ("two exceptions in one process, CUDA binding",
      "for _ in range(2):\n    try: fwd(z.cuda().double(), y.cuda(), 1.0, True)\n    except RuntimeError: pass\n"
@@ -44,7 +45,8 @@ def main() -> int:
         if "cuda" in call and not torch.cuda.is_available():
             print(f"{what}: skipped (no CUDA)")
             continue
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", SETUP + call], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", SETUP + call],
+                              capture_output=True, text=True)
         last = (proc.stderr.strip().splitlines() or [""])[-1][:160]
         if proc.returncode < 0 or "Segmentation fault" in proc.stderr:
             crashed += 1

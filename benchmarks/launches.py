@@ -94,7 +94,8 @@ def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: i
     import rlkernels
 
     config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device)
-    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(True)
+    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1))
+    logits = logits.to(device).requires_grad_(True)
 
     def call():
         out = rlkernels.fused_policy_loss(logits, targets, advantages, mask, config, backend=backend, **kwargs)

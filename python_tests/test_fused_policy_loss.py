@@ -250,7 +250,8 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)
     for key in composed.metrics:
         torch.testing.assert_close(fused.metrics[key], composed.metrics[key], msg=key)
-    unweighted = rlkernels.policy_loss(logp.detach(), adv, mask, config, entropy=ent.detach(), **_kwargs(inputs, config))
+    unweighted = rlkernels.policy_loss(logp.detach(), adv, mask, config, entropy=ent.detach(),
+                                       **_kwargs(inputs, config))
     assert not torch.allclose(unweighted.loss, composed.loss), "the weights change the loss"
 
     H = 8  # the hidden-state path: logits = hidden @ weightᵀ

@@ -90,7 +90,8 @@ def _config(tmp_path, **overrides):
 # loss_type × importance_sampling_level × beta, with the epsilon_high each needs (TRL's cispo caps the ratio at ε_high)
 CASES = [(t, lvl, 0.03, 0.04) for t in ("grpo", "bnpo", "dr_grpo", "dapo") for lvl in ("token", "sequence")]
 CASES += [("cispo", "token", 1.02, 0.04), ("dapo", "token", 0.03, 0.0), ("grpo", "sequence", 0.03, 0.0)]
-CASES += [(t, lvl, 0.03, 0.04) for t in ("sapo", "luspo") for lvl in ("token", "sequence")] + [("vespo", "token", 0.03, 0.04)]
+CASES += [(t, lvl, 0.03, 0.04) for t in ("sapo", "luspo") for lvl in ("token", "sequence")]
+CASES += [("vespo", "token", 0.03, 0.04)]
 IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]  # TRL's vespo folds vLLM IS into its own ratio: not mapped
 OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
 

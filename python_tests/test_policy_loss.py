@@ -155,8 +155,9 @@ def test_top_entropy_quantile_keeps_that_fraction():
     inputs = random_loss_inputs(B=8, T=25, noise=0.3, seed=3)
     mask = inputs["mask"]
     logp = inputs["logp"].clone().requires_grad_(True)
-    out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, preset("grpo",
-                top_entropy_quantile=0.25, kl_coef=0.0, clip_low=0.99, clip_high=1e6))  # no clip bites: every kept token has a gradient
+    # no clip bites: every kept token has a gradient
+    config = preset("grpo", top_entropy_quantile=0.25, kl_coef=0.0, clip_low=0.99, clip_high=1e6)
+    out = _call(rlkernels.policy_loss, {**inputs, "logp": logp}, config)
     (grad,) = torch.autograd.grad(out.loss, logp)
     kept = (grad != 0) & mask
     n = int(mask.sum())

@@ -59,8 +59,8 @@ def test_weights_feed_the_loss_and_bad_arguments_are_named():
     old, rollout, mask = _batch(2)
     w = rlkernels.rollout_is_weights(old, rollout, mask, level="sequence", mode="mask", lower=0.7, upper=1.5)
     logp = old.clone().requires_grad_(True)
-    out = rlkernels.policy_loss(logp, torch.randn(mask.shape[0], dtype=torch.float64), mask, rlkernels.presets.grpo(kl_coef=0.0),
-                                old_logp=old, is_weights=w)
+    adv = torch.randn(mask.shape[0], dtype=torch.float64)
+    out = rlkernels.policy_loss(logp, adv, mask, rlkernels.presets.grpo(kl_coef=0.0), old_logp=old, is_weights=w)
     out.loss.backward()
     dropped = (w == 0) & mask
     assert dropped.any() and (logp.grad[dropped] == 0).all()  # a masked-out row gets no policy gradient

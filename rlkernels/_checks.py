@@ -140,7 +140,8 @@ def check_temperature(temperature) -> float:
     return temperature
 
 
-def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None, optional: bool = False) -> Optional[int]:
+def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None,
+              optional: bool = False) -> Optional[int]:
     """A Python int (not a bool) that is at least ``lo``; ``what`` overrides the wording.
     ``optional``: None passes (and is returned)."""
     if x is None and optional:

@@ -109,12 +109,13 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
                   kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)))
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
+    masks = {}  # of the policy term (docs/math.md §7)
     if trainer.off_policy_mask_threshold is not None:
-        norm["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
+        masks["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
     if trainer.top_entropy_quantile < 1.0:
-        norm["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
+        masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     try:
-        cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm)
+        cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm, **masks)
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
         return None, str(err)
     return cfg, ""

@@ -44,7 +44,8 @@ verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies th
 `rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
 averages over all rows, empty ones included: `rlkernels_geo_mean` does exactly that);
 `register()` also adds `rlkernels_vanilla` (= `rlkernels_ppo`) and `rlkernels_geo_mean`, so every
-verl mode but `bypass_mode` (rejection sampling: not yet) has an `rlkernels_` twin under its name; `sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
+verl mode but `bypass_mode` (rejection sampling: not yet) has an `rlkernels_` twin under its name;
+`sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
 `kl_cov`, `dro` = `rlkernels_<same name>` (Clip-Cov draws its tokens from torch's RNG as verl
 does: the same state, the same tokens). Differences in guards: rlkernels clamps every
 exponentiated log-ratio to ±20 (verl's `gspo` clamps at +10, `geo_mean` not at all) and gives 0,

@@ -91,8 +91,7 @@ def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLos
     # DeepSeek-V3.2: drop a row with A < 0 whose mean (ℓ_rollout − ℓ) exceeds the threshold. NaN
     # rollout log-probs (tokens the sampler could not score) count as 0, as TRL does.
     rollout = inputs.rollout_logp if inputs.rollout_logp is not None else b.old_logp
-    gap = torch.where(b.mask, torch.nan_to_num(rollout - b.logp.detach(), nan=0.0), 0.0)
-    mean_gap = gap.sum(-1, keepdim=True) / b.lengths.clamp(min=1)[:, None]
+    mean_gap = b.row_mean(torch.nan_to_num(rollout - b.logp.detach(), nan=0.0))[:, None]
     keep = ((b.adv >= 0) | (mean_gap <= config.off_policy_mask)).to(b.logp.dtype)
     return keep if w is None else w * keep
 

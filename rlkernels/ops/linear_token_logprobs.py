@@ -68,7 +68,8 @@ def linear_token_logprobs(
     hidden `(..., H)`, weight `(V, H)` (may be the tied input embedding), bias `(V,)` or None,
     targets `(...)` integers in `[0, V)`, already aligned (the caller shifts). Returns fp32
     log-probs shaped like `targets`, or `(logp, entropy)` with `return_entropy`. Differentiable
-    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least 1024 rows on a GPU).
+    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least
+    1024 rows on a GPU).
     `process_group`: `weight`/`bias` hold this rank's slice of the vocabulary rows (slices in
     rank order), targets are global ids; the outputs are those of the whole vocabulary.
     """
