@@ -12,6 +12,8 @@ from rlkernels import presets, reference
 from loss_inputs import preset, random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
+# SNIS's value Σ_i c_i·Σ_t ℓ has Σ_{i∈g} c_i = 0: terms ~100× the result cancel, so its fp32 rounding is larger
+SNIS_ATOL = 1e-4
 
 
 def _case(B=6, T=7, V=37, dtype=torch.float32, seed=0, per_token_adv=False):
@@ -48,7 +50,8 @@ def test_every_preset_equals_the_composition(backend, name):
     composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
     (2.5 * composed.loss).backward()
 
-    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-6, atol=1e-7)
+    # SNIS's value cancels (see the fp64 check below): its two fp32 sums, in different orders, differ more
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-6, atol=SNIS_ATOL if name == "snis" else 1e-7)
     # the two paths scale by the incoming gradient at different points: rounding only
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)
     assert set(fused.metrics) == set(composed.metrics)
@@ -69,8 +72,7 @@ def test_every_preset_equals_the_composition(backend, name):
     torch.manual_seed(0)
     ref_loss, _ = reference.policy_loss(ref_logp, adv.double(), mask, config, entropy=ref_ent, **kw64)
     (2.5 * ref_loss).backward()
-    # SNIS's value Σ_i c_i·Σ_t ℓ has Σ_{i∈g} c_i = 0: terms ~100× the result cancel, so its fp32 rounding is larger
-    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-4 if name == "snis" else 1e-6)
+    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=SNIS_ATOL if name == "snis" else 1e-6)
     torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
 
 

@@ -412,7 +412,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor tgt = check_targets(targets, N, V);
   check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits.scalar_type());
-  rlk::check_token_inputs(logits, mask, weight, adv, old_logp, ref_logp, acc);
+  rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, acc);
   const auto opts = logits.options().dtype(acc);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);

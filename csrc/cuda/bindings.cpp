@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_logits(logits);
   const at::Tensor tgt = check_targets(targets, logits);
   const float inv_tau = inv_temperature(temperature);
-  rlk::check_token_inputs(logits, mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
       entropy_coef, log_ratio_clamp);
@@ -166,6 +166,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }
 
+// The per-token policy loss at given fp32 log-probs (N,).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
+    const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
+    const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
+    const std::optional<at::Tensor>& ref_logp, int64_t objective, double clip_low, double clip_high, double delta,
+    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
+    double entropy_coef, double log_ratio_clamp) {
+  TORCH_CHECK(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
+  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
+  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+              logp.sizes());
+  if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", at::kFloat);
+  rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
+      objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
+      entropy_coef, log_ratio_clamp);
+  const int64_t N = logp.size(0);
+  const auto opts = logp.options();
+  at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
+  at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
+  if (N == 0) return {grad_logp, grad_entropy, stats};
+  const auto ptr = [](const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr<float>() : nullptr; };
+  const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), ptr(adv), ptr(old_logp),
+                       ptr(ref_logp)};
+  const c10::cuda::CUDAGuard guard(logp.device());
+  C10_CUDA_CHECK(policy_token_loss(N, logp.const_data_ptr<float>(), ptr(entropy), in, params,
+                                   grad_logp.mutable_data_ptr<float>(), grad_entropy.mutable_data_ptr<float>(),
+                                   stats.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  return {grad_logp, grad_entropy, stats};
+}
+
 }  // namespace
 }  // namespace rlk_cuda
 
@@ -174,4 +205,5 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CUDA, m) {
   m.impl("token_logprobs_bwd", &rlk_cuda::token_logprobs_bwd_cuda);
   m.impl("token_logprobs_bwd_out", &rlk_cuda::token_logprobs_bwd_out_cuda);
   m.impl("policy_token_fwd", &rlk_cuda::policy_token_fwd_cuda);
+  m.impl("policy_token_loss", &rlk_cuda::policy_token_loss_cuda);
 }

@@ -44,7 +44,8 @@ cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const
                                const Rows& out, cudaStream_t stream);
 
 // Per-token inputs of the policy loss, device arrays of n elements: fp32, the mask bool.
-// old_logp == nullptr means on-policy (ℓ_old = ℓ), ref_logp == nullptr no reference.
+// old_logp == nullptr means on-policy (ℓ_old = ℓ), ref_logp == nullptr no reference; adv ==
+// nullptr (policy_token_loss only) means A = 0.
 struct TokenInputs {
   const bool* mask;
   const float* weight;
@@ -70,5 +71,12 @@ struct TokenOutputs {
 cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, float inv_tau, const TokenInputs& in,
                              const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
                              cudaStream_t stream);
+
+// The per-token policy loss at given log-probs `logp` (and `entropy`, nullptr: H = 0), n fp32
+// device elements each; outputs as in policy_token_fwd (the contract is `policy_token_loss` in
+// rlkernels/kernels/__init__.py). Returns the launch error, if any.
+cudaError_t policy_token_loss(int64_t n, const float* logp, const float* entropy, const TokenInputs& in,
+                              const rlk::TokenLossParams<float>& params, float* grad_logp, float* grad_entropy,
+                              float* stats, cudaStream_t stream);
 
 }  // namespace rlk_cuda

@@ -43,12 +43,22 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     return out
 
 
+def _loss_scalars(p):
+    """The scalars of a TokenLossParams in the ops' schema order."""
+    return (int(p.objective), float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip),
+            int(p.kl_estimator), float(p.kl_coef), float(p.kl_clamp), bool(p.kl_bias_correction),
+            float(p.entropy_coef), float(p.log_ratio_clamp))
+
+
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
     loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
-    p = params
     return torch.ops.rlkernels_C.policy_token_fwd(
-        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), int(p.objective),
-        float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip), int(p.kl_estimator),
-        float(p.kl_coef), float(p.kl_clamp), bool(p.kl_bias_correction), float(p.entropy_coef),
-        float(p.log_ratio_clamp))
+        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), *_loss_scalars(params))
+
+
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params):
+    """(grad_logp, grad_entropy, stats) of the per-token policy loss at log-probs `logp (N,)`; see
+    rlkernels/kernels/__init__.py."""
+    return torch.ops.rlkernels_C.policy_token_loss(
+        logp, entropy, mask, weight, adv, old_logp, ref_logp, *_loss_scalars(params))

@@ -229,27 +229,34 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 def vespo(b: Batch, cfg) -> Surrogate:
     """VESPO: −sg(φ(w_i))·A·ℓ, φ(w) = exp(λ + k·log w − λ·w), w_i the raw sequence ratio (TRL's bounds)."""
     with torch.no_grad():
-        log_w = masked_sum_rows(_token_log_ratio(b, cfg), b.mask).clamp(VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
-        w = torch.exp(log_w)
-        pos = b.adv_row >= 0
-        k = torch.where(pos, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
-        lam = torch.where(pos, log_w.new_tensor(cfg.vespo_lambda_pos), log_w.new_tensor(cfg.vespo_lambda_neg))
-        lam = lam.clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        phi, w = vespo_weight(masked_sum_rows(_token_log_ratio(b, cfg), b.mask), b.adv_row, cfg)
     return Surrogate(-b.per_token(phi) * b.adv * b.logp, b.per_token(w), _none(b), _none(b))
+
+
+def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg):
+    """(φ(w_i), w_i) (B,) of VESPO from Σ_t m·clamp(ℓ − ℓ_old), the row sums of the clamped token log-ratios."""
+    log_w = log_ratio_sum.clamp(VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
+    w = torch.exp(log_w)
+    pos = adv_row >= 0
+    k = torch.where(pos, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
+    lam = torch.where(pos, log_w.new_tensor(cfg.vespo_lambda_pos), log_w.new_tensor(cfg.vespo_lambda_neg))
+    lam = lam.clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), w
 
 
 def group_expectation(b: Batch, cfg) -> Surrogate:
     """GEPO: log w_i = log p_i − log Ê_g with Ê_g = Σ_g q_j² / Σ_g q_j, all in log space."""
-    log_p = b.row_mean(b.logp)
-    log_q = b.row_mean(b.old_logp)
     valid = b.lengths > 0
-    log_e = group_logsumexp(2 * log_q, b.group, b.num_groups, valid) - group_logsumexp(
-        log_q, b.group, b.num_groups, valid
-    )
-    log_w = (log_p - log_e[b.group]).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    log_e = gepo_log_expectation(b.row_mean(b.old_logp), b.group, b.num_groups, valid)
+    log_w = (b.row_mean(b.logp) - log_e).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_w = torch.where(valid, log_w, torch.zeros_like(log_w))  # a group of empty rows has no Ê_g
     return clip_objective(b.per_token(torch.exp(log_w)), b.adv, cfg)
+
+
+def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor):
+    """log Ê_g of each row's group (B,): log Σ_g q_j² − log Σ_g q_j over the valid rows, log q_j the mean ℓ_old."""
+    log_e = group_logsumexp(2 * log_q, group, num_groups, valid) - group_logsumexp(log_q, group, num_groups, valid)
+    return log_e[group]
 
 
 def geometric(b: Batch, cfg) -> Surrogate:
@@ -273,15 +280,20 @@ def snis(b: Batch, cfg) -> Surrogate:
     ρ_i = exp(clamp(Σ_t m (ℓ − ℓ_old))), ŵ_i = ρ_i / mean_{j∈g} ρ_j (in log space), b_g = mean_{j∈g} ŵ_j R_j;
     row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants.
     """
-    valid = b.lengths > 0
     log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).detach()
-    counts = group_sum(valid.to(log_rho.dtype), b.group, b.num_groups)
-    log_mean = group_logsumexp(log_rho, b.group, b.num_groups, valid) - torch.log(counts.clamp(min=1))
-    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[b.group]), torch.zeros_like(log_rho))
-    baseline = group_mean(w_hat * b.rewards, b.group, b.num_groups, valid)[b.group]
-    row_loss = -w_hat * (b.rewards - baseline) * masked_sum_rows(b.logp, b.mask)
+    row_loss = -snis_advantage(log_rho, b.rewards, b.group, b.num_groups, b.lengths > 0) * masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
     return Surrogate(b.per_token(row_loss), b.per_token(torch.exp(log_rho)), none, none)
+
+
+def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Tensor, num_groups: int,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from the clamped log ρ_i; 0 for invalid rows."""
+    counts = group_sum(valid.to(log_rho.dtype), group, num_groups)
+    log_mean = group_logsumexp(log_rho, group, num_groups, valid) - torch.log(counts.clamp(min=1))
+    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[group]), torch.zeros_like(log_rho))
+    baseline = group_mean(w_hat * rewards, group, num_groups, valid)[group]
+    return w_hat * (rewards - baseline)
 
 
 BY_RATIO = {

@@ -104,5 +104,5 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
 def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
     """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
     logp, entropy, lse_parts = head.forward(True)
-    out, grad_logp, grad_entropy = row_grads(logp, entropy, inputs, config)
+    out, grad_logp, grad_entropy = row_grads(head.kernels, logp, entropy, inputs, config)
     return out, head.backward(lse_parts, entropy, grad_logp, grad_entropy, grads)

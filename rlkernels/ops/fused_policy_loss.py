@@ -110,7 +110,7 @@ def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperatu
 def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Any ratio: log-probs and entropy from the kernel, then `losses/` and its autograd on (B, T)."""
     logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
-    out, grad_logp, grad_entropy = row_grads(logp, entropy, inputs, config)
+    out, grad_logp, grad_entropy = row_grads(kernels, logp, entropy, inputs, config)
     return out, (lse_parts, entropy, grad_logp, grad_entropy)
 
 

@@ -55,9 +55,24 @@ def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
     if not kernel_supports(config):
         raise ValueError("config: the fused kernels evaluate token-level clip, cispo and reinforce losses only, got "
                          f"ratio={config.ratio!r}, objective={config.objective!r}")
-    kl_in_loss = config.kl_coef > 0
+    return _params(config, _OBJECTIVES[config.objective], with_token_terms=True)
+
+
+def token_terms_params(config: PolicyLossConfig) -> k.TokenLossParams:
+    """The KL and entropy terms of any config, for `policy_token_loss` called without advantages
+    (A = 0: REINFORCE's surrogate −A·ℓ is then 0, and so are its derivative and clip flags)."""
+    return _params(config, k.REINFORCE, with_token_terms=True)
+
+
+def surrogate_params(config: PolicyLossConfig, objective: str) -> k.TokenLossParams:
+    """`objective` ("clip" or "reinforce") with the config's clip bounds, and no KL or entropy term."""
+    return _params(config, _OBJECTIVES[objective], with_token_terms=False)
+
+
+def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) -> k.TokenLossParams:
+    kl_in_loss = config.kl_coef > 0 and with_token_terms
     return k.TokenLossParams(
-        objective=_OBJECTIVES[config.objective],
+        objective=objective,
         clip_low=_bound(config.clip_low),
         clip_high=_bound(config.clip_high),
         delta=_bound(config.delta),
@@ -66,6 +81,6 @@ def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
         kl_coef=float(config.kl_coef) if kl_in_loss else 0.0,
         kl_clamp=_bound(config.kl_clamp),
         kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
-        entropy_coef=float(config.entropy_coef),
+        entropy_coef=float(config.entropy_coef) if with_token_terms else 0.0,
         log_ratio_clamp=float(config.log_ratio_clamp),
     )

@@ -1,5 +1,5 @@
-// Checks of the arguments of policy_token_fwd, shared by the CPU and CUDA bindings, and the
-// op's scalars turned into rlk::TokenLossParams. C++ with torch (never included by .cu files).
+// Checks of the arguments of policy_token_fwd and policy_token_loss, shared by the CPU and CUDA
+// bindings, and the ops' scalars turned into rlk::TokenLossParams. C++ with torch (never included by .cu files).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,27 +13,31 @@
 
 namespace rlk {
 
-// A per-token input (N,): on the logits' device, of exactly `dtype`, contiguous. Never converted:
-// a copy per call would hide a caller that keeps these in the wrong dtype.
-inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType dtype) {
-  TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), " (that of logits), got ",
-              t.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", logits.scalar_type(), " logits, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, ": expected shape (", logits.size(0),
-              ",) matching logits (N, V), got ", t.sizes());
+// A per-token input (N,): on the device of `rows` (the logits (N, V) or the log-probs (N,), named
+// `rows_name`), of exactly `dtype`, contiguous. Never converted: a copy per call would hide a
+// caller that keeps these in the wrong dtype.
+inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& rows, const char* rows_name,
+                               at::ScalarType dtype) {
+  TORCH_CHECK(t.device() == rows.device(), name, ": expected a tensor on ", rows.device(), " (that of ", rows_name,
+              "), got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", rows.scalar_type(), " ",
+                   rows_name, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == rows.size(0), name, ": expected shape (", rows.size(0), ",) matching ",
+              rows_name, ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-// mask (bool) and weight, adv, old_logp, ref_logp (the accumulation dtype `acc`).
-inline void check_token_inputs(const at::Tensor& logits, const at::Tensor& mask, const at::Tensor& weight,
-                               const at::Tensor& adv, const std::optional<at::Tensor>& old_logp,
-                               const std::optional<at::Tensor>& ref_logp, at::ScalarType acc) {
-  check_token_tensor(mask, "mask", logits, at::kBool);
-  check_token_tensor(weight, "weight", logits, acc);
-  check_token_tensor(adv, "adv", logits, acc);
-  if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", logits, acc);
-  if (ref_logp.has_value()) check_token_tensor(*ref_logp, "ref_logp", logits, acc);
+// mask (bool) and weight, adv, old_logp, ref_logp (the accumulation dtype `acc`); absent optionals
+// are not checked.
+inline void check_token_inputs(const at::Tensor& rows, const char* rows_name, const at::Tensor& mask,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& adv,
+                               const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+                               at::ScalarType acc) {
+  check_token_tensor(mask, "mask", rows, rows_name, at::kBool);
+  check_token_tensor(weight, "weight", rows, rows_name, acc);
+  if (adv.has_value()) check_token_tensor(*adv, "adv", rows, rows_name, acc);
+  if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", rows, rows_name, acc);
+  if (ref_logp.has_value()) check_token_tensor(*ref_logp, "ref_logp", rows, rows_name, acc);
 }
 
 // `value` ≥ low (> low when strict); +inf is allowed only where it means "no bound".

@@ -13,7 +13,7 @@ import triton.language as tl
 from .. import token_loss_params as P
 from .token_loss import token_loss  # by name, as token_logprobs.py says
 from .token_logprobs import (
-    _check_logits, _on_device, _plain, _row_vector, launch_config, row_forward,
+    INTERPRET, _check_logits, _on_device, _plain, _row_vector, launch_config, row_forward,
 )
 
 
@@ -109,3 +109,84 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
             BLOCK_V=block, num_warps=warps,
         )
     return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
+
+
+@triton.jit
+def _policy_token_loss_kernel(
+    logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
+    grad_logp_ptr, grad_entropy_ptr, stats_ptr, n,
+    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_ADV: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    valid = inside & (tl.load(mask_ptr + i, mask=inside, other=0) != 0)
+    # As in the forward kernel: masked tokens enter as zeros; absent inputs are H = 0, A = 0.
+    logp = tl.load(logp_ptr + i, mask=valid, other=0.0)
+    h = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_ENTROPY:
+        h = tl.load(entropy_ptr + i, mask=valid, other=0.0)
+    adv = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_ADV:
+        adv = tl.load(adv_ptr + i, mask=valid, other=0.0)
+    old_logp = logp
+    if HAS_OLD:
+        old_logp = tl.load(old_logp_ptr + i, mask=valid, other=0.0)
+    ref_logp = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_REF:
+        ref_logp = tl.load(ref_logp_ptr + i, mask=valid, other=0.0)
+    s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
+        logp, old_logp, ref_logp, adv, h,
+        ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
+        log_ratio_clamp, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+    )
+    weight = tl.load(weight_ptr + i, mask=inside, other=0.0)
+    tl.store(grad_logp_ptr + i, tl.where(valid, weight * ds, 0.0), mask=inside)
+    tl.store(grad_entropy_ptr + i, tl.where(valid, -weight * entropy_coef, 0.0), mask=inside)
+    stats_row = stats_ptr + i * NUM_STATS  # columns in token_loss_params.STATS order
+    tl.store(stats_row + 0, tl.where(valid, weight * s, 0.0), mask=inside)
+    tl.store(stats_row + 1, tl.where(valid, clip_low, 0.0), mask=inside)
+    tl.store(stats_row + 2, tl.where(valid, clip_high, 0.0), mask=inside)
+    tl.store(stats_row + 3, tl.where(valid, ratio, 0.0), mask=inside)
+    tl.store(stats_row + 4, tl.where(valid, approx_kl, 0.0), mask=inside)
+    tl.store(stats_row + 5, tl.where(valid, kl, 0.0), mask=inside)
+    tl.store(stats_row + 6, h, mask=inside)
+
+
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, *, wrap=_plain):
+    """(grad_logp, grad_entropy, stats) of the per-token loss at fp32 log-probs ``logp (N,)``:
+    fp32 (N,), (N,) and (N, 7). ``entropy=None``: H = 0; ``adv=None``: A = 0 (only the KL and
+    entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``."""
+    if logp.dim() != 1 or logp.dtype != torch.float32:
+        raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
+    n, dev = logp.shape[0], logp.device
+    if dev.type != "cuda" and not INTERPRET:
+        raise ValueError(f"logp: the triton backend needs a CUDA tensor, got one on {dev}")
+    if mask.shape != (n,):
+        raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
+    mask = mask.to(device=dev, dtype=torch.bool).contiguous()
+    logp, weight = logp.contiguous(), _row_vector(weight, n, dev, "weight")
+    optional = {name: None if x is None else _row_vector(x, n, dev, name)
+                for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp))}
+    grad_logp, grad_entropy = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
+    stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
+    if n == 0:
+        return grad_logp, grad_entropy, stats
+    p = params
+    kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
+    block = 256
+    with _on_device(dev):
+        wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
+            logp, *(logp if optional[k] is None else optional[k] for k in ("entropy",)), mask, weight,
+            *(logp if optional[k] is None else optional[k] for k in ("adv", "old_logp", "ref_logp")),  # absent: never read
+            grad_logp, grad_entropy, stats, n,
+            1.0 - float(p.clip_low), 1.0 + float(p.clip_high), float(p.delta),
+            float(p.dual_clip), float(p.kl_coef), float(p.kl_clamp), float(p.entropy_coef),
+            float(p.log_ratio_clamp),
+            OBJECTIVE=int(p.objective), KL=int(kl), HAS_ENTROPY=entropy is not None, HAS_ADV=adv is not None,
+            HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
+            BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, BLOCK=block,
+        )
+    return grad_logp, grad_entropy, stats

@@ -1,0 +1,85 @@
+// CPU implementation of `policy_token_loss` (the contract is in rlkernels/kernels/__init__.py):
+// the per-token policy loss of rlkernels/token_loss.h at given log-probs, without logits. The
+// sequence-level losses evaluate their row-level (or token-level) surrogate with it once the
+// forward pass has given every log-prob: one launch where the same math in PyTorch with its
+// autograd takes ~30.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "rlkernels/token_loss.h"
+#include "rlkernels/token_loss_args.h"
+
+namespace rlk_cpu {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
+    const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
+    const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
+    const std::optional<at::Tensor>& ref_logp, int64_t objective, double clip_low, double clip_high, double delta,
+    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
+    double entropy_coef, double log_ratio_clamp) {
+  TORCH_CHECK(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
+  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
+                   "logp: expected dtype float32 or float64, got ", logp.scalar_type());
+  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+              logp.sizes());
+  const at::ScalarType acc = logp.scalar_type();
+  if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", acc);
+  rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, acc);
+  const int64_t N = logp.size(0);
+  const auto opts = logp.options();
+  at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
+  at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
+  AT_DISPATCH_FLOATING_TYPES(acc, "policy_token_loss", [&] {
+    // Checked before the N == 0 return, so that bad scalars fail on every batch.
+    const rlk::TokenLossParams<scalar_t> params = rlk::token_loss_params<scalar_t>(
+        objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
+        entropy_coef, log_ratio_clamp);
+    if (N == 0) return;
+    const auto ptr = [](const std::optional<at::Tensor>& t) {
+      return t.has_value() ? t->const_data_ptr<scalar_t>() : nullptr;
+    };
+    const scalar_t *l_p = logp.const_data_ptr<scalar_t>(), *h_p = ptr(entropy), *w_p = weight.const_data_ptr<scalar_t>();
+    const scalar_t *a_p = ptr(adv), *old_p = ptr(old_logp), *ref_p = ptr(ref_logp);
+    const bool* m_p = mask.const_data_ptr<bool>();
+    scalar_t* gl_p = grad_logp.mutable_data_ptr<scalar_t>();
+    scalar_t* ge_p = grad_entropy.mutable_data_ptr<scalar_t>();
+    scalar_t* st_p = stats.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        // Absent: no entropy (H = 0), no advantage (A = 0: no surrogate, only the KL and entropy terms).
+        const rlk::TokenIn<scalar_t> in{l_p[n], h_p != nullptr ? h_p[n] : scalar_t(0), m_p[n], w_p[n],
+                                        a_p != nullptr ? a_p[n] : scalar_t(0),
+                                        old_p != nullptr, old_p != nullptr ? old_p[n] : scalar_t(0),
+                                        ref_p != nullptr, ref_p != nullptr ? ref_p[n] : scalar_t(0)};
+        const rlk::TokenOut<scalar_t> out = rlk::token_loss(in, params);
+        gl_p[n] = out.grad_logp;
+        ge_p[n] = out.grad_entropy;
+        std::copy(out.stats, out.stats + rlk::kNumStats, st_p + n * rlk::kNumStats);
+      }
+    });
+  });
+  return {grad_logp, grad_entropy, stats};
+}
+
+}  // namespace
+}  // namespace rlk_cpu
+
+TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
+  // The per-token policy loss at given log-probs (N,); the scalars are those of policy_token_fwd.
+  // Returns (grad_logp, grad_entropy, stats).
+  m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
+        " Tensor? ref_logp, int objective, float clip_low, float clip_high, float delta, float dual_clip,"
+        " int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction, float entropy_coef,"
+        " float log_ratio_clamp) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) { m.impl("policy_token_loss", &rlk_cpu::policy_token_loss_cpu); }

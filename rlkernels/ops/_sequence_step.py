@@ -1,0 +1,177 @@
+"""The loss of a sequence-level ratio at given log-probs, in a few launches and without autograd.
+
+Once the forward pass has given every ℓ and H, a sequence-level loss is the token-level KL and
+entropy terms plus a surrogate that couples the tokens of a row (docs/math.md §5). Both are
+evaluated by the backend's `policy_token_loss` (the same per-token formula as the fused forward
+kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
+
+* the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate);
+* the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
+  objective of the mean log-ratio; SNIS: REINFORCE on Σ_t m ℓ with SNIS's coefficient as its
+  advantage), its derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens
+  where the surrogate is per token with a row's value (GSPO-token: the clip objective at the
+  clamped sequence log-ratio, VESPO: REINFORCE with A·φ(w_i)).
+
+A surrogate is per row only when its loss is the same on every token of the row (then its
+aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
+SNIS's coefficient, VESPO's φ) is computed by the functions of `losses/surrogates.py`, the spec.
+Other ratios and objectives (FSPO, GMPO, SAPO) return None: the caller takes autograd of `losses/`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..losses import LossOutput, PolicyLossConfig
+from ..losses.aggregation import aggregation_weights
+from ..losses.inputs import LossInputs
+from ..losses.metrics import metrics_from_sums
+from ..losses.policy_loss import masked_batch, surrogate_weights
+from ..losses.surrogates import gepo_log_expectation, snis_advantage, vespo_weight
+from .token_loss_params import surrogate_params, token_terms_params
+
+# (ratio, objective) → how its surrogate is evaluated
+_ROW_CLIP = {("sequence", "clip"), ("group_expectation", "clip")}
+_TOKEN_CLIP = {("sequence_token", "clip")}
+_SUPPORTED = _ROW_CLIP | _TOKEN_CLIP | {("snis", "reinforce"), ("sequence_sum", "vespo")}
+
+
+def evaluates(kernels, config: PolicyLossConfig) -> bool:
+    """Whether `sequence_step` takes this config with these kernels."""
+    return hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _SUPPORTED
+
+
+def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):
+    """(the loss and metrics, ∂loss/∂ℓ flat, ∂loss/∂H flat or None) at flat `(N,)` log-probs and entropies."""
+    mask = inputs.mask
+    B, T = mask.shape
+    zero = logp.new_zeros(())
+    flat_mask = mask.reshape(-1)
+    weights = aggregation_weights(mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
+                                  norm_length=config.norm_length, dtype=logp.dtype)
+    tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
+        logp, entropy, flat_mask, weights.view(-1), None, inputs.flat("old_logp"), inputs.flat("ref_logp"),
+        token_terms_params(config))
+
+    omega = _surrogate_weights(logp, entropy, inputs, config)  # (B, T) or None, 0 where masked
+    rows = _Rows(logp.view(B, T), inputs, zero)
+    key = (config.ratio, config.objective)
+    if key in _TOKEN_CLIP or key == ("sequence_sum", "vespo"):
+        sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
+    else:
+        sur_grad, sums, ratio_max = _row_surrogate(kernels, rows, weights, omega, inputs, config)
+
+    tok_sums = tok_stats.sum(0)
+    sums = torch.cat([tok_sums[:1] + sums[:1], sums[1:4], tok_sums[4:]])
+    metrics = metrics_from_sums(sums[1:], mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    grad_h = tok_grad_h if config.entropy_coef != 0 else None
+    return LossOutput(sums[0], metrics), tok_grad + sur_grad, grad_h
+
+
+class _Rows:
+    """Row sums of a `(B, T)` batch, each formed when first read (every one is a launch or two)."""
+
+    def __init__(self, logp: Tensor, inputs: LossInputs, zero: Tensor):
+        self.logp, self.mask, self.old_logp, self.zero = logp, inputs.mask, inputs.old_logp, zero
+        self.lengths = self.mask.sum(-1).to(logp.dtype)  # L_i
+        self.divisor = self.lengths.clamp(min=1)
+
+    def masked_sum(self, x) -> Tensor:
+        return torch.where(self.mask, x, self.zero).sum(-1)
+
+    @functools.cached_property
+    def logp_sum(self) -> Tensor:
+        """S = Σ_t m ℓ."""
+        return self.masked_sum(self.logp)
+
+    @functools.cached_property
+    def old_sum(self) -> Tensor:
+        """Σ_t m ℓ_old (S on-policy)."""
+        return self.logp_sum if self.old_logp is None else self.masked_sum(self.old_logp)
+
+    @functools.cached_property
+    def log_ratio_sum(self) -> Tensor:
+        """Σ_t m (ℓ − ℓ_old), summed as differences (not S − S_old, which cancels), as `losses/` does."""
+        return self.zero.expand(self.mask.shape[0]) if self.old_logp is None else self.masked_sum(self.logp - self.old_logp)
+
+    def to_tokens(self, row_grad: Tensor) -> Tensor:
+        """∂/∂ℓ of each token (flat) from ∂/∂S of its row: S = Σ_t m ℓ."""
+        return torch.where(self.mask, row_grad[:, None], self.zero).reshape(-1)
+
+
+def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConfig) -> Optional[Tensor]:
+    """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked."""
+    if config.off_policy_mask is None and config.top_entropy_quantile is None:
+        if inputs.is_weights is None:
+            return None
+        return torch.where(inputs.mask, inputs.is_weights, 0.0)
+    B, T = inputs.mask.shape
+    b, _, h = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
+    return surrogate_weights(b, inputs, config, h)
+
+
+def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """A surrogate with one value per row: `policy_token_loss` over the rows."""
+    valid = rows.lengths > 0
+    row_weight = (weights if omega is None else weights * omega).sum(-1)  # W_i
+    c = config.log_ratio_clamp
+    ratio = None  # the ratio statistic, when it is not the op's
+    if config.ratio == "snis":  # −coef·S: REINFORCE with A = coef
+        log_rho = rows.log_ratio_sum.clamp(-c, c)
+        adv = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, valid)
+        x, x_old, divisor, objective = rows.logp_sum, None, None, "reinforce"
+        ratio = torch.where(valid, torch.exp(log_rho), rows.zero)
+    elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
+        x, divisor, objective, adv = rows.logp_sum / rows.divisor, rows.divisor, "clip", inputs.adv_row
+        x_old = gepo_log_expectation(rows.old_sum / rows.divisor, inputs.group, inputs.num_groups, valid)
+    else:  # GSPO: the clip objective of the mean log-ratio
+        x, divisor, objective, adv = rows.log_ratio_sum / rows.divisor, rows.divisor, "clip", inputs.adv_row
+        x_old = torch.zeros_like(x)
+    row_grad, _, stats = kernels.policy_token_loss(x.contiguous(), None, valid, row_weight, adv.contiguous(),
+                                                   None if x_old is None else x_old.contiguous(), None,
+                                                   surrogate_params(config, objective))
+    grad = rows.to_tokens(row_grad if divisor is None else row_grad / divisor)
+    if ratio is not None:
+        stats = torch.cat([stats[:, :3], ratio[:, None]], 1)
+    # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
+    counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(stats.dtype)
+    return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, 3])
+
+
+def _row_sums(stats: Tensor, counted: Tensor, lengths: Tensor) -> Tensor:
+    """(loss, clip_low, clip_high, ratio) summed over tokens from per-row stats: each flag counts on `counted`
+    tokens of its row, the ratio on all `lengths` of them."""
+    per_token = torch.stack([torch.ones_like(lengths), counted, counted, lengths], 1)
+    return (stats[:, :4] * per_token).sum(0)
+
+
+def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """A per-token surrogate with a row's value: `policy_token_loss` over the tokens."""
+    B, T = rows.mask.shape
+    adv = inputs.adv if omega is None else inputs.adv * omega  # ω folded into A: exact, see _loss_step.kernel_inputs
+    c = config.log_ratio_clamp
+    if config.ratio == "sequence_token":  # the clip objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
+        log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)
+        x = log_s[:, None].expand(B, T).reshape(-1)
+        grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
+                                                   adv.reshape(-1), torch.zeros_like(x), None,
+                                                   surrogate_params(config, "clip"))
+        return grad, stats.sum(0)[:4], _max(stats[:, 3])
+    # VESPO: −φ(w_i)·A·ℓ, REINFORCE with A·φ; its ratio statistic is the sequence ratio w_i.
+    old = inputs.old_logp
+    log_ratio_sum = rows.log_ratio_sum if old is None else rows.masked_sum((rows.logp - old).clamp(-c, c))
+    phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config)
+    grad, _, stats = kernels.policy_token_loss(logp, None, rows.mask.reshape(-1), weights.reshape(-1),
+                                               (adv * phi[:, None]).reshape(-1), None, None,
+                                               surrogate_params(config, "reinforce"))
+    w = torch.where(rows.lengths > 0, w, rows.zero)
+    ratio_sum = (w * rows.lengths).sum()
+    return grad, torch.cat([stats[:, 0].sum().reshape(1), rows.zero.expand(2), ratio_sum.reshape(1)]), _max(w)
+
+
+def _max(ratios: Tensor) -> Tensor:
+    """The largest of ratios ≥ 0 that are 0 where masked (0 for none)."""
+    return ratios.amax() if ratios.numel() else ratios.new_zeros(())
