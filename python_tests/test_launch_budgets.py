@@ -41,8 +41,15 @@ def test_no_host_sync_on_any_path(preset, backend):
     assert launches.fused_linear_policy_loss_count(preset, 512, backend).syncs == SYNCS.get(preset, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="the sequence-level (B, T) step of losses/ still takes ~100 ops; "
-                                       "the issue's budget is 48")
-@pytest.mark.parametrize("preset", SEQUENCE_LEVEL)
+# Sequence-level surrogates that `ops/_sequence_step` evaluates with `policy_token_loss` and that fit the budget;
+# the others are over it: GEPO and SNIS (the group reductions of their row step, ~16 ops per group log-sum-exp),
+# FSPO and GMPO (the autograd of `losses/`: per-row clip bounds, per-token log-space clips).
+OVER_BUDGET = {"gepo", "snis", "fspo", "gmpo"}
+
+
+@pytest.mark.parametrize("preset", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="over the issue's budget of 48 ops"))
+    if name in OVER_BUDGET else name for name in SEQUENCE_LEVEL])
 def test_sequence_level_budget(preset):
-    assert launches.fused_policy_loss_count(preset, "cpu").ops <= 48
+    c = launches.fused_policy_loss_count(preset, "cpu")
+    assert c.ops <= 48, c.names

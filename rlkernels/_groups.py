@@ -78,26 +78,21 @@ def pair_index(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, int]:
 
 
 def group_sum(x: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``(G,)`` sums of ``x (B,)`` over each group."""
-    return x.new_zeros(num_groups).index_add_(0, inverse, x)
+    """``(G, ...)`` sums of ``x (B, ...)`` over each group."""
+    return x.new_zeros((num_groups, *x.shape[1:])).index_add_(0, inverse, x)
 
 
 def group_reduce(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, op: str) -> torch.Tensor:
-    """``(G,)`` ``op`` ("amax" / "amin") of ``x (B,)`` over each group (every group is non-empty)."""
-    return x.new_zeros(num_groups).scatter_reduce_(0, inverse, x, op, include_self=False)
-
-
-def group_mean(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor) -> torch.Tensor:
-    """``(G,)`` mean of ``x (B,)`` over the ``valid`` rows of each group (0 for a group with none)."""
-    sums = group_sum(torch.where(valid, x, torch.zeros_like(x)), inverse, num_groups)
-    return sums / group_sum(valid.to(x.dtype), inverse, num_groups).clamp(min=1)
+    """``(G, ...)`` ``op`` ("amax" / "amin") of ``x (B, ...)`` over each group (every group is non-empty)."""
+    index = inverse.view(-1, *(1,) * (x.dim() - 1)).expand_as(x)
+    return x.new_zeros((num_groups, *x.shape[1:])).scatter_reduce_(0, index, x, op, include_self=False)
 
 
 def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor) -> torch.Tensor:
-    """``(G,)`` logsumexp of ``x (B,)`` over the ``valid`` rows of each group (−inf for a group with none)."""
-    x = x.masked_fill(~valid, float("-inf"))
-    top = group_reduce(x, inverse, num_groups, "amax")
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    """``(G, ...)`` logsumexp of ``x (B, ...)`` over the ``valid`` rows of each group (−inf for a group with
+    none); ``valid`` broadcasts against ``x``."""
+    x = torch.where(valid, x, float("-inf"))
+    top = group_reduce(x, inverse, num_groups, "amax").nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
     return torch.log(group_sum(torch.exp(x - top[inverse]), inverse, num_groups)) + top
 
 

@@ -42,8 +42,8 @@ Every backend module exposes the same two functions over flattened rows
         REINFORCE: s = −A·ℓ,  clip_low = clip_high = false
         KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                    is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
-                   (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w (detached) under
-                   kl_bias_correction, and s += β·k; the `kl` statistic is that k. No ref: kl = 0.
+                   (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w under kl_bias_correction
+                   (differentiated through w too), and s += β·k; the `kl` statistic is that k. No ref: kl = 0.
         entropy:   s −= c_H·H
         approx_kl = k3(clamp(ℓ_old − ℓ, −c, c)),  ratio = w
 
@@ -56,4 +56,13 @@ Every backend module exposes the same two functions over flattened rows
     ``stats[:, 3].amax()`` the masked ratio max, as every ratio is ≥ 0). A row whose target is
     outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
     on the device).
+
+``policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params)``
+``-> (grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
+    The per-token loss of ``policy_token_fwd`` at given log-probs, without logits: ``logp (N,)``
+    in the accumulation dtype (fp32; cpu also fp64), contiguous; ``entropy (N,)`` or ``None``
+    (H = 0); ``adv`` ``(N,)`` or ``None`` (A = 0: no surrogate, only the KL and entropy terms);
+    the other inputs, the params and the three outputs as in ``policy_token_fwd``. The
+    sequence-level losses call it once over the tokens for their KL and entropy terms and once
+    over the rows (or tokens) for their surrogate (``ops/_sequence_step.py``).
 """

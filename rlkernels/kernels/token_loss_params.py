@@ -24,6 +24,6 @@ class TokenLossParams:
     kl_estimator: int  # KL_NONE, KL_K1, KL_K2, KL_K3; the estimator of the KL *loss* term
     kl_coef: float  # β (0 with KL_NONE)
     kl_clamp: float  # the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
-    kl_bias_correction: bool  # the KL term times the (detached) clamped ratio w
+    kl_bias_correction: bool  # the KL term times the clamped ratio w (differentiated through w too)
     entropy_coef: float  # c_H: ℓoss −= c_H·H
     log_ratio_clamp: float  # c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]

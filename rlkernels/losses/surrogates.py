@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .._groups import group_logsumexp, group_mean, group_sum
+from .._groups import group_logsumexp, group_sum
 from .aggregation import masked_sum_rows
 
 
@@ -255,8 +255,8 @@ def group_expectation(b: Batch, cfg) -> Surrogate:
 
 def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor):
     """log Ê_g of each row's group (B,): log Σ_g q_j² − log Σ_g q_j over the valid rows, log q_j the mean ℓ_old."""
-    log_e = group_logsumexp(2 * log_q, group, num_groups, valid) - group_logsumexp(log_q, group, num_groups, valid)
-    return log_e[group]
+    both = group_logsumexp(torch.stack([2 * log_q, log_q], 1), group, num_groups, valid[:, None])  # one reduction
+    return (both[:, 0] - both[:, 1])[group]
 
 
 def geometric(b: Batch, cfg) -> Surrogate:
@@ -289,11 +289,11 @@ def snis(b: Batch, cfg) -> Surrogate:
 def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Tensor, num_groups: int,
                    valid: torch.Tensor) -> torch.Tensor:
     """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from the clamped log ρ_i; 0 for invalid rows."""
-    counts = group_sum(valid.to(log_rho.dtype), group, num_groups)
-    log_mean = group_logsumexp(log_rho, group, num_groups, valid) - torch.log(counts.clamp(min=1))
-    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[group]), torch.zeros_like(log_rho))
-    baseline = group_mean(w_hat * rewards, group, num_groups, valid)[group]
-    return w_hat * (rewards - baseline)
+    counts = group_sum(valid.to(log_rho.dtype), group, num_groups).clamp(min=1)
+    log_mean = group_logsumexp(log_rho, group, num_groups, valid) - torch.log(counts)
+    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[group]), 0.0)
+    baseline = group_sum(w_hat * rewards, group, num_groups) / counts  # over the valid rows: ŵ is 0 on the others
+    return w_hat * (rewards - baseline[group])
 
 
 BY_RATIO = {

@@ -1,5 +1,5 @@
-// The token-level policy loss of one token (docs/math.md; the contract is `policy_token_fwd` in
-// rlkernels/kernels/__init__.py): its value, its derivatives with respect to the token's log-prob
+// The token-level policy loss of one token (docs/math.md; the contracts are `policy_token_fwd` and
+// `policy_token_loss` in rlkernels/kernels/__init__.py): its value, its derivatives with respect to the token's log-prob
 // ℓ and entropy H, and the 7 statistics. Written once for the CPU (T = float, double) and CUDA
 // (T = float) kernels, which call it on the row's results of the forward pass. No torch includes.
 //
