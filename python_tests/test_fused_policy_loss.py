@@ -222,7 +222,8 @@ def test_sliced_logits_are_read_in_place(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo"])  # in the kernel (clip), general path, sequence
+# in the kernel (clip), the general path, and the sequence-level step (row-level and token-level surrogates)
+@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo"])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_importance_weights_equal_the_composition(backend, name, per_row):
     """`is_weights` on both fused paths (logits, hidden states) = `policy_loss(..., is_weights=...)`:
@@ -235,10 +236,10 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     w = torch.rand(B if per_row else (B, T), generator=g) * 1.6
     w = w.masked_fill(w < 0.3, 0.0)
     kw = dict(_kwargs(inputs, config), is_weights=w)
-    if name == "ppo":  # and the off-policy mask, which takes the general path
+    if name in ("ppo", "gspo_token"):  # and the off-policy mask
         config = config.replace(off_policy_mask=0.01)
         kw["rollout_logp"] = inputs["old_logp"].float() + 0.1
-    if name == "cispo":  # and the entropy mask (the kernels' entropies)
+    if name in ("cispo", "gepo"):  # and the entropy mask (the kernels' entropies)
         config = config.replace(top_entropy_quantile=0.5)
 
     x = logits.clone().requires_grad_(True)

@@ -52,4 +52,6 @@ OVER_BUDGET = {"gepo", "snis", "fspo", "gmpo"}
     if name in OVER_BUDGET else name for name in SEQUENCE_LEVEL])
 def test_sequence_level_budget(preset):
     c = launches.fused_policy_loss_count(preset, "cpu")
+    if preset not in ("fspo", "gmpo"):  # the KL and entropy terms, then the surrogate, by the kernel
+        assert c.names.get("rlkernels_C::policy_token_loss") == 2, c.names
     assert c.ops <= 48, c.names
