@@ -144,7 +144,8 @@ def token_loss(
         if KL != KL_NONE:
             s += kl_coef * kl
             ds += kl_coef * dkl
-    s -= entropy_coef * entropy
+    # Without a bonus H is not read (0·NaN would be NaN), as in losses/ and token_loss.h.
+    s -= entropy_coef * tl.where(entropy_coef != 0.0, entropy, 0.0)
     # A NaN ℓ (on a GPU, a target outside [0, V): not checked there) keeps its gradient NaN;
     # a clipped branch would give 0 and hide it.
     ds = tl.where(logp != logp, logp, ds)
