@@ -33,15 +33,14 @@ from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import gepo_log_expectation, snis_advantage, vespo_weight
 from .token_loss_params import surrogate_params, token_terms_params
 
-# (ratio, objective) → how its surrogate is evaluated
-_ROW_CLIP = {("sequence", "clip"), ("group_expectation", "clip")}
-_TOKEN_CLIP = {("sequence_token", "clip")}
-_SUPPORTED = _ROW_CLIP | _TOKEN_CLIP | {("snis", "reinforce"), ("sequence_sum", "vespo")}
+# The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
+_PER_ROW = {("sequence", "clip"), ("group_expectation", "clip"), ("snis", "reinforce")}
+_PER_TOKEN = {("sequence_token", "clip"), ("sequence_sum", "vespo")}
 
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels."""
-    return hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _SUPPORTED
+    return hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _PER_ROW | _PER_TOKEN
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):
@@ -58,8 +57,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
 
     omega = _surrogate_weights(logp, entropy, inputs, config)  # (B, T) or None, 0 where masked
     rows = _Rows(logp.view(B, T), inputs, zero)
-    key = (config.ratio, config.objective)
-    if key in _TOKEN_CLIP or key == ("sequence_sum", "vespo"):
+    if (config.ratio, config.objective) in _PER_TOKEN:
         sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
     else:
         sur_grad, sums, ratio_max = _row_surrogate(kernels, rows, weights, omega, inputs, config)
