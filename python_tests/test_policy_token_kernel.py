@@ -60,6 +60,13 @@ CASES = {
     "cispo_no_low": _case(objective="cispo", clip_low=None, clip_high=0.3, exercises=("clip_high",)),
     "cispo": _case(objective="cispo", clip_low=0.2, clip_high=0.4, exercises=("clip_low", "clip_high")),
     "reinforce": _case(objective="reinforce", agg="seq_mean_token_mean"),
+    "sapo": _case(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, ref=True, kl_estimator="k3", kl_coef=0.05),
+    # Log-probs here are ~−6 (V = 301): every token is inside DPPO's trust region (test_policy_token_loss.py
+    # reaches both sides with log-probs drawn directly).
+    "dppo_tv": _case(objective="dppo_tv", clip_low=0.15, clip_high=0.1),
+    "dppo_kl_cap": _case(objective="dppo_kl", clip_low=0.05, clip_high=0.03, ratio_cap=1.5, entropy_coef=0.01),
+    "dro": _case(objective="dro", dro_beta=0.3, ref=True, kl_estimator="k2", kl_coef=0.1),
+    "dro_on_policy": _case(objective="dro", dro_beta=0.3, on_policy=True),
     "kl_k1": _case(ref=True, kl_estimator="k1", kl_coef=0.1),
     "kl_k1_bias": _case(ref=True, kl_estimator="k1", kl_coef=0.2, kl_bias_correction=True),
     "kl_k2_clamp": _case(ref=True, kl_estimator="k2", kl_coef=0.05, kl_clamp=0.2, exercises=("kl_clamp",)),
@@ -335,7 +342,7 @@ def test_bad_scalars_name_the_argument():
     a = _valid_args()
     cases = [
         ("temperature", dict(temperature=0.0)),
-        ("objective", dict(objective=3)),
+        ("objective", dict(objective=7)),
         ("kl_estimator", dict(kl_estimator=4)),
         ("clip_low", dict(clip_low=math.nan)),
         ("clip_low", dict(clip_low=-0.1)),
@@ -351,6 +358,11 @@ def test_bad_scalars_name_the_argument():
         ("entropy_coef", dict(entropy_coef=math.nan)),
         ("log_ratio_clamp", dict(log_ratio_clamp=math.nan)),
         ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
+        ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
+        ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
+        ("ratio_cap", dict(ratio_cap=0.0)),
+        ("dro_beta", dict(dro_beta=-0.1)),
+        ("dro_beta", dict(dro_beta=math.inf)),
     ]
     for name, change in cases:
         temperature = change.pop("temperature", 1.0)

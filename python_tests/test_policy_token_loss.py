@@ -117,6 +117,12 @@ CASES = {
                                         exercises=("clip_low", "clip_high", "dual_clip")),
     "clip_log_ratio_clamp": _case(log_ratio_clamp=0.8, exercises=("clip_low", "clip_high", "log_ratio_clamp")),
     "cispo": _case(objective="cispo", clip_low=0.2, clip_high=0.4, exercises=("clip_low", "clip_high")),
+    "sapo": _case(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, ref=True, kl_estimator="k3", kl_coef=0.05),
+    "dppo_tv": _case(objective="dppo_tv", clip_low=0.05, clip_high=0.03, exercises=("clip_low", "clip_high")),
+    "dppo_kl_cap": _case(objective="dppo_kl", clip_low=0.05, clip_high=0.03, ratio_cap=1.5, entropy_coef=0.01,
+                         exercises=("clip_low", "clip_high")),
+    "dro": _case(objective="dro", dro_beta=0.3, ref=True, kl_estimator="k2", kl_coef=0.1),
+    "dro_on_policy": _case(objective="dro", dro_beta=0.3, old=False),
     "cispo_no_low_clamp": _case(objective="cispo", clip_low=None, clip_high=0.3, log_ratio_clamp=0.8,
                                 ref=True, kl_estimator="k1", kl_coef=0.1,
                                 exercises=("clip_high", "log_ratio_clamp", "kl_log_ratio_clamp")),
@@ -190,7 +196,8 @@ def _inputs(case: Case, acc: torch.dtype, seed: int, shape=(B, T)) -> Inputs:
     lengths[0], lengths[min(2, b - 1)] = t, 0  # a full row and an empty one
     mask = (torch.arange(t)[None, :] < lengths[:, None]) & (torch.rand(b, t, generator=gen) > 0.1)  # and holes
     weight = aggregation_weights(mask, cfg.agg, norm_length=cfg.norm_length, dtype=torch.float64)
-    logp = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 6
+    # ℓ ≤ −HALF_WIDTH, so that ℓ_old = ℓ − r ≤ 0 too: log-probs (DPPO's e^ℓ_old is a probability)
+    logp = -HALF_WIDTH - torch.rand(b, t, generator=gen, dtype=torch.float64) * 5
     entropy = torch.rand(b, t, generator=gen, dtype=torch.float64) * 4 if case.entropy else None
     adv = None
     if case.adv:
@@ -550,7 +557,7 @@ def test_cpu_bad_scalars_name_the_argument(n):
     """Refused on every batch, the empty one too."""
     a = _valid_args(n)
     cases = [
-        ("objective", dict(objective=3)),
+        ("objective", dict(objective=7)),
         ("kl_estimator", dict(kl_estimator=4)),
         ("clip_low", dict(clip_low=-0.1)),
         ("clip_high", dict(clip_high=math.nan)),
@@ -560,6 +567,11 @@ def test_cpu_bad_scalars_name_the_argument(n):
         ("kl_clamp", dict(kl_clamp=0.0)),
         ("entropy_coef", dict(entropy_coef=math.nan)),
         ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
+        ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
+        ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
+        ("ratio_cap", dict(ratio_cap=0.0)),
+        ("dro_beta", dict(dro_beta=-0.1)),
+        ("dro_beta", dict(dro_beta=math.inf)),
     ]
     for name, change in cases:
         with pytest.raises((RuntimeError, ValueError, TypeError), match=_names(name)):

@@ -137,6 +137,12 @@ CASES = [
     case("seq-mean-weights-two-tiles", vocab=700, agg="seq_mean_token_mean",
          kl_estimator="k3", kl_coef=0.05),
     case("small-c", log_ratio_clamp=0.3, kl_estimator="k3", kl_coef=0.1, entropy_coef=0.01),
+    case("sapo", objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_estimator="k3", kl_coef=0.05),
+    case("dppo-tv", objective="dppo_tv", clip_low=0.15, clip_high=0.15, entropy_coef=0.01),
+    case("dppo-kl-cap-bf16", dtype=torch.bfloat16, objective="dppo_kl", clip_low=0.05, clip_high=0.05,
+         ratio_cap=1.5),
+    case("dro", objective="dro", dro_beta=0.1, kl_estimator="k2", kl_coef=0.1),
+    case("dro-on-policy", objective="dro", dro_beta=0.1, old=False),
 ]
 
 

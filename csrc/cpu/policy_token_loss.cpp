@@ -25,7 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
     const std::optional<at::Tensor>& ref_logp, int64_t objective, double clip_low, double clip_high, double delta,
     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
-    double entropy_coef, double log_ratio_clamp) {
+    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
+    double dro_beta) {
   TORCH_CHECK(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
   TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
                    "logp: expected dtype float32 or float64, got ", logp.scalar_type());
@@ -42,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
     const rlk::TokenLossParams<scalar_t> params = rlk::token_loss_params<scalar_t>(
         objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-        entropy_coef, log_ratio_clamp);
+        entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
     if (N == 0) return;
     const auto ptr = [](const std::optional<at::Tensor>& t) {
       return t.has_value() ? t->const_data_ptr<scalar_t>() : nullptr;
@@ -79,7 +80,8 @@ TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
   m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
         " Tensor? ref_logp, int objective, float clip_low, float clip_high, float delta, float dual_clip,"
         " int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction, float entropy_coef,"
-        " float log_ratio_clamp) -> (Tensor, Tensor, Tensor)");
+        " float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap, float dro_beta)"
+        " -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) { m.impl("policy_token_loss", &rlk_cpu::policy_token_loss_cpu); }

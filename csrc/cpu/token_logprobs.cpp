@@ -405,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
     double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
     int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
-    double log_ratio_clamp) {
+    double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
@@ -423,7 +423,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
     const rlk::TokenLossParams<acc_t> params = rlk::token_loss_params<acc_t>(
         objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-        entropy_coef, log_ratio_clamp);
+        entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
     if (N == 0) return;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t* y = tgt.const_data_ptr<int64_t>();
@@ -477,7 +477,8 @@ TORCH_LIBRARY(rlkernels_C, m) {
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
         " Tensor? ref_logp, float temperature, int objective, float clip_low, float clip_high, float delta,"
         " float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
-        " float entropy_coef, float log_ratio_clamp) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        " float entropy_coef, float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap,"
+        " float dro_beta) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {

@@ -140,14 +140,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
     double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
     int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
-    double log_ratio_clamp) {
+    double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
   check_logits(logits);
   const at::Tensor tgt = check_targets(targets, logits);
   const float inv_tau = inv_temperature(temperature);
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-      entropy_coef, log_ratio_clamp);
+      entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
@@ -172,7 +172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
     const std::optional<at::Tensor>& ref_logp, int64_t objective, double clip_low, double clip_high, double delta,
     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
-    double entropy_coef, double log_ratio_clamp) {
+    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
+    double dro_beta) {
   TORCH_CHECK(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
   TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
   TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
@@ -181,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-      entropy_coef, log_ratio_clamp);
+      entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
   const int64_t N = logp.size(0);
   const auto opts = logp.options();
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);

@@ -186,9 +186,9 @@ void nan_rows() {
 
 // The derivatives of token_loss (double) against central differences of its loss value, for random
 // parameters (every objective, bound and KL option) and tokens. Where the loss holds a detached
-// value (on-policy ℓ_old, CISPO's clamped weight, the KL bias correction's weight) the gradient is
-// not the derivative of the value; those are checked through identities that remove the detached
-// value. A token within h of a kink shows as one-sided differences that disagree: it is skipped,
+// value (on-policy ℓ_old, CISPO's clamped weight, DPPO's capped weight and trust region, the KL bias
+// correction's weight) the gradient is not the derivative of the value; those are checked through
+// identities that remove the detached value. A token within h of a kink shows as one-sided differences that disagree: it is skipped,
 // and there must be few.
 void token_loss_derivatives(std::mt19937& rng) {
   std::uniform_real_distribution<double> unit(0.0, 1.0);
@@ -199,7 +199,7 @@ void token_loss_derivatives(std::mt19937& rng) {
   int checked = 0, skipped = 0;
   for (int trial = 0; trial < 4000; ++trial) {
     rlk::TokenLossParams<double> p;
-    p.objective = static_cast<int>(rng() % 3);
+    p.objective = static_cast<int>(rng() % 7);
     p.clip_low = pick(0.1 + 0.2 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
     p.clip_high = pick(0.1 + 0.3 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
     p.delta = pick(1.5 + unit(rng), 0.5);
@@ -210,6 +210,10 @@ void token_loss_derivatives(std::mt19937& rng) {
     p.kl_bias_correction = rng() % 2 == 0;
     p.entropy_coef = rng() % 2 == 0 ? 0.0 : 0.05 * normal(rng);
     p.log_ratio_clamp = rng() % 2 == 0 ? 20.0 : 0.3 + unit(rng);
+    p.sapo_tau_pos = 0.5 + unit(rng);
+    p.sapo_tau_neg = 0.5 + unit(rng);
+    p.ratio_cap = pick(1.0 + unit(rng), 0.5);
+    p.dro_beta = unit(rng);
     rlk::TokenIn<double> in;
     in.logp = -5.0 * unit(rng);
     in.entropy = 3.0 * unit(rng);
@@ -251,6 +255,19 @@ void token_loss_derivatives(std::mt19937& rng) {
       scaled.adv = rlk::clamp_(w, 1 - p.clip_low, 1 + p.clip_high) * in.adv;
       const rlk::TokenOut<double> o = rlk::token_loss(scaled, reinforce);
       if (!close(out.grad_logp, o.grad_logp, scale)) fail_token("token_loss cispo", trial, out.grad_logp, o.grad_logp);
+      continue;
+    }
+    if (p.objective == rlk::kDppoTv || p.objective == rlk::kDppoKl) {
+      // Inside the trust region REINFORCE with A·min(w, cap) (a constant), outside only the other terms.
+      rlk::TokenLossParams<double> reinforce = p;
+      reinforce.objective = rlk::kReinforce;
+      rlk::TokenIn<double> inside = in, outside = in;
+      inside.adv = std::fmin(out.stats[rlk::kStatRatio], p.ratio_cap) * in.adv;
+      outside.adv = 0;
+      const double a = rlk::token_loss(inside, reinforce).grad_logp, b = rlk::token_loss(outside, reinforce).grad_logp;
+      if (!close(out.grad_logp, a, scale) && !close(out.grad_logp, b, scale)) {
+        fail_token("token_loss dppo", trial, out.grad_logp, a);
+      }
       continue;
     }
     auto loss = [&](double dl, double dh) {

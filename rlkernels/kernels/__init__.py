@@ -40,6 +40,14 @@ Every backend module exposes the same two functions over flattened rows
         CISPO:     s = −clamp(w, 1 − ε_low, 1 + ε_high)·A·ℓ   (the clamped w is a constant)
                    clip_low = w < 1 − ε_low,  clip_high = w > 1 + ε_high
         REINFORCE: s = −A·ℓ,  clip_low = clip_high = false
+        SAPO:      s = −A·σ(τ(w − 1))·4/τ, τ = sapo_tau_pos where A > 0, else sapo_tau_neg; no flags
+        DPPO_TV/KL: with p = e^ℓ, p_old = e^ℓ_old and D the divergence of (p_old, 1 − p_old) to
+                   (p, 1 − p) (TV: p − p_old; KL: p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − p_old
+                   + 1e-8)/(1 − p + 1e-8))), a token is inside when A > 0 and D ≤ ε_high (KL: or
+                   p ≤ p_old), or A ≤ 0 and D ≥ −ε_low (KL: D ≤ ε_low or p ≥ p_old);
+                   s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 outside;
+                   clip_low = outside and A < 0,  clip_high = outside and A > 0
+        DRO:       s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
         KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                    is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
                    (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w under kl_bias_correction

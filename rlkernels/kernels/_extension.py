@@ -47,7 +47,8 @@ def _loss_scalars(p):
     """The scalars of a TokenLossParams in the ops' schema order."""
     return (int(p.objective), float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip),
             int(p.kl_estimator), float(p.kl_coef), float(p.kl_clamp), bool(p.kl_bias_correction),
-            float(p.entropy_coef), float(p.log_ratio_clamp))
+            float(p.entropy_coef), float(p.log_ratio_clamp), float(p.sapo_tau_pos), float(p.sapo_tau_neg),
+            float(p.ratio_cap), float(p.dro_beta))
 
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params):

@@ -7,8 +7,9 @@ branch-free formula: clamp(w, 1 − inf, 1 + inf) = w, min(w, inf) = w, min(ℓo
 from __future__ import annotations
 
 import dataclasses
+import math
 
-CLIP, CISPO, REINFORCE = 0, 1, 2  # objective
+CLIP, CISPO, REINFORCE, SAPO, DPPO_TV, DPPO_KL, DRO = 0, 1, 2, 3, 4, 5, 6  # objective
 KL_NONE, KL_K1, KL_K2, KL_K3 = 0, 1, 2, 3  # kl_estimator (KL_NONE: no KL term in the loss)
 NUM_STATS = 7  # columns of `stats`, in this order:
 STATS = ("loss", "clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy")
@@ -16,9 +17,9 @@ STATS = ("loss", "clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy")
 
 @dataclasses.dataclass(frozen=True)
 class TokenLossParams:
-    objective: int  # CLIP, CISPO or REINFORCE
-    clip_low: float  # the ratio's lower bound is 1 − clip_low (inf: none)
-    clip_high: float  # upper bound 1 + clip_high (inf: none)
+    objective: int  # CLIP, CISPO, REINFORCE, SAPO, DPPO_TV, DPPO_KL or DRO
+    clip_low: float  # the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
+    clip_high: float  # upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
     delta: float  # unclipped branch uses min(w, delta) (inf: none)
     dual_clip: float  # for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
     kl_estimator: int  # KL_NONE, KL_K1, KL_K2, KL_K3; the estimator of the KL *loss* term
@@ -27,3 +28,7 @@ class TokenLossParams:
     kl_bias_correction: bool  # the KL term times the clamped ratio w (differentiated through w too)
     entropy_coef: float  # c_H: ℓoss −= c_H·H
     log_ratio_clamp: float  # c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0
+    sapo_tau_neg: float = 1.0  # and where A ≤ 0
+    ratio_cap: float = math.inf  # DPPO's weight is min(w, ratio_cap) (inf: none)
+    dro_beta: float = 0.0  # DRO's β

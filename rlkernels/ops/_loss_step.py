@@ -22,9 +22,9 @@ def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
     """([mask, weight, adv, old_logp, ref_logp] flat `(N,)`, `TokenLossParams`) for `policy_token_fwd`."""
     weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                                   norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
-    # Importance weights ω ≥ 0 enter as ω·A: the clip surrogate is positively homogeneous in A (so
-    # s(ω·A) = ω·s(A), and its derivative), and its clip flags, which need the sign of A, then count
-    # only tokens with ω > 0, as docs/math.md §10 defines them (`kernel_evaluates` admits only clip).
+    # Importance weights ω ≥ 0 enter as ω·A: the surrogates `kernel_evaluates` admits with weights are
+    # positively homogeneous in A (so s(ω·A) = ω·s(A), and its derivative), and their clip flags, which
+    # need the sign of A, then count only tokens with ω > 0, as docs/math.md §10 defines them.
     adv = inputs.adv if inputs.is_weights is None else inputs.adv * inputs.is_weights
     per_row = [inputs.mask.reshape(-1), weights, adv.reshape(-1).contiguous(), inputs.flat("old_logp"),
                inputs.flat("ref_logp")]

@@ -7,15 +7,15 @@ kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
 
 * the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate);
 * the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
-  objective of the mean log-ratio; SNIS: REINFORCE on Σ_t m ℓ with SNIS's coefficient as its
-  advantage), its derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens
-  where the surrogate is per token with a row's value (GSPO-token: the clip objective at the
-  clamped sequence log-ratio, VESPO: REINFORCE with A·φ(w_i)).
+  objective, or SAPO's gate, of the mean log-ratio; SNIS: REINFORCE on Σ_t m ℓ with SNIS's
+  coefficient as its advantage), its derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens
+  where the surrogate is per token with a row's value (GSPO-token: the clip objective or SAPO's
+  gate at the clamped sequence log-ratio, VESPO: REINFORCE with A·φ(w_i)).
 
 A surrogate is per row only when its loss is the same on every token of the row (then its
 aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
 SNIS's coefficient, VESPO's φ) is computed by the functions of `losses/surrogates.py`, the spec.
-Other ratios and objectives (FSPO, GMPO, SAPO) return None: the caller takes autograd of `losses/`.
+Other ratios (FSPO, GMPO) are not taken here: the caller takes autograd of `losses/`.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from ..losses.surrogates import gepo_log_expectation, snis_advantage, vespo_weig
 from .token_loss_params import surrogate_params, token_terms_params
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
-_PER_ROW = {("sequence", "clip"), ("group_expectation", "clip"), ("snis", "reinforce")}
-_PER_TOKEN = {("sequence_token", "clip"), ("sequence_sum", "vespo")}
+_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("group_expectation", "clip"), ("snis", "reinforce")}
+_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence_sum", "vespo")}
 
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
@@ -125,8 +125,8 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
     elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
         x, divisor, objective, adv = rows.logp_sum / rows.divisor, rows.divisor, "clip", inputs.adv_row
         x_old = gepo_log_expectation(rows.old_sum / rows.divisor, inputs.group, inputs.num_groups, valid)
-    else:  # GSPO: the clip objective of the mean log-ratio
-        x, divisor, objective, adv = rows.log_ratio_sum / rows.divisor, rows.divisor, "clip", inputs.adv_row
+    else:  # GSPO: the clip objective (or SAPO's gate) of the mean log-ratio
+        x, divisor, objective, adv = rows.log_ratio_sum / rows.divisor, rows.divisor, config.objective, inputs.adv_row
         x_old = torch.zeros_like(x)
     row_grad, _, stats = kernels.policy_token_loss(x.contiguous(), None, valid, row_weight, adv.contiguous(),
                                                    None if x_old is None else x_old.contiguous(), None,
@@ -151,12 +151,12 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     B, T = rows.mask.shape
     adv = inputs.adv if omega is None else inputs.adv * omega  # ω folded into A: exact, see _loss_step.kernel_inputs
     c = config.log_ratio_clamp
-    if config.ratio == "sequence_token":  # the clip objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
+    if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
         log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)
         x = log_s[:, None].expand(B, T).reshape(-1)
         grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
                                                    adv.reshape(-1), torch.zeros_like(x), None,
-                                                   surrogate_params(config, "clip"))
+                                                   surrogate_params(config, config.objective))
         return grad, stats.sum(0)[:4], _max(stats[:, 3])
     # VESPO: −φ(w_i)·A·ℓ, REINFORCE with A·φ; its ratio statistic is the sequence ratio w_i.
     old = inputs.old_logp

@@ -12,7 +12,12 @@ from typing import Optional
 from ..kernels import token_loss_params as k
 from ..losses import PolicyLossConfig
 
-_OBJECTIVES = {"clip": k.CLIP, "cispo": k.CISPO, "reinforce": k.REINFORCE}
+_OBJECTIVES = {"clip": k.CLIP, "cispo": k.CISPO, "reinforce": k.REINFORCE, "sapo": k.SAPO, "dppo_tv": k.DPPO_TV,
+               "dppo_kl": k.DPPO_KL, "dro": k.DRO}
+# Objectives whose loss and clip flags scale with ω·A for ω ≥ 0 (positively homogeneous in A, flags by its sign),
+# so that the kernels take importance weights folded into the advantage (`_loss_step.kernel_inputs`). Not CISPO
+# (its flags ignore A) nor DRO (its penalty ½β(ℓ − ℓ_old)² does not scale with A).
+_WEIGHTS_FOLD = ("clip", "reinforce", "sapo", "dppo_tv", "dppo_kl")
 _KL = {"k1": k.KL_K1, "k2": k.KL_K2, "k3": k.KL_K3}
 
 
@@ -32,14 +37,14 @@ _warned = set()
 
 def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: bool = False) -> bool:
     """Whether backend `kernels` evaluate this config's loss in their forward (`weighted`: with
-    importance weights, which they take folded into the advantage: exact for the clip objective,
-    whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
+    importance weights, which they take folded into the advantage: exact for the objectives of
+    `_WEIGHTS_FOLD`, whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
     (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
     objective its kernels do not implement yet): same values, more launches."""
     masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
     what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
-        if not weighted or config.objective == "clip":
+        if not weighted or config.objective in _WEIGHTS_FOLD:
             return True
         what += " with is_weights"
     key = (backend, what)
@@ -53,7 +58,7 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
 def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
     """The kernels' parameters of a config that `kernel_supports`."""
     if not kernel_supports(config):
-        raise ValueError("config: the fused kernels evaluate token-level clip, cispo and reinforce losses only, got "
+        raise ValueError(f"config: the fused kernels evaluate token-level {', '.join(_OBJECTIVES)} losses only, got "
                          f"ratio={config.ratio!r}, objective={config.objective!r}")
     return _params(config, _OBJECTIVES[config.objective], with_token_terms=True)
 
@@ -83,4 +88,8 @@ def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) ->
         kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
         entropy_coef=float(config.entropy_coef) if with_token_terms else 0.0,
         log_ratio_clamp=float(config.log_ratio_clamp),
+        sapo_tau_pos=float(config.sapo_tau_pos),
+        sapo_tau_neg=float(config.sapo_tau_neg),
+        ratio_cap=_bound(config.ratio_cap),
+        dro_beta=0.0 if config.dro_beta is None else float(config.dro_beta),
     )

@@ -20,7 +20,7 @@
 namespace rlk {
 
 // Mirrors rlkernels/kernels/token_loss_params.py.
-enum TokenObjective : int { kClip = 0, kCispo = 1, kReinforce = 2 };
+enum TokenObjective : int { kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6 };
 enum KlEstimator : int { kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum TokenStat : int {
   kStatLoss = 0,
@@ -35,9 +35,9 @@ enum TokenStat : int {
 
 template <typename T>
 struct TokenLossParams {
-  int objective;          // kClip, kCispo, kReinforce
-  T clip_low;             // the ratio's lower bound is 1 − clip_low (inf: none)
-  T clip_high;            // upper bound 1 + clip_high (inf: none)
+  int objective;          // a TokenObjective
+  T clip_low;             // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
+  T clip_high;            // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
   T delta;                // the unclipped branch uses min(w, delta) (inf: none)
   T dual_clip;            // for A < 0 the loss is min(loss, −dual_clip·A) (inf: none)
   int kl_estimator;       // kKlNone, kKlK1, kKlK2, kKlK3: the estimator of the KL loss term
@@ -46,6 +46,10 @@ struct TokenLossParams {
   bool kl_bias_correction;  // the KL term times the ratio w (differentiated through w too)
   T entropy_coef;         // c_H
   T log_ratio_clamp;      // c: ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
+  T sapo_tau_pos;         // SAPO's gate temperature τ where A > 0
+  T sapo_tau_neg;         // and where A ≤ 0
+  T ratio_cap;            // DPPO's weight is min(w, ratio_cap) (inf: none)
+  T dro_beta;             // DRO's β of the ½β(ℓ − ℓ_old)² penalty
 };
 
 // One token's inputs. `old_logp` is read only when has_old (else on-policy: ℓ_old = ℓ, without
@@ -132,6 +136,36 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     s = ds * in.logp;
     clip_low = w < lo;
     clip_high = w > hi;
+  } else if (p.objective == kSapo) {
+    // −A·σ(τ(w − 1))·4/τ, τ by the sign of A: a soft gate instead of a clip, differentiable everywhere.
+    const T tau = adv > T(0) ? p.sapo_tau_pos : p.sapo_tau_neg;
+    const T sig = T(1) / (T(1) + exp_(-tau * (w - T(1))));
+    s = -adv * sig * (T(4) / tau);
+    ds = -adv * T(4) * sig * (T(1) - sig) * dw;
+  } else if (p.objective == kDppoTv || p.objective == kDppoKl) {
+    // −A·sg(min(w, cap))·ℓ on the tokens inside the trust region of a divergence between the
+    // Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p), p = e^ℓ; no gradient outside.
+    const T logp_old = in.has_old ? in.old_logp : in.logp;
+    const T prob = exp_(in.logp), prob_old = exp_(logp_old);
+    bool inside_pos, inside_neg;
+    if (p.objective == kDppoTv) {
+      inside_pos = prob - prob_old <= p.clip_high;
+      inside_neg = prob - prob_old >= -p.clip_low;
+    } else {
+      const T kl = prob_old * (logp_old - in.logp) +
+                   (T(1) - prob_old) * log_((T(1) - prob_old + T(1e-8)) / (T(1) - prob + T(1e-8)));
+      inside_pos = kl <= p.clip_high || prob <= prob_old;
+      inside_neg = kl <= p.clip_low || prob >= prob_old;
+    }
+    const bool inside = adv > T(0) ? inside_pos : inside_neg;
+    ds = inside ? -adv * clamp_(w, T(0), p.ratio_cap) : T(0);
+    s = ds * in.logp;
+    clip_low = !inside && adv < T(0);
+    clip_high = !inside && adv > T(0);
+  } else if (p.objective == kDro) {
+    // −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
+    s = -(adv * in.logp - T(0.5) * p.dro_beta * d * d);
+    ds = -adv + p.dro_beta * d;
   } else {  // kReinforce
     ds = -adv;
     s = ds * in.logp;

@@ -53,9 +53,11 @@ inline double check_scalar(const char* name, double value, double low, bool stri
 template <typename T>
 TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double clip_high, double delta,
                                      double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp,
-                                     bool kl_bias_correction, double entropy_coef, double log_ratio_clamp) {
-  TORCH_CHECK(objective == kClip || objective == kCispo || objective == kReinforce,
-              "objective: expected 0 (clip), 1 (cispo) or 2 (reinforce), got ", objective);
+                                     bool kl_bias_correction, double entropy_coef, double log_ratio_clamp,
+                                     double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
+  TORCH_CHECK(objective >= kClip && objective <= kDro,
+              "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl) or 6 (dro), "
+              "got ", objective);
   TORCH_CHECK(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
               "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
   TORCH_CHECK(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
@@ -71,6 +73,10 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
   p.kl_bias_correction = kl_bias_correction;
   p.entropy_coef = static_cast<T>(entropy_coef);
   p.log_ratio_clamp = static_cast<T>(check_scalar("log_ratio_clamp", log_ratio_clamp, 0.0, true, true));
+  p.sapo_tau_pos = static_cast<T>(check_scalar("sapo_tau_pos", sapo_tau_pos, 0.0, true, false));
+  p.sapo_tau_neg = static_cast<T>(check_scalar("sapo_tau_neg", sapo_tau_neg, 0.0, true, false));
+  p.ratio_cap = static_cast<T>(check_scalar("ratio_cap", ratio_cap, 0.0, true, true));
+  p.dro_beta = static_cast<T>(check_scalar("dro_beta", dro_beta, 0.0, false, false));
   return p;
 }
 

@@ -22,7 +22,8 @@ def _policy_token_fwd_kernel(
     logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
     logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
     V, stride_row, inv_temp,
-    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -49,8 +50,8 @@ def _policy_token_fwd_kernel(
         ref_logp = tl.where(valid, tl.load(ref_logp_ptr + row), 0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
         l, old_logp, ref_logp, adv, h,
-        ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
-        log_ratio_clamp, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+        clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
+        log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
     weight = tl.load(weight_ptr + row)
     tl.store(grad_logp_ptr + row, tl.where(valid, weight * ds, 0.0))
@@ -63,6 +64,14 @@ def _policy_token_fwd_kernel(
     tl.store(stats_row + 4, tl.where(valid, approx_kl, 0.0))
     tl.store(stats_row + 5, tl.where(valid, kl, 0.0))
     tl.store(stats_row + 6, h)
+
+
+def _loss_scalars(p):
+    """The kernels' float arguments from `clip_low` to `dro_beta`, in order. float(): an int argument would
+    be typed (and specialised) as an integer."""
+    return (float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip), float(p.kl_coef),
+            float(p.kl_clamp), float(p.entropy_coef), float(p.log_ratio_clamp), float(p.sapo_tau_pos),
+            float(p.sapo_tau_neg), float(p.ratio_cap), float(p.dro_beta))
 
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params,
@@ -100,10 +109,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
             logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp,
             logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
             vocab, logits.stride(0), 1.0 / float(temperature),
-            # float(): an int argument would be typed (and specialised) as an integer.
-            1.0 - float(p.clip_low), 1.0 + float(p.clip_high), float(p.delta),
-            float(p.dual_clip), float(p.kl_coef), float(p.kl_clamp), float(p.entropy_coef),
-            float(p.log_ratio_clamp),
+            *_loss_scalars(p),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS,
             BLOCK_V=block, num_warps=warps,
@@ -115,7 +121,8 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
 def _policy_token_loss_kernel(
     logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
     grad_logp_ptr, grad_entropy_ptr, stats_ptr, n,
-    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_ADV: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
@@ -139,8 +146,8 @@ def _policy_token_loss_kernel(
         ref_logp = tl.load(ref_logp_ptr + i, mask=valid, other=0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
         logp, old_logp, ref_logp, adv, h,
-        ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
-        log_ratio_clamp, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+        clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
+        log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
     weight = tl.load(weight_ptr + i, mask=inside, other=0.0)
     tl.store(grad_logp_ptr + i, tl.where(valid, weight * ds, 0.0), mask=inside)
@@ -182,9 +189,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
             logp, *(logp if optional[k] is None else optional[k] for k in ("entropy",)), mask, weight,
             *(logp if optional[k] is None else optional[k] for k in ("adv", "old_logp", "ref_logp")),  # absent: never read
             grad_logp, grad_entropy, stats, n,
-            1.0 - float(p.clip_low), 1.0 + float(p.clip_high), float(p.delta),
-            float(p.dual_clip), float(p.kl_coef), float(p.kl_clamp), float(p.entropy_coef),
-            float(p.log_ratio_clamp),
+            *_loss_scalars(p),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_ENTROPY=entropy is not None, HAS_ADV=adv is not None,
             HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, BLOCK=block,

@@ -17,6 +17,10 @@ from .. import token_loss_params as P
 # Globals read inside @triton.jit must be constexpr.
 CLIP = tl.constexpr(P.CLIP)
 CISPO = tl.constexpr(P.CISPO)
+SAPO = tl.constexpr(P.SAPO)
+DPPO_TV = tl.constexpr(P.DPPO_TV)
+DPPO_KL = tl.constexpr(P.DPPO_KL)
+DRO = tl.constexpr(P.DRO)
 KL_NONE = tl.constexpr(P.KL_NONE)
 KL_K1 = tl.constexpr(P.KL_K1)
 KL_K2 = tl.constexpr(P.KL_K2)
@@ -58,8 +62,11 @@ def k3(x):
 
 
 @triton.jit
-def surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta, dual_clip, OBJECTIVE: tl.constexpr):
-    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w and ∂w/∂ℓ; flags as 0/1."""
+def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_clip, tau_pos, tau_neg, ratio_cap,
+              dro_beta, OBJECTIVE: tl.constexpr):
+    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, ∂w/∂ℓ and d = ℓ − ℓ_old; flags as 0/1."""
+    ratio_low = 1.0 - clip_low
+    ratio_high = 1.0 + clip_high
     if OBJECTIVE == CLIP:
         # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
         unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
@@ -85,6 +92,38 @@ def surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta, dual_clip, OBJECTI
         ds = scale
         clip_low = tl.where(w < ratio_low, 1.0, 0.0)
         clip_high = tl.where(w > ratio_high, 1.0, 0.0)
+    elif OBJECTIVE == SAPO:
+        # s = −A·σ(τ(w − 1))·4/τ, τ by the sign of A: a soft gate, differentiable everywhere.
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        sig = 1.0 / (1.0 + tl.exp(-tau * (w - 1.0)))
+        s = -adv * sig * (4.0 / tau)
+        ds = -adv * 4.0 * sig * (1.0 - sig) * dw
+        clip_low = 0.0
+        clip_high = 0.0
+    elif (OBJECTIVE == DPPO_TV) or (OBJECTIVE == DPPO_KL):
+        # s = −A·sg(min(w, cap))·ℓ inside the trust region of a divergence between the Bernoulli
+        # distributions (p_old, 1 − p_old) and (p, 1 − p), p = e^ℓ; no gradient outside.
+        prob = tl.exp(logp)
+        prob_old = tl.exp(old_logp)
+        if OBJECTIVE == DPPO_TV:
+            inside_pos = prob - prob_old <= clip_high
+            inside_neg = prob - prob_old >= -clip_low
+        else:
+            kl = prob_old * (old_logp - logp) + (1.0 - prob_old) * tl.log(
+                (1.0 - prob_old + 1e-8) / (1.0 - prob + 1e-8))
+            inside_pos = (kl <= clip_high) | (prob <= prob_old)
+            inside_neg = (kl <= clip_low) | (prob >= prob_old)
+        inside = tl.where(adv > 0, inside_pos, inside_neg)
+        ds = tl.where(inside, -adv * clamp(w, 0.0, ratio_cap), 0.0)
+        s = ds * logp
+        clip_low = tl.where(~inside & (adv < 0), 1.0, 0.0)
+        clip_high = tl.where(~inside & (adv > 0), 1.0, 0.0)
+    elif OBJECTIVE == DRO:
+        # s = −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
+        s = -(adv * logp - 0.5 * dro_beta * d * d)
+        ds = -adv + dro_beta * d
+        clip_low = 0.0
+        clip_high = 0.0
     else:  # REINFORCE
         s = -adv * logp
         ds = -adv
@@ -125,7 +164,8 @@ def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
 @triton.jit
 def token_loss(
     logp, old_logp, ref_logp, adv, entropy,
-    ratio_low, ratio_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
+    tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_REF: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
 ):
@@ -133,11 +173,12 @@ def token_loss(
     s = surrogate + β·k − c_H·H; ∂s/∂H = −c_H. Masked tokens must come in as zeros (as
     prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
     HAS_REF."""
-    r, r_passes = clamp_with_pass(logp - old_logp, -log_ratio_clamp, log_ratio_clamp)
+    d = logp - old_logp
+    r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
     dw = tl.where(r_passes, w, 0.0)
-    s, ds, clip_low, clip_high = surrogate(logp, adv, w, dw, ratio_low, ratio_high, delta,
-                                           dual_clip, OBJECTIVE)
+    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_clip,
+                                           tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE)
     kl = 0.0
     if HAS_REF:
         kl, dkl = kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
