@@ -7,14 +7,23 @@ prints one markdown table (kernel, backend, arch, dtype, configuration, register
 128-bit global loads, widest global load) and exits 1 when a kernel uses local memory (a stack frame or
 spills) or a streaming kernel issues no 128-bit global load; the failures are named on stderr.
 
+Two kinds of kernel: row kernels stream a row of logits (V of them) in tiles; elementwise kernels
+(policy_token_loss) take per-token fp32 scalars, one token per lane, and no logits. Both must be free of
+local memory; only a row kernel that streams several tiles must have 128-bit loads (an elementwise
+kernel's loads are per-token scalars: `ok (elementwise)`). An elementwise kernel's dtype column is `-`:
+it does not depend on the logits' dtype, and is compiled once per arch whatever --dtype says.
+
 Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/kernels/triton is compiled
 by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
 The signature, the constexprs and the `tt.divisibility` attributes are made by Triton's own launch-time
 specialisation (the binder and `_pack_args` of `JITFunction.run`, private: as in Triton 3.9) from stand-in
-arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16. Their types follow the launchers:
-logits and out in the logits' dtype, targets int64, mask bool, every other row vector fp32, V and strides
-int, the other scalars float. A real launch whose V or stride is not a multiple of 16 loses the
-divisibility and gets narrower loads; that variant is not compiled here. Triton builds sm_90 as sm_90a.
+arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16 (an
+elementwise kernel's n: 32768 tokens). Their types follow the launchers: logits and out in the logits'
+dtype, targets int64, mask bool, every other row or token vector fp32, V, n and strides int, the other
+scalars float. A real launch whose V, stride or n is not a multiple of 16 loses the divisibility and gets
+narrower loads (the elementwise kernel: 32-bit instead of 64-bit, same registers); that variant is not
+compiled here. Triton builds sm_90 as sm_90a. A kernel is elementwise when it has neither a V argument
+nor a BLOCK_V constexpr; its tile is the BLOCK constexpr.
 
 Configurations, for fp32, bf16 and fp16: every (BLOCK_V, num_warps) that the module's `launch_config`
 gives for V = 1, 2, 4, ..., 2^17 and 151936, compiled with the largest of those V that maps to it. Only
@@ -26,17 +35,25 @@ HAS_REF × bias correction, where a KL term needs ref log-probs and bias correct
 default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
 configuration a greedy set of combinations takes every value of every flag at least once. The flags
 change only the scalar loss after the row loop.
+Elementwise kernels: one configuration, as policy_token_loss launches it (BLOCK = 256 tokens, Triton's
+default 4 warps), with no logits dtype. `_policy_token_loss_kernel`'s flags are the forward's plus
+HAS_ENTROPY and HAS_ADV: 192 reachable combinations, of which the same greedy set (4: the default with
+entropy and advantages, then every value of every flag once) is compiled; there the flags are the whole
+kernel.
 
 CUDA: every csrc/cuda/*.cu is compiled by nvcc with the real build's device flags; one row per kernel
 instantiation. `-fatbin` builds the device code only (the same cicc and ptxas runs as `-c`, without the
-host compile that python_tests/test_cuda_compile.py checks). Every kernel there walks rows in 16-byte
-packs (row_pass.cuh), so each one must have 128-bit loads.
+host compile that python_tests/test_cuda_compile.py checks). A kernel is classified by its name:
+those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token, no template, dtype `-`) are
+elementwise; every other one walks rows in 16-byte packs (row_pass.cuh), so it must have 128-bit loads.
 
 Registers, stack frame and spill bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
 with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads from
 `cuobjdump -sass` of the binary (the CUDA toolkit's, else the one in Triton's wheel). Triton is skipped,
-with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 218
-Triton variants at 0.5-2 s each and one nvcc run: about 270 s of CPU, 5 minutes on 2 busy cores.
+with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 226
+Triton variants (8 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
+parallel (74 CUDA rows): about 280 s of CPU, 4-5 minutes on 2 cores. --quick: 20 Triton variants and the
+nvcc runs, 35 s on 2 idle cores (1.5 minutes on busy ones).
 """
 from __future__ import annotations
 
@@ -101,10 +118,13 @@ def demangle(names):
 def short_name(name):
     """rlk_cuda::(anonymous namespace)::fwd_kernel<float, 32, true, rlk_cuda::rows::StoreRow<true>>(...)
     → fwd_kernel<float, 32, true, StoreRow<true>>: the template arguments end at the `>` that
-    closes the first `<` (the parameter list may hold more)."""
-    head, bracket, rest = name.replace("(anonymous namespace)::", "").partition("<")
-    if not bracket:
-        return head.split("(", 1)[0].rsplit("::", 1)[-1]
+    closes the first `<` (the parameter list may hold more). A `(` before any `<` opens the parameter
+    list of a kernel that is no template: policy_token_loss_kernel(long, ..., rlk::TokenLossParams<float>, ...)
+    → policy_token_loss_kernel."""
+    name = name.replace("(anonymous namespace)::", "")
+    head, bracket, rest = name.partition("<")
+    if not bracket or "(" in head:
+        return name.split("(", 1)[0].rsplit("::", 1)[-1]
     depth = 1
     for end, ch in enumerate(rest):
         depth += {"<": 1, ">": -1}.get(ch, 0)
@@ -201,7 +221,8 @@ class Row:
     spill_loads: int
     loads_128: int
     widest_load: int
-    streaming: bool
+    streaming: bool  # a row kernel streaming several tiles of a row: 128-bit loads required
+    elementwise: bool = False  # per-token scalars, no logits: 128-bit loads not required
 
     def problems(self):
         out = []
@@ -218,7 +239,8 @@ def markdown(rows):
              "| 128-bit loads | widest load | check |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        check = "; ".join(r.problems()) or ("ok" if r.streaming else "ok (one tile)")
+        check = "; ".join(r.problems()) or ("ok" if r.streaming else "ok (elementwise)" if r.elementwise
+                                            else "ok (one tile)")
         lines.append(f"| {r.kernel} | {r.backend} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.stack} "
                      f"| {r.spill_stores}/{r.spill_loads} | {r.loads_128} | {r.widest_load} bits | {check} |")
     return "\n".join(lines)
@@ -231,6 +253,9 @@ _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _POINTEES = {"targets_ptr": "int64", "mask_ptr": "bool"}
 _LOGITS_DTYPE = ("logits_ptr", "out_ptr")  # out: the logits themselves or empty_like(logits)
 _FULL_PRODUCT = 4  # at most this many reachable flag combinations: all of them at every configuration
+# An elementwise kernel (no BLOCK_V, no V: one token per lane) at its launch: BLOCK = its module's
+# LOSS_BLOCK tokens, Triton's default 4 warps; n = the tokens of 8 rows of 4096, a multiple of 16 like V.
+_ELEMENTWISE_WARPS, _ELEMENTWISE_TOKENS = 4, 8 * 4096
 
 
 def _flag_domains():
@@ -239,7 +264,9 @@ def _flag_domains():
     on_off = {"1": True, "0": False}
     domains = {
         "NEED_ENTROPY": on_off, "HAS_H": on_off, "HAS_OLD": on_off, "HAS_REF": on_off,
-        "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE},
+        "HAS_ENTROPY": on_off, "HAS_ADV": on_off,
+        "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE, "sapo": P.SAPO,
+                      "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO},
         "KL": {"k3": P.KL_K3, "none": P.KL_NONE, "k1": P.KL_K1, "k2": P.KL_K2},
         "BIAS_CORRECTION": {"0": False, "1": True},
     }
@@ -294,6 +321,11 @@ def triton_kernels():
     return found
 
 
+def is_elementwise(fn):
+    """A kernel over per-token scalars: it has no row length V and no BLOCK_V tile (its tile is BLOCK tokens)."""
+    return "BLOCK_V" not in fn.arg_names and "V" not in fn.arg_names
+
+
 def launch_table(module, dtype):
     """{(BLOCK_V, num_warps): the largest V of VOCABS that the module's launch_config gives it}."""
     import torch
@@ -308,31 +340,43 @@ class TritonJob:
     module: str
     kernel: str
     arch: str
-    dtype: str
-    vocab: int
-    block: int
+    dtype: str  # the logits' dtype; "-" for an elementwise kernel (fp32 inputs whatever the logits')
+    size: int  # V, or n (tokens) for an elementwise kernel
+    block: int  # BLOCK_V, or BLOCK
     num_warps: int
     flags: tuple  # ((constexpr, label), ...)
+    elementwise: bool = False
 
     @property
     def streaming(self):
-        return self.vocab > self.block
+        return not self.elementwise and self.size > self.block
 
     @property
     def config(self):
         flags = " ".join(f"{n}={label}" for n, label in self.flags)
-        return f"V={self.vocab} BLOCK_V={self.block} warps={self.num_warps} {flags}".rstrip()
+        size, block = ("n", "BLOCK") if self.elementwise else ("V", "BLOCK_V")
+        return f"{size}={self.size} {block}={self.block} warps={self.num_warps} {flags}".rstrip()
 
 
 def triton_jobs(archs, dtypes, quick=False):
-    """Every variant to compile (quick: the streaming configuration with the default flags)."""
+    """Every variant to compile (quick: the streaming configuration, or an elementwise kernel's one, with the
+    default flags)."""
     jobs = []
     _, fixed = _flag_domains()
     for module_name, name in triton_kernels():
         module = importlib.import_module(module_name)
-        params = getattr(module, name).params
-        names = [p.name for p in params if p.is_constexpr and p.name != "BLOCK_V" and p.name not in fixed]
+        fn = getattr(module, name)
+        names = [p.name for p in fn.params if p.is_constexpr and p.name not in ("BLOCK_V", "BLOCK")
+                 and p.name not in fixed]
         everywhere, streaming = flag_plan(names)
+        if is_elementwise(fn):  # one configuration, in no logits dtype: every flag value once (the cover)
+            if "BLOCK" not in fn.arg_names:
+                raise KeyError(f"{name}: an elementwise kernel (no V, no BLOCK_V) without a BLOCK constexpr")
+            for arch in archs:
+                for flags in everywhere[:1] if quick else streaming:
+                    jobs.append(TritonJob(module_name, name, arch, "-", _ELEMENTWISE_TOKENS, module.LOSS_BLOCK,
+                                          _ELEMENTWISE_WARPS, tuple(flags.items()), elementwise=True))
+            continue
         for arch, dtype in itertools.product(archs, dtypes):
             table = launch_table(module, dtype)
             for (block, warps), vocab in table.items():
@@ -356,12 +400,12 @@ class _Rows:
         return 1 << 20
 
 
-def _stand_in(name, logits_dtype, vocab):
+def _stand_in(name, logits_dtype, size):
     import torch
     if name.endswith("_ptr"):
         return _Rows(logits_dtype if name in _LOGITS_DTYPE else getattr(torch, _POINTEES.get(name, "float32")))
-    if name == "V" or name.startswith("stride"):
-        return vocab  # contiguous rows
+    if name in ("V", "n") or name.startswith("stride"):
+        return size  # contiguous rows; n: the tokens of an elementwise kernel
     return 1.0  # the launchers pass float() scalars: typed fp32, never specialised
 
 
@@ -383,11 +427,11 @@ def compile_triton(job, cuobjdump):
     domains, fixed = _flag_domains()
     target = GPUTarget("cuda", int(job.arch[3:]), 32)
     backend = make_backend(target)
-    dtype = getattr(torch, _TORCH_DTYPES[job.dtype])
-    args = [_stand_in(p.name, dtype, job.vocab) for p in fn.params if not p.is_constexpr]
+    dtype = getattr(torch, _TORCH_DTYPES.get(job.dtype, "float32"))  # "-": no logits
+    args = [_stand_in(p.name, dtype, job.size) for p in fn.params if not p.is_constexpr]
     constexprs = {n: domains[n][label] for n, label in job.flags}
     kwargs = {**constexprs, **{n: v for n, v in fixed.items() if n in fn.arg_names},
-              "BLOCK_V": job.block, "num_warps": job.num_warps}
+              "BLOCK" if job.elementwise else "BLOCK_V": job.block, "num_warps": job.num_warps}
     # What JITFunction.run does at a launch: bind, specialise (types, tt.divisibility), pack.
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
@@ -400,7 +444,7 @@ def compile_triton(job, cuobjdump):
         cubin.flush()
         ((wide, widest),) = sass_loads(cubin.name, cuobjdump).values()
     return Row(job.kernel, "triton", job.arch, job.dtype, job.config, entry[2], *entry[3:6], wide, widest,
-               job.streaming)
+               job.streaming, job.elementwise)
 
 
 def _compile_job(job_and_tool):
@@ -420,6 +464,9 @@ def triton_rows(jobs, cuobjdump, workers):
 # --- CUDA ------------------------------------------------------------------------------------------------
 
 _CUDA_DTYPES = {"float": "fp32", "__nv_bfloat16": "bf16", "__half": "fp16"}
+# Kernels over per-token scalars (one thread per token, no logits), by name: no 128-bit loads required.
+# Every other kernel walks rows of logits in 16-byte packs (row_pass.cuh) and must have them.
+CUDA_ELEMENTWISE = frozenset({"policy_token_loss_kernel"})
 
 
 def _template_args(name):
@@ -439,13 +486,19 @@ def _template_args(name):
 
 
 def cuda_rows(archs, cuobjdump, out_dir):
-    """A Row per kernel instantiation per arch of every csrc/cuda/*.cu."""
+    """A Row per kernel instantiation per arch of every csrc/cuda/*.cu (one nvcc run per file, all at once)."""
     nvcc = shutil.which("nvcc")
-    rows = []
-    for source in sorted(glob.glob(CUDA_SOURCES)):
+
+    def build(source):
         fatbin = os.path.join(out_dir, os.path.basename(source) + ".fatbin")
         cmd = [nvcc, "-fatbin", *gencode(archs), "--threads", str(len(archs)), *nvcc_flags(), source, "-o", fatbin]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        return fatbin, cmd, subprocess.run(cmd, capture_output=True, text=True)
+
+    sources = sorted(glob.glob(CUDA_SOURCES))
+    with ThreadPoolExecutor(max(len(sources), 1)) as pool:
+        builds = list(pool.map(build, sources))
+    rows = []
+    for fatbin, cmd, proc in builds:
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
         loads = sass_loads(fatbin, cuobjdump)
@@ -456,8 +509,9 @@ def cuda_rows(archs, cuobjdump, out_dir):
             dtype = _CUDA_DTYPES.get(targs[0], "-") if targs else "-"
             config = ", ".join(targs[dtype != "-":])
             wide, widest = loads[(mangled, arch)]
+            elementwise = kernel in CUDA_ELEMENTWISE
             rows.append(Row(kernel, "cuda", arch, dtype, f"<{config}>" if config else "", regs, stack, stores,
-                            spill_loads, wide, widest, True))
+                            spill_loads, wide, widest, not elementwise, elementwise))
     return rows
 
 
@@ -478,7 +532,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--backend", choices=("triton", "cuda"), help="only this backend (default: both)")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--quick", action="store_true",
-                        help="Triton: only the streaming configuration with the default flags")
+                        help="Triton: only the streaming configuration (an elementwise kernel: its one) "
+                             "with the default flags")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="Triton compiles in parallel")
     parser.add_argument("--out", help="also write the table (and notes) to this file")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
@@ -510,9 +565,12 @@ def main(argv: Optional[list] = None) -> int:
         if cuda is not None:
             rows += [r for r in cuda.result() if r.dtype in args.dtype or r.dtype == "-"]
 
-    if not all(r.streaming for r in rows):
+    if any(not (r.streaming or r.elementwise) for r in rows):
         notes.append("One tile: V ≤ BLOCK_V, the row is not streamed; 128-bit loads are required of streaming "
                      "configurations only.")
+    if any(r.elementwise for r in rows):
+        notes.append("Elementwise: per-token fp32 scalars (no logits, dtype -), one token per lane; compiled for "
+                     "registers and local memory, without a 128-bit load requirement.")
     text = markdown(rows) + "".join(f"\n\n{n}" for n in notes)
     print(text)
     if args.out:

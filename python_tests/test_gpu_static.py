@@ -2,8 +2,10 @@
 
 Fast: the default configuration of each Triton kernel (the streaming launch, default flags) for sm_90 in
 fp32 and bf16, and the CUDA kernels for sm_90: no local memory (stack or spills), and 128-bit global loads
-wherever a row is streamed. Slow: the whole sweep (`python -m benchmarks.gpu_static`), whose table is
-printed past pytest's capture so that it lands in the CI log.
+wherever a row is streamed. The elementwise kernels (policy_token_loss: per-token scalars, no logits) are
+there too, once each (dtype `-`), checked for local memory only. Slow: the whole sweep
+(`python -m benchmarks.gpu_static`), whose table is printed past pytest's capture so that it lands in
+the CI log.
 
 Each run is a subprocess: compiling needs the JIT kernels, and conftest.py has set TRITON_INTERPRET=1
 (no CUDA here), under which the kernels of this process are decorated for the interpreter.
@@ -22,6 +24,7 @@ import pytest
 from benchmarks.gpu_static import Row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ELEMENTWISE = {"triton": {"_policy_token_loss_kernel"}, "cuda": {"policy_token_loss_kernel"}}
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_NVCC = shutil.which("nvcc") is not None
 
@@ -53,13 +56,21 @@ def test_default_configurations_stream_in_128_bit_loads_without_local_memory(tmp
     proc, rows = _run(tmp_path, "--backend", backend, "--arch", "sm_90", "--dtype", *dtypes, "--quick",
                       "--jobs", "2", timeout=600)
     _check(proc, rows)
-    # Every kernel in both dtypes, each a streaming one (its check includes the 128-bit loads).
-    kernels = {r.kernel for r in rows}
-    assert {(r.kernel, r.dtype) for r in rows} == {(k, d) for k in kernels for d in dtypes}
-    assert all(r.streaming and r.arch == "sm_90" and r.backend == backend for r in rows)
+    assert all(r.arch == "sm_90" and r.backend == backend for r in rows)
+    # Every row kernel in both dtypes, each a streaming one (its check includes the 128-bit loads).
+    row_kernels = [r for r in rows if not r.elementwise]
+    kernels = {r.kernel for r in row_kernels}
+    assert {(r.kernel, r.dtype) for r in row_kernels} == {(k, d) for k in kernels for d in dtypes}
+    assert all(r.streaming for r in row_kernels)
+    # The elementwise kernels once each, in the table, without the 128-bit load requirement.
+    elementwise = [r for r in rows if r.elementwise]
+    assert sorted(r.kernel for r in elementwise) == sorted(ELEMENTWISE[backend])
+    assert all(r.dtype == "-" and not r.streaming for r in elementwise)
+    for name in ELEMENTWISE[backend]:
+        assert f"| {name} | {backend} | sm_90 | - |" in proc.stdout
 
 
-@pytest.mark.slow  # 218 Triton variants and the CUDA kernels for two archs: ~5 min on 2 cores
+@pytest.mark.slow  # 226 Triton variants and the CUDA kernels for two archs: 4-5 min on 2 cores
 @pytest.mark.skipif(not (HAS_TRITON or HAS_NVCC), reason="neither triton nor nvcc")
 def test_full_sweep(tmp_path, capsys):
     proc, rows = _run(tmp_path, timeout=1800)
@@ -68,3 +79,6 @@ def test_full_sweep(tmp_path, capsys):
     _check(proc, rows)
     assert {r.arch for r in rows} == {"sm_80", "sm_90"}
     assert {r.dtype for r in rows} >= {"fp32", "bf16", "fp16"}
+    compiled = {b for b, has in (("triton", HAS_TRITON), ("cuda", HAS_NVCC)) if has}
+    assert {(r.kernel, r.arch) for r in rows if r.elementwise} == {
+        (k, a) for b in compiled for k in ELEMENTWISE[b] for a in ("sm_80", "sm_90")}

@@ -117,6 +117,9 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
 
 
+LOSS_BLOCK = 256  # tokens per program of `_policy_token_loss_kernel` (benchmarks/gpu_static.py reads it)
+
+
 @triton.jit
 def _policy_token_loss_kernel(
     logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
@@ -183,7 +186,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
         return grad_logp, grad_entropy, stats
     p = params
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
-    block = 256
+    block = LOSS_BLOCK
     with _on_device(dev):
         wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
             logp, *(logp if optional[k] is None else optional[k] for k in ("entropy",)), mask, weight,
