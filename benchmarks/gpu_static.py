@@ -30,14 +30,14 @@ gives for V = 1, 2, 4, ..., 2^17 and 151936, compiled with the largest of those 
 the configuration of long rows then has V > BLOCK_V: the row loop streams several tiles, and only there
 are 128-bit loads required (a 128-logit tile over 128 threads is one logit per thread).
 Compile-time flags: a kernel with at most 4 reachable flag combinations (NEED_ENTROPY, HAS_H) gets every
-one at every configuration. `_policy_token_fwd_kernel` has 48 (objective × KL estimator × HAS_OLD ×
+one at every configuration. `_policy_token_fwd_kernel` has 112 (objective × KL estimator × HAS_OLD ×
 HAS_REF × bias correction, where a KL term needs ref log-probs and bias correction needs a KL term): its
 default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
 configuration a greedy set of combinations takes every value of every flag at least once. The flags
 change only the scalar loss after the row loop.
-Elementwise kernels: one configuration, as policy_token_loss launches it (BLOCK = 256 tokens, Triton's
+Elementwise kernels: one configuration, as policy_token_loss launches it (BLOCK = LOSS_BLOCK = 256 tokens, Triton's
 default 4 warps), with no logits dtype. `_policy_token_loss_kernel`'s flags are the forward's plus
-HAS_ENTROPY and HAS_ADV: 192 reachable combinations, of which the same greedy set (4: the default with
+HAS_ENTROPY and HAS_ADV: 448 reachable combinations, of which the same greedy set (7: the default with
 entropy and advantages, then every value of every flag once) is compiled; there the flags are the whole
 kernel.
 
@@ -50,9 +50,9 @@ elementwise; every other one walks rows in 16-byte packs (row_pass.cuh), so it m
 Registers, stack frame and spill bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
 with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads from
 `cuobjdump -sass` of the binary (the CUDA toolkit's, else the one in Triton's wheel). Triton is skipped,
-with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 226
-Triton variants (8 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
-parallel (74 CUDA rows): about 280 s of CPU, 4-5 minutes on 2 cores. --quick: 20 Triton variants and the
+with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 250
+Triton variants (14 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
+parallel (74 CUDA rows): about 260 s of CPU, 3-4 minutes on 2 cores (192 s measured). --quick: 20 Triton variants and the
 nvcc runs, 35 s on 2 idle cores (1.5 minutes on busy ones).
 """
 from __future__ import annotations

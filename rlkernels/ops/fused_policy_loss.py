@@ -5,8 +5,9 @@ Token-level losses (`ratio="token"`: PPO, GRPO, DAPO, Dr. GRPO, CISPO, ...): the
 `policy_token_fwd` kernel reads each row once and, in the same program, evaluates the token's
 loss, its derivatives w.r.t. log-prob and entropy and the token's statistics; a few ops reduce
 those to the loss and the metrics. Other ratios couple the tokens of a row or group: the forward
-kernel gives log-probs and entropy, and `losses/` (the spec) computes the `(B, T)`-sized loss and
-its derivatives by autograd. Either way the backward is one kernel over the logits from the
+kernel gives log-probs and entropy, then the loss and its derivatives come from the backend's
+`policy_token_loss` (`_sequence_step`) or, for the rest, from `losses/` (the spec) and its
+autograd on `(B, T)` tensors. Either way the backward is one kernel over the logits from the
 per-token derivatives times the incoming gradient (an `(N,)` product, no N × V pass), written
 into a new buffer or, with `inplace=True`, into the logits themselves.
 
