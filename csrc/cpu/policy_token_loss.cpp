@@ -45,26 +45,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
         objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
         entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
     if (N == 0) return;
-    const auto ptr = [](const std::optional<at::Tensor>& t) {
-      return t.has_value() ? t->const_data_ptr<scalar_t>() : nullptr;
-    };
-    const scalar_t *l_p = logp.const_data_ptr<scalar_t>(), *h_p = ptr(entropy), *w_p = weight.const_data_ptr<scalar_t>();
-    const scalar_t *a_p = ptr(adv), *old_p = ptr(old_logp), *ref_p = ptr(ref_logp);
-    const bool* m_p = mask.const_data_ptr<bool>();
+    const rlk::TokenArrays<scalar_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<scalar_t>(),
+                                        rlk::optional_ptr<scalar_t>(adv), rlk::optional_ptr<scalar_t>(old_logp),
+                                        rlk::optional_ptr<scalar_t>(ref_logp)};
+    const scalar_t *l_p = logp.const_data_ptr<scalar_t>(), *h_p = rlk::optional_ptr<scalar_t>(entropy);
     scalar_t* gl_p = grad_logp.mutable_data_ptr<scalar_t>();
     scalar_t* ge_p = grad_entropy.mutable_data_ptr<scalar_t>();
     scalar_t* st_p = stats.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        // Absent: no entropy (H = 0), no advantage (A = 0: no surrogate, only the KL and entropy terms).
-        const rlk::TokenIn<scalar_t> in{l_p[n], h_p != nullptr ? h_p[n] : scalar_t(0), m_p[n], w_p[n],
-                                        a_p != nullptr ? a_p[n] : scalar_t(0),
-                                        old_p != nullptr, old_p != nullptr ? old_p[n] : scalar_t(0),
-                                        ref_p != nullptr, ref_p != nullptr ? ref_p[n] : scalar_t(0)};
-        const rlk::TokenOut<scalar_t> out = rlk::token_loss(in, params);
-        gl_p[n] = out.grad_logp;
-        ge_p[n] = out.grad_entropy;
-        std::copy(out.stats, out.stats + rlk::kNumStats, st_p + n * rlk::kNumStats);
+        const scalar_t h = h_p != nullptr ? h_p[n] : scalar_t(0);  // absent: H = 0
+        rlk::token_loss(in.at(n, l_p[n], h), params).store(n, gl_p, ge_p, st_p);
       }
     });
   });

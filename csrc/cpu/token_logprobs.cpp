@@ -427,11 +427,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     if (N == 0) return;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t* y = tgt.const_data_ptr<int64_t>();
-    const bool* m_p = mask.const_data_ptr<bool>();
-    const acc_t* w_p = weight.const_data_ptr<acc_t>();
-    const acc_t* a_p = adv.const_data_ptr<acc_t>();
-    const acc_t* old_p = old_logp.has_value() ? old_logp->const_data_ptr<acc_t>() : nullptr;
-    const acc_t* ref_p = ref_logp.has_value() ? ref_logp->const_data_ptr<acc_t>() : nullptr;
+    const rlk::TokenArrays<acc_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<acc_t>(),
+                                     adv.const_data_ptr<acc_t>(), rlk::optional_ptr<acc_t>(old_logp),
+                                     rlk::optional_ptr<acc_t>(ref_logp)};
     acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
     acc_t* ent_p = entropy.mutable_data_ptr<acc_t>();
     acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
@@ -446,13 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         ent_p[n] = r.entropy;
         lse_p[2 * n] = r.m;
         lse_p[2 * n + 1] = r.log_s;
-        const rlk::TokenIn<acc_t> in{r.logp, r.entropy, m_p[n], w_p[n], a_p[n],
-                                     old_p != nullptr, old_p != nullptr ? old_p[n] : acc_t(0),
-                                     ref_p != nullptr, ref_p != nullptr ? ref_p[n] : acc_t(0)};
-        const rlk::TokenOut<acc_t> out = rlk::token_loss(in, params);
-        gl_p[n] = out.grad_logp;
-        ge_p[n] = out.grad_entropy;
-        std::copy(out.stats, out.stats + rlk::kNumStats, st_p + n * rlk::kNumStats);
+        rlk::token_loss(in.at(n, r.logp, r.entropy), params).store(n, gl_p, ge_p, st_p);
       }
     });
   });

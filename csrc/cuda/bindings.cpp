@@ -155,8 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
   if (N == 0) return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
-                       old_logp.has_value() ? old_logp->const_data_ptr<float>() : nullptr,
-                       ref_logp.has_value() ? ref_logp->const_data_ptr<float>() : nullptr};
+                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp)};
   const TokenOutputs out{logp.mutable_data_ptr<float>(),      entropy.mutable_data_ptr<float>(),
                          lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
@@ -188,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
   if (N == 0) return {grad_logp, grad_entropy, stats};
-  const auto ptr = [](const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr<float>() : nullptr; };
+  const auto ptr = [](const std::optional<at::Tensor>& t) { return rlk::optional_ptr<float>(t); };
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), ptr(adv), ptr(old_logp),
                        ptr(ref_logp)};
   const c10::cuda::CUDAGuard guard(logp.device());

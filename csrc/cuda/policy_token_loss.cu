@@ -18,17 +18,9 @@ __global__ void __launch_bounds__(kThreads)
     policy_token_loss_kernel(int64_t n, const float* __restrict__ logp, const float* __restrict__ entropy,
                              TokenInputs in, rlk::TokenLossParams<float> params, float* __restrict__ grad_logp,
                              float* __restrict__ grad_entropy, float* __restrict__ stats) {
-  const bool has_old = in.old_logp != nullptr, has_ref = in.ref_logp != nullptr;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
-    // Absent: no entropy (H = 0), no advantage (A = 0: only the KL and entropy terms).
-    const rlk::TokenIn<float> t{logp[i], entropy != nullptr ? entropy[i] : 0.0f, in.mask[i], in.weight[i],
-                                in.adv != nullptr ? in.adv[i] : 0.0f, has_old, has_old ? in.old_logp[i] : 0.0f,
-                                has_ref, has_ref ? in.ref_logp[i] : 0.0f};
-    const rlk::TokenOut<float> o = rlk::token_loss(t, params);
-    grad_logp[i] = o.grad_logp;
-    grad_entropy[i] = o.grad_entropy;
-#pragma unroll
-    for (int j = 0; j < rlk::kNumStats; ++j) stats[i * rlk::kNumStats + j] = o.stats[j];
+    const float h = entropy != nullptr ? entropy[i] : 0.0f;  // absent: H = 0
+    rlk::token_loss(in.at(i, logp[i], h), params).store(i, grad_logp, grad_entropy, stats);
   }
 }
 

@@ -308,14 +308,7 @@ struct StorePolicyToken {
     out.entropy[row] = r.entropy;
     out.lse_parts[2 * row] = r.m;
     out.lse_parts[2 * row + 1] = r.log_s;
-    const bool has_old = in.old_logp != nullptr, has_ref = in.ref_logp != nullptr;
-    const rlk::TokenIn<float> t{r.logp, r.entropy, in.mask[row], in.weight[row], in.adv[row],
-                                has_old, has_old ? in.old_logp[row] : 0.0f, has_ref, has_ref ? in.ref_logp[row] : 0.0f};
-    const rlk::TokenOut<float> o = rlk::token_loss(t, params);
-    out.grad_logp[row] = o.grad_logp;
-    out.grad_entropy[row] = o.grad_entropy;
-#pragma unroll
-    for (int j = 0; j < rlk::kNumStats; ++j) out.stats[row * rlk::kNumStats + j] = o.stats[j];
+    rlk::token_loss(in.at(row, r.logp, r.entropy), params).store(row, out.grad_logp, out.grad_entropy, out.stats);
   }
 };
 

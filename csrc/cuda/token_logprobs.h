@@ -43,16 +43,9 @@ struct RowGrads {
 cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau,
                                const Rows& out, cudaStream_t stream);
 
-// Per-token inputs of the policy loss, device arrays of n elements: fp32, the mask bool.
-// old_logp == nullptr means on-policy (ℓ_old = ℓ), ref_logp == nullptr no reference; adv ==
-// nullptr (policy_token_loss only) means A = 0.
-struct TokenInputs {
-  const bool* mask;
-  const float* weight;
-  const float* adv;
-  const float* old_logp;
-  const float* ref_logp;
-};
+// Per-token inputs of the policy loss, device arrays of n elements: fp32, the mask bool (adv is
+// never null for policy_token_fwd).
+using TokenInputs = rlk::TokenArrays<float>;
 
 // Outputs of policy_token_fwd, fp32 device arrays: n elements each, lse_parts n × 2 (as in the
 // forward), stats n × rlk::kNumStats.

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "rlkernels/row_math.h"
 
@@ -72,6 +73,32 @@ struct TokenOut {
   T grad_logp;     // w_agg·∂s/∂ℓ
   T grad_entropy;  // w_agg·∂s/∂H
   T stats[kNumStats];
+
+  // Token n's outputs into per-token arrays: grad_logp[n], grad_entropy[n], stats[n·kNumStats + j].
+  RLK_HOST_DEVICE void store(int64_t n, T* grad_logp_out, T* grad_entropy_out, T* stats_out) const {
+    grad_logp_out[n] = grad_logp;
+    grad_entropy_out[n] = grad_entropy;
+#pragma unroll
+    for (int j = 0; j < kNumStats; ++j) stats_out[n * kNumStats + j] = stats[j];
+  }
+};
+
+// The per-token inputs of the loss besides ℓ and H, as arrays of n elements (device memory for
+// CUDA). Null means absent: old_logp on-policy (ℓ_old = ℓ), ref_logp no reference, adv A = 0.
+template <typename T>
+struct TokenArrays {
+  const bool* mask;
+  const T* weight;
+  const T* adv;
+  const T* old_logp;
+  const T* ref_logp;
+
+  // Token n's inputs with its log-prob and entropy.
+  RLK_HOST_DEVICE TokenIn<T> at(int64_t n, T logp, T entropy) const {
+    return TokenIn<T>{logp, entropy, mask[n], weight[n], adv != nullptr ? adv[n] : T(0),
+                      old_logp != nullptr, old_logp != nullptr ? old_logp[n] : T(0),
+                      ref_logp != nullptr, ref_logp != nullptr ? ref_logp[n] : T(0)};
+  }
 };
 
 RLK_HOST_DEVICE inline float expm1_(float x) { return ::expm1f(x); }

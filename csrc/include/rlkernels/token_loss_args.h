@@ -40,6 +40,12 @@ inline void check_token_inputs(const at::Tensor& rows, const char* rows_name, co
   if (ref_logp.has_value()) check_token_tensor(*ref_logp, "ref_logp", rows, rows_name, acc);
 }
 
+// The data of an optional per-token input, or null when it is absent.
+template <typename T>
+inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
+}
+
 // `value` ≥ low (> low when strict); +inf is allowed only where it means "no bound".
 inline double check_scalar(const char* name, double value, double low, bool strict, bool inf_ok) {
   TORCH_CHECK_VALUE(!std::isnan(value), name, ": expected a number, got nan");
