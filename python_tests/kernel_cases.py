@@ -3,6 +3,8 @@
 error bounds they are held to."""
 from typing import NamedTuple, Optional
 
+import math
+
 import torch
 
 from rlkernels import reference
@@ -96,3 +98,30 @@ def check_backward_matches_autograd(kernels, shape, dtype, with_entropy_grad, de
                                       temperature)
     assert grad.dtype == dtype and grad.shape == logits.shape and grad.device.type == device
     _close_grad(grad.cpu(), _reference(logits, targets, temperature, g, h))
+
+
+# Bad scalars of the token loss (TokenLossParams fields), each refused with an error naming it, by
+# policy_token_fwd and policy_token_loss alike (the checks of csrc/include/rlkernels/token_loss_args.h).
+BAD_LOSS_SCALARS = [
+    ("objective", dict(objective=7)),
+    ("kl_estimator", dict(kl_estimator=4)),
+    ("clip_low", dict(clip_low=math.nan)),
+    ("clip_low", dict(clip_low=-0.1)),
+    ("clip_high", dict(clip_high=math.nan)),
+    ("delta", dict(delta=math.nan)),
+    ("delta", dict(delta=1.0)),
+    ("dual_clip", dict(dual_clip=math.nan)),
+    ("kl_coef", dict(kl_coef=math.nan)),
+    ("kl_coef", dict(kl_coef=math.inf)),
+    ("kl_coef", dict(kl_coef=-0.1)),
+    ("kl_clamp", dict(kl_clamp=math.nan)),
+    ("kl_clamp", dict(kl_clamp=0.0)),
+    ("entropy_coef", dict(entropy_coef=math.nan)),
+    ("log_ratio_clamp", dict(log_ratio_clamp=math.nan)),
+    ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
+    ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
+    ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
+    ("ratio_cap", dict(ratio_cap=0.0)),
+    ("dro_beta", dict(dro_beta=-0.1)),
+    ("dro_beta", dict(dro_beta=math.inf)),
+]

@@ -28,6 +28,8 @@ from rlkernels.losses.kl import kl_estimate
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss
 from rlkernels.ops.token_loss_params import token_loss_params
 
+from kernel_cases import BAD_LOSS_SCALARS
+
 _CPU_OK, _CPU_REASON = cpu.available()
 _CUDA_OK, _CUDA_REASON = cuda.available()
 pytestmark = pytest.mark.skipif(not _CPU_OK, reason=_CPU_REASON)
@@ -340,30 +342,7 @@ def test_bad_tensors_name_the_argument():
 
 def test_bad_scalars_name_the_argument():
     a = _valid_args()
-    cases = [
-        ("temperature", dict(temperature=0.0)),
-        ("objective", dict(objective=7)),
-        ("kl_estimator", dict(kl_estimator=4)),
-        ("clip_low", dict(clip_low=math.nan)),
-        ("clip_low", dict(clip_low=-0.1)),
-        ("clip_high", dict(clip_high=math.nan)),
-        ("delta", dict(delta=math.nan)),
-        ("delta", dict(delta=1.0)),
-        ("dual_clip", dict(dual_clip=math.nan)),
-        ("kl_coef", dict(kl_coef=math.nan)),
-        ("kl_coef", dict(kl_coef=math.inf)),
-        ("kl_coef", dict(kl_coef=-0.1)),
-        ("kl_clamp", dict(kl_clamp=math.nan)),
-        ("kl_clamp", dict(kl_clamp=0.0)),
-        ("entropy_coef", dict(entropy_coef=math.nan)),
-        ("log_ratio_clamp", dict(log_ratio_clamp=math.nan)),
-        ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
-        ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
-        ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
-        ("ratio_cap", dict(ratio_cap=0.0)),
-        ("dro_beta", dict(dro_beta=-0.1)),
-        ("dro_beta", dict(dro_beta=math.inf)),
-    ]
+    cases = [("temperature", dict(temperature=0.0))] + [(name, dict(change)) for name, change in BAD_LOSS_SCALARS]
     for name, change in cases:
         temperature = change.pop("temperature", 1.0)
         with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):

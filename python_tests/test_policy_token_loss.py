@@ -37,6 +37,7 @@ from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
 from rlkernels.ops.token_loss_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
+from kernel_cases import BAD_LOSS_SCALARS  # noqa: E402
 
 try:
     from rlkernels.kernels import triton as tk  # noqa: E402
@@ -556,24 +557,7 @@ def test_cpu_bad_tensors_name_the_argument():
 def test_cpu_bad_scalars_name_the_argument(n):
     """Refused on every batch, the empty one too."""
     a = _valid_args(n)
-    cases = [
-        ("objective", dict(objective=7)),
-        ("kl_estimator", dict(kl_estimator=4)),
-        ("clip_low", dict(clip_low=-0.1)),
-        ("clip_high", dict(clip_high=math.nan)),
-        ("delta", dict(delta=1.0)),
-        ("dual_clip", dict(dual_clip=math.nan)),
-        ("kl_coef", dict(kl_coef=math.inf)),
-        ("kl_clamp", dict(kl_clamp=0.0)),
-        ("entropy_coef", dict(entropy_coef=math.nan)),
-        ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
-        ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
-        ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
-        ("ratio_cap", dict(ratio_cap=0.0)),
-        ("dro_beta", dict(dro_beta=-0.1)),
-        ("dro_beta", dict(dro_beta=math.inf)),
-    ]
-    for name, change in cases:
+    for name, change in BAD_LOSS_SCALARS:
         with pytest.raises((RuntimeError, ValueError, TypeError), match=_names(name)):
             _call(cpu, a, **change)
 
