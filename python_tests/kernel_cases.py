@@ -108,6 +108,7 @@ BAD_LOSS_SCALARS = [
     ("clip_low", dict(clip_low=math.nan)),
     ("clip_low", dict(clip_low=-0.1)),
     ("clip_high", dict(clip_high=math.nan)),
+    ("clip_high", dict(clip_high=-1.0)),
     ("delta", dict(delta=math.nan)),
     ("delta", dict(delta=1.0)),
     ("dual_clip", dict(dual_clip=math.nan)),

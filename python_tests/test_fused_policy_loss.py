@@ -160,6 +160,45 @@ def test_token_configs_equal_the_composition(backend, name, on_policy):
         torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+# Sequence-level configs beyond the presets, through the sequence step (TRL's sequence-level CISPO, with a cap
+# above and below 1; SAPO's gate on the sequence ratio)
+SEQUENCE_CONFIGS = {
+    "cispo_sequence": dict(ratio="sequence", objective="cispo", clip_low=None, clip_high=0.3, agg="token_mean"),
+    "cispo_sequence_cap_below_1": dict(ratio="sequence", objective="cispo", clip_low=0.1, clip_high=-0.2,
+                                       kl_estimator="k3", kl_coef=0.04, entropy_coef=0.01),
+    "sapo_sequence": dict(ratio="sequence", objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    "sapo_sequence_token": dict(ratio="sequence_token", objective="sapo", agg="token_mean", kl_estimator="k2",
+                                kl_coef=0.1),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", SEQUENCE_CONFIGS)
+def test_sequence_configs_equal_the_composition_and_the_reference(backend, name):
+    logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000)
+    config = rlkernels.PolicyLossConfig(**SEQUENCE_CONFIGS[name])
+    kw = _kwargs(inputs, config)
+    adv, mask = inputs["advantages"].float(), inputs["mask"]
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.9, backend=backend, **kw)
+    fused.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.9, return_entropy=True, backend="torch")
+    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
+    composed.loss.backward()
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+    z = logits.double().requires_grad_(True)
+    ref_logp, ref_ent = reference.token_logprobs(z, targets, 0.9)
+    kw64 = {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+    ref_loss, _ = reference.policy_loss(ref_logp, adv.double(), mask, config, entropy=ref_ent, **kw64)
+    ref_loss.backward()
+    torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_inplace_rejects_strided_logits():
     logits, targets, inputs = _case(T=8, seed=4)
     x = logits.requires_grad_(True)

@@ -90,6 +90,7 @@ def _config(tmp_path, **overrides):
 # loss_type × importance_sampling_level × beta, with the epsilon_high each needs (TRL's cispo caps the ratio at ε_high)
 CASES = [(t, lvl, 0.03, 0.04) for t in ("grpo", "bnpo", "dr_grpo", "dapo") for lvl in ("token", "sequence")]
 CASES += [("cispo", "token", 1.02, 0.04), ("dapo", "token", 0.03, 0.0), ("grpo", "sequence", 0.03, 0.0)]
+CASES += [("cispo", "sequence", 1.02, 0.04), ("cispo", "token", 0.9, 0.0)]  # a cap below 1 on token ratios
 CASES += [(t, lvl, 0.03, 0.04) for t in ("sapo", "luspo") for lvl in ("token", "sequence")]
 CASES += [("vespo", "token", 0.03, 0.04)]
 IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]  # TRL's vespo folds vLLM IS into its own ratio: not mapped
@@ -220,20 +221,21 @@ def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
 
 
 def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
-    trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=_config(tmp_path, loss_type="cispo"),
-                                   train_dataset=dataset)
+    args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
+    trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
     cfg, why = rk_trl.loss_config(trainer)
-    assert cfg is None and "epsilon_high" in why  # TRL's cispo caps the ratio at ε_high, which must be ≥ 1
-    trainer.loss_type = "dapo"
+    assert cfg is None and "use_bias_correction_kl" in why  # TRL weights the KL by the sequence ratio there
+    trainer.importance_sampling_level = "token"  # mapped: then the other reasons show
+    assert rk_trl.loss_config(trainer)[0] is not None
     for attr, value, words in [("_entropy_bonus_enabled", True, "entropy bonus")]:
         old = getattr(trainer, attr)
         setattr(trainer, attr, value)
         assert words in rk_trl.loss_config(trainer)[1]
         setattr(trainer, attr, old)
-    trainer.loss_type = "cispo"
+    trainer.importance_sampling_level = "sequence"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.train()  # TRL's cispo loss on rlkernels' log-probs
+        trainer.train()  # TRL's own loss on rlkernels' log-probs
     assert any("TRL computes this loss itself" in str(w.message) for w in caught)
 
 

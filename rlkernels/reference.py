@@ -283,6 +283,9 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             s = torch.exp(log_s(i))
             if objective == "sapo":
                 surr = _soft_gate(s, a_row, config).expand(L)
+            elif objective == "cispo":              # TRL's sequence-level CISPO: -sg(clip(s_i)) A ℓ per token
+                surr = -_clamp(s, *_band(config)).detach() * a * l
+                low, high = (x.expand(L) for x in _clipped(s, *_band(config)))
             else:
                 surr, low, high = (x.expand(L) for x in _clip_surrogate(s, a_row, config))
             r_metric = s.expand(L)

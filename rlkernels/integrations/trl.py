@@ -27,13 +27,13 @@ accumulation steps in training (1 in evaluation):
 | `bnpo` | `token_mean` | `num_items = max(local tokens, 1)·G` | none (local-batch token mean) |
 | `dr_grpo` | `constant`, `norm_length = max_completion_length` | `num_seqs = B·G` | `dr_grpo` (norm = padded T) |
 | `dapo` | `token_mean` | `num_items = num_items_in_batch / processes · G / steps_per_generation` (train) | `dapo` (global count) |
-| `cispo` | `objective="cispo"`, `clip_low=None`, `clip_high = epsilon_high − 1` | as `dapo` | `cispo` (TRL caps at ε_high) |
+| `cispo` | `objective="cispo"`, `clip_low=None`, `clip_high = epsilon_high − 1` (ε_high < 1 too; at sequence level the cap applies to the sequence ratio) | as `dapo` | `cispo` (TRL caps at ε_high) |
 | `sapo` | `objective="sapo"`, τ± = `sapo_temperature_pos/neg`, `seq_mean_token_mean` | as `grpo` | `sapo` |
 | `luspo` | clip as `grpo`, `seq_mean_token_sum` | as `grpo` | `luspo` (TRL's ε) |
 | `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: `cispo` with sequence-level sampling or `epsilon_high < 1`; `vespo` with vLLM importance
+says why: `vespo` with vLLM importance
 sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1` on several
 processes (TRL's quantile spans them all);
 `use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
@@ -77,10 +77,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     level = trainer.importance_sampling_level
     reasons = [
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
-        (loss_type == "cispo" and level != "token", "loss_type='cispo' with importance_sampling_level='sequence'"),
         (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction,
          "loss_type='vespo' with vLLM importance sampling (TRL adds the IS log-ratio into VESPO's sequence ratio)"),
-        (loss_type == "cispo" and trainer.epsilon_high < 1, f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1"),
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",

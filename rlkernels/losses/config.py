@@ -16,7 +16,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "cons
 # Which surrogate each ratio can feed (docs/math.md, "Surrogates").
 _VALID_OBJECTIVES = {
     "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro"),
-    "sequence": ("clip", "sapo"),
+    "sequence": ("clip", "sapo", "cispo"),
     "sequence_token": ("clip", "sapo"),
     "sequence_sum": ("clip", "vespo"),
     "group_expectation": ("clip",),
@@ -89,7 +89,9 @@ class PolicyLossConfig:
             )
         needs_clip = self.objective in _CLIPPED_OBJECTIVES
         check_real("clip_low", self.clip_low, 0.0, optional=not needs_clip)
-        check_real("clip_high", self.clip_high, 0.0, optional=not needs_clip)
+        # CISPO's clip_high may be negative: TRL caps its weight at ε_high, which may be below 1.
+        high_lo = -1.0 if self.objective == "cispo" else 0.0
+        check_real("clip_high", self.clip_high, high_lo, lo_open=self.objective == "cispo", optional=not needs_clip)
         if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
                 and self.clip_low is not None and self.clip_low >= 1):
             raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")

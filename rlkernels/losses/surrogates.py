@@ -81,13 +81,20 @@ def _reinforce(w, b: Batch, cfg) -> Surrogate:
 
 
 def _cispo(w, b: Batch, cfg) -> Surrogate:
-    """CISPO: the clipped weight is a constant that scales the REINFORCE gradient."""
+    """CISPO: the clipped weight is a constant that scales the REINFORCE gradient (w per token, or a
+    row's sequence ratio broadcast to its tokens, as TRL's sequence-level CISPO)."""
+    w = w.detach()
+    weight, clipped_low, clipped_high = cispo_weight(w, cfg)
+    return Surrogate(-weight * b.adv * b.logp, w, clipped_low, clipped_high)
+
+
+def cispo_weight(w: torch.Tensor, cfg):
+    """(clamp(w, 1 − ε_low, 1 + ε_high), w below the band, w above it): CISPO's constant weight, either
+    bound None for none."""
     low = None if cfg.clip_low is None else 1 - cfg.clip_low
     high = None if cfg.clip_high is None else 1 + cfg.clip_high
-    w = w.detach()
-    clipped_low = w < low if low is not None else _none(b)
-    clipped_high = w > high if high is not None else _none(b)
-    return Surrogate(-w.clamp(low, high) * b.adv * b.logp, w, clipped_low, clipped_high)
+    none = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+    return w.clamp(low, high), w < low if low is not None else none, w > high if high is not None else none
 
 
 def soft_gate(w, adv, cfg) -> Surrogate:
@@ -194,6 +201,8 @@ _TOKEN_OBJECTIVES = {
 
 def sequence(b: Batch, cfg) -> Surrogate:
     w = b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
+    if cfg.objective == "cispo":
+        return _cispo(w, b, cfg)
     return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
 
 

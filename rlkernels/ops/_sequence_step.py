@@ -10,7 +10,8 @@ kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
   objective, or SAPO's gate, of the mean log-ratio; SNIS: REINFORCE on Σ_t m ℓ with SNIS's
   coefficient as its advantage), its derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens
   where the surrogate is per token with a row's value (GSPO-token: the clip objective or SAPO's
-  gate at the clamped sequence log-ratio, VESPO: REINFORCE with A·φ(w_i)).
+  gate at the clamped sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE with A·φ(w_i)
+  or A·clamp(s_i)).
 
 A surrogate is per row only when its loss is the same on every token of the row (then its
 aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
@@ -30,12 +31,12 @@ from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
-from ..losses.surrogates import gepo_log_expectation, snis_advantage, vespo_weight
+from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
 from .token_loss_params import surrogate_params, token_terms_params
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
 _PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("group_expectation", "clip"), ("snis", "reinforce")}
-_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence_sum", "vespo")}
+_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo")}
 
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
@@ -158,16 +159,29 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
                                                    adv.reshape(-1), torch.zeros_like(x), None,
                                                    surrogate_params(config, config.objective))
         return grad, stats.sum(0)[:4], _max(stats[:, 3])
-    # VESPO: −φ(w_i)·A·ℓ, REINFORCE with A·φ; its ratio statistic is the sequence ratio w_i.
+    if config.ratio == "sequence":  # TRL's sequence-level CISPO: −sg(clamp(s_i))·A·ℓ
+        s = torch.exp((rows.log_ratio_sum / rows.divisor).clamp(-c, c))
+        coef, low, high = cispo_weight(s, config)
+        return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, coef, s, (low, high), config)
+    # VESPO: −φ(w_i)·A·ℓ; its ratio statistic is the sequence ratio w_i.
     old = inputs.old_logp
     log_ratio_sum = rows.log_ratio_sum if old is None else rows.masked_sum((rows.logp - old).clamp(-c, c))
     phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config)
+    return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, phi, w, None, config)
+
+
+def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, ratio, flags, config):
+    """−coef_i·A·ℓ per token (REINFORCE with A·coef_i, `adv` already times ω), where the row's sequence
+    ratio `ratio` is the ratio statistic and `flags` = (below, above) its row clip flags, or None."""
     grad, _, stats = kernels.policy_token_loss(logp, None, rows.mask.reshape(-1), weights.reshape(-1),
-                                               (adv * phi[:, None]).reshape(-1), None, None,
+                                               (adv * coef[:, None]).reshape(-1), None, None,
                                                surrogate_params(config, "reinforce"))
-    w = torch.where(rows.lengths > 0, w, rows.zero)
-    ratio_sum = (w * rows.lengths).sum()
-    return grad, torch.cat([stats[:, 0].sum().reshape(1), rows.zero.expand(2), ratio_sum.reshape(1)]), _max(w)
+    valid = rows.lengths > 0
+    counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(rows.lengths.dtype)
+    low, high = (rows.zero.expand_as(ratio),) * 2 if flags is None else (f.to(ratio.dtype) for f in flags)
+    row_stats = torch.stack([rows.zero.expand_as(ratio), low, high, torch.where(valid, ratio, rows.zero)], 1)
+    sums = _row_sums(row_stats, counted, rows.lengths)
+    return grad, torch.cat([stats[:, 0].sum().reshape(1), sums[1:]]), _max(row_stats[:, 3])
 
 
 def _max(ratios: Tensor) -> Tensor:
