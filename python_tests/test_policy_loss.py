@@ -428,7 +428,8 @@ def test_sequence_ratio_rejects_varying_token_advantages():
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(ratio="tokens"), "ratio"),
-    (dict(objective="cispo", ratio="sequence"), "objective"),
+    (dict(objective="cispo", ratio="geometric"), "objective"),
+    (dict(objective="cispo", clip_high=-1.0), "clip_high"),
     (dict(agg="mean"), "agg"),
     (dict(clip_low=-0.1), "clip_low"),
     (dict(clip_low=1.5), "clip_low"),
