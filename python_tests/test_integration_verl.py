@@ -224,5 +224,52 @@ def test_bad_agg_mode():
 def test_readme_register(restore_verl):
     text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     exec(re.search(r"<!-- example: verl -->\s*```python\n(.*?)```", text, re.S).group(1), {})
-    for name in [*presets.NAMES, *rk_verl.VERL_MODES]:  # the presets, and verl's own names
+    for name in [*presets.NAMES, *rk_verl.VERL_MODES, "bypass_mode"]:  # the presets, and verl's own names
         assert core_algos.get_policy_loss_fn(f"rlkernels_{name}").__name__ == f"rlkernels_{name}"
+
+
+# verl's bypass_mode: (loss_type, rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold)
+BYPASS_CASES = [
+    ("ppo_clip", None, 2.0, None, None),
+    ("reinforce", None, 2.0, None, None),
+    ("reinforce", "token", 1.5, None, None),
+    ("reinforce", "sequence", "0.5_3.0", None, None),
+    ("ppo_clip", "token", 2.0, "token_k1", "0.8_1.25"),
+    ("reinforce", "token", "0.7_1.6", "seq_mean_k3,token_k2", "0.02,0.3"),
+    ("reinforce", "sequence", 4.0, "seq_sum_k1", 3.0),
+    ("ppo_clip", None, 2.0, "seq_max_k3,seq_sum_k2,seq_mean_k1", "2.0"),
+]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("case", BYPASS_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("info", BATCH_INFO, ids=["local", "global"])
+def test_bypass_mode(case, mode, info):
+    loss_type, level, is_threshold, rs, rs_threshold = case
+    correction = dict(loss_type=loss_type, rollout_is=level, rollout_is_threshold=is_threshold, rollout_rs=rs,
+                      rollout_rs_threshold=rs_threshold, rollout_is_batch_normalize=level == "token")
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode,
+                        policy_loss=VerlPolicyLossConfig(loss_mode="bypass_mode", rollout_correction=correction))
+    cfg.global_batch_info.update(info)
+    logp, old, adv, mask, _ = _inputs(spread=1.0, seed=5)
+    ref_loss, ref_grad, _ = _loss_and_grad(core_algos.get_policy_loss_fn("bypass_mode"), logp, old, adv, mask.float(),
+                                           mode, cfg, None)
+    loss, grad, _ = _loss_and_grad(rk_verl.bypass_mode_fn(), logp, old, adv, mask.float(), mode, cfg, None)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_bypass_mode_rejects_what_verl_rejects():
+    logp, old, adv, mask, _ = _inputs(spread=1.0, seed=5)
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    for rs, threshold in [("token_k1", "0.8_1.25"), ("seq_mean_k3", 0.02), ("seq_max_k2", 0.1), ("seq_sum_k1", 3.0),
+                          ("token_k3,seq_mean_k1", "0.05,0.9_1.1")]:
+        want, _ = helper.compute_rollout_rejection_mask(logp.detach() - old, mask.float(), rollout_rs=rs,
+                                                        rollout_rs_threshold=threshold)
+        got = rk_verl._rejection_mask(logp.detach(), old, mask, rs, threshold)
+        assert torch.equal(got, want.bool()), rs
+        assert 0 < got.sum() < mask.sum(), f"{rs}: the inputs reach both sides of the test"
+    with pytest.raises(ValueError, match="rollout_rs"):
+        rk_verl._rejection_mask(logp.detach(), old, mask, "token_k4", 1.0)
+    with pytest.raises(ValueError, match="rollout_correction"):  # as verl's, which needs it too
+        rk_verl.bypass_mode_fn()(old, logp, adv, mask.float(), "token-mean", {"policy_loss": {}}, None)

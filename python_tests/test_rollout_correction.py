@@ -1,4 +1,4 @@
-"""`rollout_is_weights` against verl's rollout correction and TRL's vLLM importance-sampling modes."""
+"""`rollout_is_weights` and `rollout_rejection_mask` against verl's rollout correction and TRL's vLLM importance-sampling modes."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +70,33 @@ def test_weights_feed_the_loss_and_bad_arguments_are_named():
         rlkernels.rollout_is_weights(old, rollout, mask, lower=3.0, upper=2.0)
     with pytest.raises(ValueError, match="rollout_logp"):
         rlkernels.rollout_is_weights(old, rollout[:, :3], mask)
+
+
+def test_rejection_mask_levels_nan_and_bad_arguments():
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
+    rollout = old - torch.tensor([[0.0] * 6, [0.5] * 6, [0.05] * 3 + [2.0] * 3], dtype=torch.float64)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    rollout[0, 5] = float("nan")  # padding: never read
+    # k2 per token: 0, 0.125, 0.00125 / 2.0 -> the last three tokens of row 2 go alone
+    token = rlkernels.rollout_rejection_mask(old, rollout, mask, estimator="k2", level="token", upper=0.5)
+    assert token[2].tolist() == [True] * 3 + [False] * 3 and token[:2].equal(mask[:2])
+    # the row's max of k2 rejects row 2 whole; its mean (1.00125) too, row 1's (0.125) passes
+    for level in ("seq_max", "seq_mean"):
+        rows = rlkernels.rollout_rejection_mask(old, rollout, mask, estimator="k2", level=level, upper=0.5)
+        assert rows.any(-1).tolist() == [True, True, False], level
+    # k1 in log space, both sides: row 1 has r = 0.5 (k1 = −0.5), below a lower bound of −0.1
+    both = rlkernels.rollout_rejection_mask(old, rollout, mask, estimator="k1", level="seq_mean", lower=-0.1, upper=0.1)
+    assert both.any(-1).tolist() == [True, False, False]
+    nan = rollout.clone()
+    nan[1, 2] = float("nan")  # a token the sampler could not score is rejected, and so is its row's sum
+    assert not rlkernels.rollout_rejection_mask(old, nan, mask, estimator="k3", upper=1.0)[1, 2]
+    assert not rlkernels.rollout_rejection_mask(old, nan, mask, estimator="k3", level="seq_sum", upper=10.0)[1].any()
+    for kw, name in [(dict(estimator="k4"), "estimator"), (dict(level="row"), "level"),
+                     (dict(estimator="k1", level="seq_max"), "estimator"), (dict(lower=1.0, upper=0.5), "lower"),
+                     (dict(upper=float("nan")), "upper")]:
+        with pytest.raises(ValueError, match=name):
+            rlkernels.rollout_rejection_mask(old, rollout, mask, **kw)
+    with pytest.raises(ValueError, match="rollout_logp"):
+        rlkernels.rollout_rejection_mask(old, rollout[:, :3], mask)

@@ -6,7 +6,8 @@ Layers (docs/design.md §1): `reference` (the naive truth), `kernels` (passes ov
 """
 from . import advantages, sampling
 from ._backend import backend_info
-from .losses import LossOutput, PolicyLossConfig, policy_loss, presets, rollout_is_weights, value_loss
+from .losses import (LossOutput, PolicyLossConfig, policy_loss, presets, rollout_is_weights, rollout_rejection_mask,
+                     value_loss)
 from .ops import fused_linear_policy_loss, fused_policy_loss, linear_token_logprobs, token_logprobs
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "policy_loss",
     "value_loss",
     "rollout_is_weights",
+    "rollout_rejection_mask",
     "PolicyLossConfig",
     "LossOutput",
     "presets",

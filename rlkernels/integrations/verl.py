@@ -43,8 +43,10 @@ verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies th
 `rollout_is_weights` is constant within a row); `cispo` = `rlkernels_cispo`; `geo_mean` =
 `rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
 averages over all rows, empty ones included: `rlkernels_geo_mean` does exactly that);
-`register()` also adds `rlkernels_vanilla` (= `rlkernels_ppo`) and `rlkernels_geo_mean`, so every
-verl mode but `bypass_mode` (rejection sampling: not yet) has an `rlkernels_` twin under its name;
+`register()` also adds `rlkernels_vanilla` (= `rlkernels_ppo`), `rlkernels_geo_mean` and
+`rlkernels_bypass_mode` (`bypass_mode_fn`: verl's rejection sampling and IS weights from
+`policy_loss.rollout_correction`, then REINFORCE or PPO-clip against the sampler's log-probs), so
+every verl mode has an `rlkernels_` twin under its name;
 `sapo`, `gpg`, `dppo_tv`, `dppo_kl`, `clip_cov`,
 `kl_cov`, `dro` = `rlkernels_<same name>` (Clip-Cov draws its tokens from torch's RNG as verl
 does: the same state, the same tokens). Differences in guards: rlkernels clamps every
@@ -53,12 +55,13 @@ not NaN, for an empty mask.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .. import presets as _presets
-from ..losses import PolicyLossConfig, policy_loss
+from ..losses import PolicyLossConfig, policy_loss, rollout_correction
 from ..losses.aggregation import aggregate, masked_mean
 from ..losses.inputs import LossInputs
 from ..losses.policy_loss import masked_batch, per_token_loss
@@ -239,6 +242,83 @@ def _metrics(metrics, logp, old_logp, advantages, mask, cfg) -> Dict[str, float]
     return out
 
 
+def bypass_mode_fn(**overrides) -> Callable:
+    """verl's `bypass_mode`: `old_log_prob` is the sampler's, and `policy_loss.rollout_correction` says
+    what to do with the gap. Its rejection tests (`rollout_rs` / `rollout_rs_threshold`) shrink the
+    mask; then `loss_type="reinforce"` is `rlkernels_gpg` (−A·ℓ) weighted by the IS weights of
+    `rollout_is` / `rollout_is_threshold` / `rollout_is_batch_normalize` (none without `rollout_is`),
+    and `"ppo_clip"` (verl's default) is `rlkernels_vanilla` against the sampler's log-probs, unweighted
+    (its ratio is the correction)."""
+    reinforce, ppo_clip = policy_loss_fn("gpg", **overrides), policy_loss_fn("ppo", **overrides)
+
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None):
+        rc = _get(_get(config, "policy_loss"), "rollout_correction")
+        if rc is None:
+            raise ValueError("policy_loss.rollout_correction: required by rlkernels_bypass_mode, as by verl's bypass_mode")
+        loss_type = _get(rc, "loss_type", "ppo_clip")
+        if loss_type not in ("reinforce", "ppo_clip"):
+            raise ValueError(f"rollout_correction.loss_type: expected 'reinforce' or 'ppo_clip', got {loss_type!r}")
+        with torch.no_grad():  # verl's ratio here: the current policy over the sampler's
+            current, mask = log_prob.detach(), response_mask.bool()
+            kept = mask
+            if _get(rc, "rollout_rs") is not None:
+                kept = _rejection_mask(current, old_log_prob, mask, _get(rc, "rollout_rs"), _get(rc, "rollout_rs_threshold"))
+            weights = None
+            if loss_type == "reinforce" and _get(rc, "rollout_is") is not None:
+                weights = rollout_correction.rollout_is_weights(current, old_log_prob, mask, level=_get(rc, "rollout_is"),
+                                             batch_normalize=bool(_get(rc, "rollout_is_batch_normalize", False)),
+                                             **_is_bounds(_get(rc, "rollout_is_threshold", 2.0)))
+        kept = kept.to(response_mask.dtype)
+        if loss_type == "reinforce":
+            return reinforce(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config, weights)
+        return ppo_clip(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config, None)
+
+    loss_fn.__name__ = f"{PREFIX}bypass_mode"
+    return loss_fn
+
+
+def _is_bounds(threshold) -> dict:
+    """`rollout_is_weights` bounds from verl's `rollout_is_threshold`: a number truncates at it, "lower_upper"
+    keeps the weights inside the band and zeroes the others (IcePop)."""
+    if isinstance(threshold, str) and "_" in threshold:
+        lower, upper = (float(x) for x in threshold.split("_", 1))
+        return dict(mode="mask", lower=lower, upper=upper)
+    return dict(mode="truncate", upper=float(threshold))
+
+
+def _rejection_mask(current, rollout, mask, options: str, thresholds):
+    """verl's `rollout_rs`: every comma-separated option (`token_k1`, `seq_mean_k3`, ...) a test of
+    `rollout_rejection_mask` on the same mask, all of them kept. A k1 option's threshold is "lower_upper"
+    in ratio space (a single value u: 1/u_u), compared in log space; the others' a single upper bound."""
+    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
+    if thresholds is None:
+        raise ValueError("rollout_correction.rollout_rs_threshold: required with rollout_rs, as by verl")
+    specs = [t.strip() for t in str(thresholds).split(",") if t.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout_correction.rollout_rs_threshold: expected 1 or {len(names)} thresholds, got {thresholds!r}")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    kept = mask
+    for name, spec in zip(names, specs):
+        level, _, estimator = name.rpartition("_")
+        if level not in ("token", "seq_sum", "seq_mean", "seq_max") or estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"rollout_correction.rollout_rs: unknown option {name!r}")
+        if estimator == "k1":
+            low, _, high = spec.rpartition("_")
+            high = float(high)
+            low = float(low) if low else 1.0 / high
+            if not 0 < low <= high:
+                raise ValueError(f"rollout_correction.rollout_rs_threshold: expected 0 < lower <= upper for {name}, got {spec!r}")
+            bounds = dict(lower=math.log(low), upper=math.log(high))
+        else:
+            if "_" in spec or float(spec) <= 0:
+                raise ValueError(f"rollout_correction.rollout_rs_threshold: expected one positive bound for {name}, got {spec!r}")
+            bounds = dict(upper=float(spec))
+        kept = kept & rollout_correction.rollout_rejection_mask(current, rollout, mask, estimator=estimator, level=level,
+                                                                **bounds)
+    return kept
+
+
 def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = True,
              **overrides) -> list:
     """Register `prefix + name` for each preset (default: all) with verl; returns the names registered.
@@ -257,6 +337,9 @@ def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fuse
         if preset in chosen:
             register_policy_loss(prefix + mode)(verl_mode_fn(mode, **overrides))
             names.append(prefix + mode)
+    if {"gpg", "ppo"} <= set(chosen):  # bypass_mode's two losses
+        register_policy_loss(prefix + "bypass_mode")(bypass_mode_fn(**overrides))
+        names.append(prefix + "bypass_mode")
     return names
 
 

@@ -2,7 +2,8 @@
 from . import presets
 from .config import PolicyLossConfig
 from .policy_loss import LossOutput, policy_loss
-from .rollout_correction import rollout_is_weights
+from .rollout_correction import rollout_is_weights, rollout_rejection_mask
 from .value_loss import value_loss
 
-__all__ = ["PolicyLossConfig", "LossOutput", "policy_loss", "value_loss", "presets", "rollout_is_weights"]
+__all__ = ["PolicyLossConfig", "LossOutput", "policy_loss", "value_loss", "presets", "rollout_is_weights",
+           "rollout_rejection_mask"]

@@ -1,7 +1,9 @@
 """Rollout correction: the importance weights ω = π_old/π_rollout that make up for the gap between
 the engine that sampled (vLLM, SGLang) and the policy being trained, to pass as `is_weights` to
-the losses (docs/math.md §7). TRL's four `vllm_importance_sampling_mode`s and verl's
-`rollout_is` / `rollout_is_threshold` / `rollout_is_batch_normalize` are settings of one function."""
+the losses (docs/math.md §7), and rejection sampling, a mask of the tokens or rows whose policies
+drifted too far apart. TRL's four `vllm_importance_sampling_mode`s and verl's `rollout_is` /
+`rollout_is_threshold` / `rollout_is_batch_normalize` are settings of `rollout_is_weights`; each of
+verl's `rollout_rs` options is a setting of `rollout_rejection_mask`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,6 +16,8 @@ from .._dtypes import acc_dtype
 
 LEVELS = ("token", "sequence")
 MODES = ("truncate", "mask")
+ESTIMATORS = ("k1", "k2", "k3")
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 
 def rollout_is_weights(
@@ -81,3 +85,60 @@ def rollout_is_weights(
             mean = torch.where(rows, w.amax(-1), zero).sum() / rows.sum().clamp(min=1)
         w = torch.where(mean > 1e-8, w / mean, w)  # an all-zero batch stays as it is (no sync)
     return w
+
+
+def rollout_rejection_mask(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str = "k1",
+    level: str = "token",
+    lower: Optional[float] = None,
+    upper: Optional[float] = None,
+    log_ratio_clamp: float = 20.0,
+) -> Tensor:
+    """The `(B, T)` bool mask of the tokens of `mask` that pass one rejection test (docs/math.md §7).
+
+    With r = clamp(ℓ_old − ℓ_rollout, ±log_ratio_clamp) per token, the statistic is `estimator`'s
+    k1 = −r, k2 = r²/2 or k3 = e^r − 1 − r, per token (`level="token"`: tokens are rejected one
+    by one) or its row's sum, mean or max over the tokens of `mask` (`"seq_sum"`, `"seq_mean"`,
+    `"seq_max"`: a row is kept or rejected whole). A token is kept when lower ≤ statistic ≤ upper
+    (`None`: no bound); a NaN statistic (a token the sampler could not score) is rejected. Several
+    tests combine as the logical and of their masks, each from the same `mask`.
+    """
+    check_tensor("old_logp", old_logp, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("rollout_logp", rollout_logp, shape=tuple(old_logp.shape), dtypes=FLOAT_DTYPES, device=old_logp.device)
+    check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
+    mask = check_mask("mask", mask)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
+    if level not in REJECTION_LEVELS:
+        raise ValueError(f"level: expected one of {REJECTION_LEVELS}, got {level!r}")
+    if level == "seq_max" and estimator == "k1":
+        raise ValueError("estimator: 'k1' has no 'seq_max' level (k1 is signed); use 'k2' or 'k3'")
+    upper = None if upper is None else check_real("upper", upper)
+    lower = None if lower is None else check_real("lower", lower)
+    if upper is not None and lower is not None and lower > upper:
+        raise ValueError(f"lower: expected a value <= upper ({upper}), got {lower}")
+    clamp = check_real("log_ratio_clamp", log_ratio_clamp, 0, lo_open=True)
+
+    dtype = acc_dtype(old_logp)
+    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
+    r = (old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype)).clamp(-clamp, clamp)
+    stat = -r if estimator == "k1" else 0.5 * r.square() if estimator == "k2" else torch.expm1(r) - r
+    if level != "token":
+        if level == "seq_max":
+            top = torch.where(mask, stat, float("-inf")).amax(-1) if stat.shape[-1] else zero.expand(stat.shape[0])
+            row = torch.where(mask.any(-1), top, zero)  # a row without tokens: 0, as verl
+        else:
+            row = torch.where(mask, stat, zero).sum(-1)
+            if level == "seq_mean":
+                row = row / mask.sum(-1).clamp(min=1)
+        stat = row[:, None].expand_as(r)
+    keep = stat == stat  # not NaN
+    if lower is not None:
+        keep = keep & (stat >= lower)
+    if upper is not None:
+        keep = keep & (stat <= upper)
+    return mask & keep
