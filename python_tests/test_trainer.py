@@ -521,8 +521,8 @@ def test_resume_from_a_checkpoint_file_continues_its_folder(finished_run, tmp_pa
     assert [json.loads(line)["step"] for line in open(tmp_path / "other" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def _local_checkpoint(path):
-    """A tiny Llama and a character-level fast tokenizer saved as a Hugging Face folder (offline)."""
+def _local_checkpoint(path, gpt2=False):
+    """A tiny Llama (or GPT-2) and a character-level fast tokenizer saved as a Hugging Face folder (offline)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -532,6 +532,11 @@ def _local_checkpoint(path):
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     tok.save_pretrained(path)
     torch.manual_seed(0)
+    if gpt2:  # another architecture: Conv1D projections named c_attn, c_proj, c_fc
+        from transformers import GPT2Config, GPT2LMHeadModel
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(path)
+        return
     LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(path)
@@ -548,9 +553,52 @@ def test_local_model_prompts_file_and_regex_reward(tmp_path):
     check_run(tmp_path / "o", summary, rows, 2)
 
 
+def _same_weights(model, state, prefix=""):
+    got = model.state_dict()
+    return all(torch.equal(got[k[len(prefix):]], v) for k, v in state.items() if k.startswith(prefix))
+
+
+def test_run_folder_is_a_hugging_face_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    summary, rows = run(tmp_path, steps=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # the policy of the last checkpoint
+    assert _same_weights(model, torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"])
+    assert (tmp_path / "generation_config.json").exists() and not (tmp_path / ".hf.tmp").exists()
+
+
 def test_lora(tmp_path):
     pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
     summary, rows = run(tmp_path, lora_rank=4, steps=2)
     check_run(tmp_path, summary, rows, 2)
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert any("lora_A" in k for k in ckpt["model"])
+    # the demo's base model is not on disk: its run folder holds the merged weights
+    assert not (tmp_path / "adapter_config.json").exists()
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_lora_on_a_local_model_saves_the_adapter_or_the_merged_model(tmp_path, merge):
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _local_checkpoint(tmp_path / "m", gpt2=True)  # GPT-2: LoRA on every linear layer, whatever their names
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) + "\n" for a in (1, 2, 3)
+                               for b in (4, 5)))
+    out = tmp_path / "o"
+    run(out, model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=1, prompts_per_step=2,
+        lora_rank=2, merge_lora=merge)
+    assert (out / "adapter_config.json").exists() != merge
+    model = AutoModelForCausalLM.from_pretrained(out)  # the adapter through peft on the base, or merged
+    assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    assert any("lora_A" in k for k in ckpt)
+    if merge:
+        assert not any("lora" in k for k in model.state_dict())
+    with pytest.raises(ValueError, match="--lora-target"):
+        run(tmp_path / "x", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=1,
+            prompts_per_step=2, lora_rank=2, lora_target="q_proj")

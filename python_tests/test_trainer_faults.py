@@ -85,9 +85,10 @@ def die_in_third_checkpoint_write():
     real_replace, calls = os.replace, []
 
     def replace(src, dst):
-        calls.append(src)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if str(dst).endswith("checkpoint.pt"):  # not the model files moved in beside it
+            calls.append(src)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
         real_replace(src, dst)
 
     os.replace = replace

@@ -36,6 +36,8 @@ class Config:
     n_head: int = 4
     lora_rank: int = 0             # > 0: train LoRA adapters through peft
     lora_alpha: float = 16.0
+    lora_target: str = "all-linear"  # LoRA modules: all-linear (every linear layer but the head) or name,name,...
+    merge_lora: bool = False       # save the merged weights, not the adapter (the demo model is always merged)
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
     prompts: str = ""              # JSONL of {"prompt": ..., "answer": ...}
     reward: str = "exact"          # exact | regex:PATTERN | module:function

@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import reprlib
+import shutil
 import signal
 import tempfile
 import time
@@ -34,13 +35,13 @@ import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
-from . import report, task
+from . import export, report, task
 from .config import FLOAT32_MAX, Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
 # what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
-RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "algo", "critic")
+RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
 
 # ----------------------------------------------------------------------------------------------
 # The loss head: the ONE place the policy loss is called. Switching to the hidden-state path is
@@ -298,6 +299,7 @@ def prepare_out_dir(out: str) -> None:
     if os.path.exists(stale):  # a checkpoint write cut short; the checkpoint beside it is the last whole one
         os.remove(stale)
         print(f"removed {stale}: a checkpoint write that did not finish")
+    shutil.rmtree(os.path.join(out, export.TMP), ignore_errors=True)  # a model export cut short
 
 
 def run_dir(resume: str) -> str:
@@ -462,7 +464,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 raise ValueError(f"--resume: the checkpoint in {cfg.resume!r} does not fit this run "
                                  f"({type(e).__name__}: {_one_line(e)})") from None
     if cfg.lora_rank:
-        policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
+        policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target)
     trunk, _ = _parts(policy)
     critic = Critic(trunk, policy.config.hidden_size, cfg.critic == "separate") if algo_ppo else None
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -513,6 +515,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 "optimizer": optimizer.state_dict(), "eval_reward_before": eval_before,
                 "rng": {"torch": rngs, "python": rng.getstate(), "python_global": random.getstate()},
             })
+            export.save_pretrained(policy, tok, out_dir, merge_lora=cfg.merge_lora)
 
     # Ctrl-C, or SIGTERM (what batch schedulers send): finish the current step, checkpoint, stop.
     # A second one interrupts at once.
@@ -711,6 +714,6 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
                               f"rlkernels.train --algo {cfg.algo}")
         log(report.summary_table(summary))
-        log(f"files in {out_dir}/: metrics.jsonl, summary.json, {CHECKPOINT}"
+        log(f"files in {out_dir}/: metrics.jsonl, summary.json, {CHECKPOINT}, the model (from_pretrained)"
             + (", metrics.png" if plotted else " (no plot: matplotlib is not installed)"))
     return summary

@@ -158,14 +158,18 @@ def load_model(path: str):
     return model, HFTokenizer(tok)
 
 
-def add_lora(model, rank: int, alpha: float):
-    """Wrap `model` in peft LoRA adapters on the attention and MLP projections."""
+def add_lora(model, rank: int, alpha: float, target: str = "all-linear"):
+    """Wrap `model` in peft LoRA adapters on `target`: "all-linear" (every linear layer but the head, for
+    any architecture) or comma-separated module names."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)") from None
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+    targets = target if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
+    try:
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+    except ValueError as e:  # e.g. no module of that name in this model
+        raise ValueError(f"--lora-target: {e}") from None
 
 
 def left_pad(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
