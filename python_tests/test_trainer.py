@@ -553,6 +553,38 @@ def test_local_model_prompts_file_and_regex_reward(tmp_path):
     check_run(tmp_path / "o", summary, rows, 2)
 
 
+def test_conversational_prompts_through_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlkernels.trainer.task import HFTokenizer
+
+    _local_checkpoint(tmp_path / "m")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "m")
+    hf.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    hf.save_pretrained(tmp_path / "m")
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(tmp_path / "m"))
+    conversation = tok.encode([{"role": "user", "content": "12+3"}])
+    assert conversation == [hf.bos_token_id, *hf("12+3=", add_special_tokens=False)["input_ids"]]
+    hf._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf.bos_token_id)])  # a Llama-style tokenizer: adds BOS
+    tok = HFTokenizer(hf)
+    assert tok.encode("12+3=") == conversation  # a plain prompt gets the tokenizer's BOS
+    assert tok.encode("<s>12+3=") == conversation  # a pre-templated one keeps its own: no second BOS
+    assert tok.encode([{"role": "user", "content": "12+3"}]) == conversation  # the template's BOS only
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}"}], "answer": a + b})
+                               + "\n" for a in (1, 22, 3) for b in (4, 5)))
+    summary, rows = run(tmp_path / "o", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=2,
+                        prompts_per_step=2)
+    check_run(tmp_path / "o", summary, rows, 2)
+    with pytest.raises(ValueError, match="--prompts: conversational prompts need --model"):
+        run(tmp_path / "d", prompts=str(prompts), eval_size=2, steps=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": 1}) + "\n")
+    with pytest.raises(ValueError, match="line 1"):
+        run(tmp_path / "b", model=str(tmp_path / "m"), prompts=str(bad), eval_size=2, steps=1)
+
+
 def _same_weights(model, state, prefix=""):
     got = model.state_dict()
     return all(torch.equal(got[k[len(prefix):]], v) for k, v in state.items() if k.startswith(prefix))

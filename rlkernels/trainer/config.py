@@ -39,7 +39,7 @@ class Config:
     lora_target: str = "all-linear"  # LoRA modules: all-linear (every linear layer but the head) or name,name,...
     merge_lora: bool = False       # save the merged weights, not the adapter (the demo model is always merged)
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
-    prompts: str = ""              # JSONL of {"prompt": ..., "answer": ...}
+    prompts: str = ""              # JSONL of {"prompt": str or [{"role", "content"}, ...], "answer": ...}
     reward: str = "exact"          # exact | regex:PATTERN | module:function
     digits: int = 2
     eval_size: int = 256           # held-out prompts, greedy exact-match

@@ -28,6 +28,9 @@ class CharTokenizer:
 
     def encode(self, text: str) -> List[int]:
         """bos + the characters (a prompt)."""
+        if not isinstance(text, str):
+            raise ValueError("--prompts: conversational prompts need --model (a tokenizer with a chat template); "
+                             "the demo's character tokenizer takes plain text")
         bad = set(text) - set(self._id)
         if bad:
             raise ValueError(f"prompt {text!r}: characters {sorted(bad)} are not in the demo vocabulary {self.chars!r}")
@@ -57,8 +60,18 @@ class HFTokenizer:
         self.bos_id = tok.bos_token_id
         self.vocab_size = len(tok)
 
-    def encode(self, text: str) -> List[int]:
-        return self.tok(text, add_special_tokens=True)["input_ids"]
+    def encode(self, prompt) -> List[int]:
+        """A plain prompt with the tokenizer's special tokens, unless it already starts with its BOS (a
+        pre-templated prompt); a conversation (a list of {"role", "content"}) through the chat template
+        with the assistant's turn opened, whose text holds its own special tokens."""
+        if isinstance(prompt, list):
+            if not getattr(self.tok, "chat_template", None):
+                raise ValueError("--prompts: conversational prompts need a tokenizer with a chat template, and "
+                                 "the --model tokenizer has none")
+            text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+        bos = self.tok.bos_token
+        return self.tok(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
@@ -79,8 +92,16 @@ def addition_task(digits: int, eval_size: int, seed: int) -> Tuple[list, list]:
     return [fmt(*p) for p in pairs[eval_size:]], [fmt(*p) for p in pairs[:eval_size]]
 
 
+def _is_conversation(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt))
+
+
 def jsonl_task(path: str, eval_size: int, seed: int) -> Tuple[list, list]:
-    """(train, eval) from a JSONL file of {"prompt": str, "answer": str}; the last eval_size held out."""
+    """(train, eval) from a JSONL file of {"prompt": ..., "answer": ...}, the prompt a string or a
+    conversation (TRL's conversational format: a list of {"role": str, "content": str}); the last
+    eval_size held out."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
@@ -94,8 +115,10 @@ def jsonl_task(path: str, eval_size: int, seed: int) -> Tuple[list, list]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"--prompts: {path} line {n} is not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
-            raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str, "answer": ...}}')
+        if not isinstance(obj, dict) or "answer" not in obj or not (
+                isinstance(obj.get("prompt"), str) or _is_conversation(obj.get("prompt"))):
+            raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str or [{{"role": str, "content": '
+                             f'str}}, ...], "answer": ...}}')
         rows.append((obj["prompt"], str(obj["answer"])))
     if len(rows) < 2:
         raise ValueError(f"--prompts: {path} needs at least 2 prompts, has {len(rows)}")
