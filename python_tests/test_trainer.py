@@ -634,3 +634,28 @@ def test_lora_on_a_local_model_saves_the_adapter_or_the_merged_model(tmp_path, m
     with pytest.raises(ValueError, match="--lora-target"):
         run(tmp_path / "x", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=1,
             prompts_per_step=2, lora_rank=2, lora_target="q_proj")
+
+
+TRL_CALLS = []
+
+
+def trl_style_reward(prompts, completions, answer, **kwargs):
+    """TRL's signature: the batch's prompts and completions, the dataset's columns as keywords."""
+    TRL_CALLS.append(len(prompts))
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def trl_style_short_reward(prompts, completions, **kwargs):
+    return [1.0]
+
+
+def test_rewards_with_trl_signature(tmp_path):
+    TRL_CALLS.clear()
+    summary, rows = run(tmp_path / "a", steps=1, reward="module:test_trainer:trl_style_reward")
+    reference, _ = run(tmp_path / "b", steps=1)  # the same reward per sample: `exact`
+    assert TRL_CALLS and max(TRL_CALLS) > 1  # whole batches, not one completion at a time
+    assert summary["eval_reward_before"] == reference["eval_reward_before"]
+    assert rows[0]["reward_mean"] == json.loads(open(tmp_path / "b" / "metrics.jsonl").readline())["reward_mean"]
+    with pytest.raises(ValueError, match=r"^--reward: module:test_trainer:trl_style_short_reward returned \[1.0\] "
+                                         r"for \d+ completions"):
+        run(tmp_path / "c", steps=1, warmup_steps=0, reward="module:test_trainer:trl_style_short_reward")

@@ -40,7 +40,8 @@ class Config:
     merge_lora: bool = False       # save the merged weights, not the adapter (the demo model is always merged)
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
     prompts: str = ""              # JSONL of {"prompt": str or [{"role", "content"}, ...], "answer": ...}
-    reward: str = "exact"          # exact | regex:PATTERN | module:function
+    reward: str = "exact"          # exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float,
+                                   # or TRL's (prompts, completions, **columns) -> list[float])
     digits: int = 2
     eval_size: int = 256           # held-out prompts, greedy exact-match
     # supervised warm-up (demo task only): leaves room for RL to improve

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import math
 import numbers
 import os
@@ -124,23 +125,46 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
 
 
 def checked_reward(reward_fn, name: str):
-    """`reward_fn` returning a float, or an error naming `--reward` and the prompt when it raises or
-    returns anything but a finite number within float32 (a NaN reward would silently train nothing)."""
-    def reward(prompt, completion, answer):
+    """`rewards(prompts, completions, answers) -> list of floats` from `reward_fn`: per sample,
+    `reward_fn(prompt, completion, answer) -> float`, or TRL's signature `reward_fn(prompts, completions,
+    **columns) -> list[float]` (one call per batch; the JSONL's `answer` column as `answer=`; a
+    conversation's completions as [{"role": "assistant", "content": text}], as TRL gives them). An
+    error names `--reward` and the prompt when it raises or returns anything but a finite number within
+    float32 (a NaN reward would silently train nothing)."""
+    try:
+        params = inspect.signature(reward_fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: per sample
+        params = {}
+    trl_style = "prompts" in params and "completions" in params
+
+    def value(r, prompt):
         try:
-            r = reward_fn(prompt, completion, answer)
-        except Exception as e:
-            raise ValueError(f"--reward: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
-        try:
-            value = float(r) if isinstance(r, numbers.Real) else None  # numbers.Real: no None, list, tensor
+            v = float(r) if isinstance(r, numbers.Real) else None  # numbers.Real: no None, list, tensor
         except OverflowError:  # an int beyond float64
-            value = None
-        if value is None or not abs(value) <= FLOAT32_MAX:
+            v = None
+        if v is None or not abs(v) <= FLOAT32_MAX:
             raise ValueError(f"--reward: {name} returned {reprlib.repr(r)} on prompt {prompt!r}; expected a "
                              f"finite number within float32 range")
-        return value
+        return v
 
-    return reward
+    def call(prompt, *args, **kwargs):
+        try:
+            return reward_fn(*args, **kwargs)
+        except Exception as e:
+            raise ValueError(f"--reward: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
+
+    def rewards(prompts, completions, answers):
+        if not trl_style:
+            return [value(call(p, p, c, a), p) for p, c, a in zip(prompts, completions, answers)]
+        completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                       for p, c in zip(prompts, completions)]
+        out = call(prompts[0], prompts=prompts, completions=completions, answer=answers)
+        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+            raise ValueError(f"--reward: {name} returned {reprlib.repr(out)} for {len(prompts)} completions; expected "
+                             f"a list of {len(prompts)} numbers (TRL's signature)")
+        return [value(r, p) for r, p in zip(out, prompts)]
+
+    return rewards
 
 
 @torch.no_grad()
@@ -153,8 +177,8 @@ def evaluate(model, tok, examples, reward_fn, cfg, batch=256):
         chunk = examples[i:i + batch]
         ids, attn = task.left_pad([tok.encode(p) for p, _ in chunk], tok.pad_id)
         seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
-        for (p, a), row in zip(chunk, seq[:, ids.shape[1]:]):
-            total += float(reward_fn(p, tok.decode(row), a))
+        completions = [tok.decode(row) for row in seq[:, ids.shape[1]:]]
+        total += sum(reward_fn([p for p, _ in chunk], completions, [a for _, a in chunk]))
     model.train(was_training)
     return total / max(len(examples), 1)
 
@@ -197,8 +221,7 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group):
     group_ids = torch.arange(len(prompts)).repeat_interleave(G) + first_group
     answers = [a for _, a in prompts for _ in range(G)]
     texts = [tok.decode(row) for row in targets]
-    rewards = torch.tensor([reward_fn(prompts[i // G][0], texts[i], answers[i]) for i in range(len(texts))],
-                           dtype=torch.float32)
+    rewards = torch.tensor(reward_fn([p for p, _ in prompts for _ in range(G)], texts, answers), dtype=torch.float32)
     score = rewards.clone()  # the verifier's reward, reported as reward_mean
     lengths = mask.sum(-1)
     if cfg.overlong_buffer:
@@ -378,7 +401,8 @@ def loss_config(cfg: Config, group_size: int):
 def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dict:
     """Run (or `--resume`) an RL fine-tuning job; returns the summary dict (also in summary.json).
 
-    `reward_fn(prompt, completion, answer) -> float` replaces `--reward` when given."""
+    `reward_fn` replaces `--reward` when given: `(prompt, completion, answer) -> float`, or TRL's
+    `(prompts, completions, **columns) -> list[float]`."""
     t_start = time.time()
     validate(config)
     saved = load_checkpoint(config.resume) if config.resume else None
