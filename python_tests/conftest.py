@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def restore_verl(monkeypatch):
-    """Whatever a test patches in verl's fused-kernel path (`register()` does) is put back afterwards."""
+    """Whatever a test patches in verl's fused-kernel path (`register(fused_kernels=True)` does) is put back afterwards."""
     torch_functional = pytest.importorskip("verl.utils.experimental.torch_functional")
     kernel = pytest.importorskip("verl.utils.kernel.linear_cross_entropy")
     monkeypatch.setattr(kernel, "linear_cross_entropy", kernel.linear_cross_entropy)

@@ -44,7 +44,7 @@ def test_reduction_other_than_none_is_refused():
 
 def test_patched_model_forward_uses_rlkernels(restore_verl):
     """verl's torch-backend fused forward of a tiny Qwen2 gives the same log-probs and entropies
-    before and after `register()` patches it, and after it rlkernels' op is the one called."""
+    before and after `register(fused_kernels=True)` patches it, and after it rlkernels' op is the one called."""
     transformers = pytest.importorskip("transformers")
     dense_common = pytest.importorskip("verl.models.transformers.dense_common")
     cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -59,7 +59,9 @@ def test_patched_model_forward_uses_rlkernels(restore_verl):
 
     assert torch_functional.FusedLinearForPPO is not verl_fused.FusedLinearForPPO, "verl left patched by a test"
     before = forward()
-    rk_verl.register()
+    rk_verl.register()  # the losses only: verl's kernels stay
+    assert torch_functional.FusedLinearForPPO is not verl_fused.FusedLinearForPPO
+    rk_verl.register(fused_kernels=True)
     assert torch_functional.FusedLinearForPPO is verl_fused.FusedLinearForPPO
     assert verl_kernel.linear_cross_entropy is verl_fused.linear_cross_entropy
     calls = []

@@ -8,8 +8,9 @@ verl computes `log_prob` in its actor; these losses are the `[B, T]` math (`poli
 they bring the presets verl lacks (FSPO, GEPO, SNIS, LUSPO, VESPO, GSPO's sequence ratio, delta)
 and one definition of each, not the kernels. `register()` must run in every process that computes
 the actor loss; with Ray workers, e.g. `ray.init(runtime_env={"worker_process_setup_hook":
-"rlkernels.integrations.verl.register"})`. It also puts rlkernels' hidden-state log-prob/entropy
-op in verl's fused-kernel path (`model.use_fused_kernels=True`; see verl_fused.py).
+"rlkernels.integrations.verl.register"})`. `register(fused_kernels=True)` also puts rlkernels'
+hidden-state log-prob/entropy op in verl's fused-kernel path (`model.use_fused_kernels=True`; see
+verl_fused.py); by default verl's own kernels stay untouched.
 
 How verl's settings map onto `PolicyLossConfig` (the preset chooses the algorithm, verl's
 config its numbers, as verl's own losses read them):
@@ -319,11 +320,12 @@ def _rejection_mask(current, rollout, mask, options: str, thresholds):
     return kept
 
 
-def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = True,
+def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = False,
              **overrides) -> list:
     """Register `prefix + name` for each preset (default: all) with verl; returns the names registered.
-    `fused_kernels`: also route verl's fused-kernel log-prob/entropy path (`use_fused_kernels=True`)
-    through rlkernels' hidden-state op (`verl_fused.patch_fused_kernels`)."""
+    `fused_kernels=True`: also route verl's fused-kernel log-prob/entropy path (`use_fused_kernels=True`)
+    through rlkernels' hidden-state op (`verl_fused.patch_fused_kernels`); off by default, so that
+    registering the losses changes nothing else in verl."""
     from verl.trainer.ppo.core_algos import register_policy_loss
 
     if fused_kernels:
