@@ -57,7 +57,11 @@ import warnings
 from typing import Optional, Tuple
 
 import torch
-from trl import GRPOTrainer
+
+from . import _versions
+
+_versions.check("trl")
+from trl import GRPOTrainer  # noqa: E402
 
 from ..losses import PolicyLossConfig
 from ..ops import fused_linear_policy_loss, linear_token_logprobs

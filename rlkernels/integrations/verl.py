@@ -62,6 +62,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import presets as _presets
+from . import _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_correction
 from ..losses.aggregation import aggregate, masked_mean
 from ..losses.inputs import LossInputs
@@ -326,6 +327,7 @@ def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fuse
     `fused_kernels=True`: also route verl's fused-kernel log-prob/entropy path (`use_fused_kernels=True`)
     through rlkernels' hidden-state op (`verl_fused.patch_fused_kernels`); off by default, so that
     registering the losses changes nothing else in verl."""
+    _versions.check("verl")
     from verl.trainer.ppo.core_algos import register_policy_loss
 
     if fused_kernels:
