@@ -93,7 +93,9 @@ CASES += [("cispo", "token", 1.02, 0.04), ("dapo", "token", 0.03, 0.0), ("grpo",
 CASES += [("cispo", "sequence", 1.02, 0.04), ("cispo", "token", 0.9, 0.0)]  # a cap below 1 on token ratios
 CASES += [(t, lvl, 0.03, 0.04) for t in ("sapo", "luspo") for lvl in ("token", "sequence")]
 CASES += [("vespo", "token", 0.03, 0.04)]
-IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]  # TRL's vespo folds vLLM IS into its own ratio: not mapped
+IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]
+# TRL's vespo folds vLLM IS into its sequence ratio, and takes the token-level modes only
+VESPO_IS_CASE = ("vespo", "token", 0.03, 0.04)
 OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
 
 
@@ -174,8 +176,11 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
             try:
                 for shape in ((B, T), (B, 1)):
                     ratio = torch.rand(shape, generator=g) * 1.6
-                    inputs["importance_sampling_ratio"] = ratio.masked_fill(ratio < 0.3, 0.0)  # the mask modes' zeros
-                    for case in IS_CASES:
+                    ratio = ratio.masked_fill(ratio < 0.3, 0.0)  # the mask modes' zeros
+                    if shape == (B, T):  # padding: TRL's ratio there is e^0 = 1 (its log-prob difference is masked)
+                        ratio = torch.where(inputs["completion_mask"].bool(), ratio, 1.0)
+                    inputs["importance_sampling_ratio"] = ratio
+                    for case in IS_CASES + ([VESPO_IS_CASE] if shape == (B, T) else []):
                         compare(model, inputs, params, *case, what=f" vLLM IS {tuple(shape)}")
             finally:
                 trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
@@ -186,7 +191,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if level == "token" and beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 4 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"

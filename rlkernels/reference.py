@@ -297,7 +297,12 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 surr, low, high = _clip_surrogate(w, a, config)
             r_metric = torch.exp(log_s(i)).expand(L)
         elif ratio == "sequence_sum" and objective == "vespo":   # VESPO: -sg(φ(w_i)) A ℓ
-            log_w = torch.clamp(torch.clamp(l - lo, -C, C).sum(), math.log(1e-8), C).detach()
+            log_w = torch.clamp(l - lo, -C, C).sum()
+            if is_weights is not None:       # TRL: the importance weights enter w_i, not the per-token loss
+                w_is = is_weights.detach().to(dt)
+                w_is = tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
+                log_w = log_w + torch.clamp(torch.log(w_is), math.log(1e-8), C).sum()
+            log_w = torch.clamp(log_w, math.log(1e-8), C).detach()
             w = torch.exp(log_w)
             pos = bool(a_row >= 0)
             k = _cfg(config, "vespo_k_pos" if pos else "vespo_k_neg")
@@ -334,7 +339,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
 
         loss_tok = surr
         omega = torch.ones(L, dtype=dt)      # §7 ω: importance weights times the off-policy mask
-        if is_weights is not None:
+        if is_weights is not None and objective != "vespo":
             w_is = is_weights.detach().to(dt)
             omega = omega * tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
         if h_thr is not None:                # keep the tokens with the top ρ entropies of the call
@@ -344,7 +349,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             src = lo if rollout_logp is None else tok(rollout_logp.detach().to(dt), i)
             gap = float(torch.nan_to_num(src - l.detach(), nan=0.0).mean())
             omega = omega * ((a >= 0) | (gap <= thr)).to(dt)
-        if is_weights is not None or thr is not None or h_thr is not None:
+        if (is_weights is not None and objective != "vespo") or thr is not None or h_thr is not None:
             loss_tok = surr * omega
             low, high = low & (omega > 0), high & (omega > 0)   # §10: a zero-weight token is not clipped
         # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;

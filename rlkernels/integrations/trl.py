@@ -33,8 +33,7 @@ accumulation steps in training (1 in evaluation):
 | `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: `vespo` with vLLM importance
-sampling (TRL folds the IS log-ratio into VESPO's ratio); `top_entropy_quantile < 1` on several
+says why: `top_entropy_quantile < 1` on several
 processes (TRL's quantile spans them all);
 `use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
 ratio there); an entropy bonus (TRL
@@ -81,8 +80,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     level = trainer.importance_sampling_level
     reasons = [
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
-        (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction,
-         "loss_type='vespo' with vLLM importance sampling (TRL adds the IS log-ratio into VESPO's sequence ratio)"),
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",

@@ -82,7 +82,9 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
 
 def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, entropy=None):
     """ω of §7, (B, T) or None: the importance weights times the off-policy and the entropy masks."""
-    w = None if inputs.is_weights is None else torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
+    w = None if inputs.is_weights is None or config.objective == "vespo" else \
+        torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
     if config.top_entropy_quantile is not None and config.top_entropy_quantile < 1:
         keep = (entropy.detach() >= _quantile(entropy.detach(), b.mask, 1 - config.top_entropy_quantile)) & b.mask
         w = keep.to(b.logp.dtype) if w is None else w * keep
@@ -124,7 +126,7 @@ def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
     old = logp_m.detach() if inputs.old_logp is None else where(inputs.old_logp)
     lengths = mask.sum(-1).to(logp.dtype)
     b = surrogates.Batch(logp_m, old, mask, lengths, where(inputs.adv), inputs.adv_row, inputs.group,
-                         inputs.num_groups, inputs.rewards)
+                         inputs.num_groups, inputs.rewards, inputs.is_weights)
     return b, where(inputs.ref_logp), where(entropy)
 
 

@@ -36,6 +36,7 @@ class Batch:
     group: Optional[torch.Tensor]  # (B,) group index in [0, num_groups)
     num_groups: int
     rewards: Optional[torch.Tensor]  # (B,), only for snis
+    is_weights: Optional[torch.Tensor] = None  # (B, T) importance weights ω, read by VESPO's ratio only
 
     def row_mean(self, x: torch.Tensor) -> torch.Tensor:
         return masked_sum_rows(x, self.mask) / self.lengths.clamp(min=1)
@@ -238,12 +239,18 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 def vespo(b: Batch, cfg) -> Surrogate:
     """VESPO: −sg(φ(w_i))·A·ℓ, φ(w) = exp(λ + k·log w − λ·w), w_i the raw sequence ratio (TRL's bounds)."""
     with torch.no_grad():
-        phi, w = vespo_weight(masked_sum_rows(_token_log_ratio(b, cfg), b.mask), b.adv_row, cfg)
+        phi, w = vespo_weight(masked_sum_rows(_token_log_ratio(b, cfg), b.mask), b.adv_row, cfg,
+                              b.is_weights, b.mask)
     return Surrogate(-b.per_token(phi) * b.adv * b.logp, b.per_token(w), _none(b), _none(b))
 
 
-def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg):
-    """(φ(w_i), w_i) (B,) of VESPO from Σ_t m·clamp(ℓ − ℓ_old), the row sums of the clamped token log-ratios."""
+def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg, is_weights=None, mask=None):
+    """(φ(w_i), w_i) (B,) of VESPO from Σ_t m·clamp(ℓ − ℓ_old), the row sums of the clamped token log-ratios.
+    Importance weights ω `(B, T)` (the rollout correction) enter the ratio as TRL has them:
+    log w_i += Σ_t m·clamp(log ω_t, log 1e-8, c), in place of weighting the per-token loss."""
+    if is_weights is not None:
+        log_is = torch.log(is_weights).clamp(VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
+        log_ratio_sum = log_ratio_sum + masked_sum_rows(log_is, mask)
     log_w = log_ratio_sum.clamp(VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
     w = torch.exp(log_w)
     pos = adv_row >= 0

@@ -102,9 +102,10 @@ class _Rows:
 
 
 def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConfig) -> Optional[Tensor]:
-    """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked."""
+    """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked.
+    (VESPO's importance weights are in its ratio, not here: `losses.policy_loss.surrogate_weights`.)"""
     if config.off_policy_mask is None and config.top_entropy_quantile is None:
-        if inputs.is_weights is None:
+        if inputs.is_weights is None or config.objective == "vespo":
             return None
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
@@ -166,7 +167,7 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     # VESPO: −φ(w_i)·A·ℓ; its ratio statistic is the sequence ratio w_i.
     old = inputs.old_logp
     log_ratio_sum = rows.log_ratio_sum if old is None else rows.masked_sum((rows.logp - old).clamp(-c, c))
-    phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config)
+    phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config, inputs.is_weights, rows.mask)
     return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, phi, w, None, config)
 
 
