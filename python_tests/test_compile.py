@@ -56,10 +56,17 @@ def _op_args(backend, device="cpu"):
 OPCHECK_BACKENDS = BACKENDS + (["triton"] if INTERPRETED_TRITON else [])
 
 
+def _bwd_op(backend):
+    """The backward op of `backend`: the extension's own for cpu and cuda, else the Python op."""
+    if backend in ("cpu", "cuda"):
+        return torch.ops.rlkernels_C.token_logprobs_bwd.default
+    return getattr(torch.ops.rlkernels, f"token_logprobs_bwd_{backend}").default
+
+
 @pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
 def test_opcheck(backend):
     fwd = _define(backend)
-    bwd = getattr(torch.ops.rlkernels, f"token_logprobs_bwd_{backend}").default
+    bwd = _bwd_op(backend)
     # Under the interpreter a triton_op's compile path runs its body on fake tensors, which the
     # interpreter cannot launch; the compiled path is checked on a GPU (test_gpu_triton_compile).
     utils = ("test_schema", "test_autograd_registration", "test_faketensor") if backend == "triton" else None
@@ -182,4 +189,37 @@ def test_gpu_cuda_opcheck():
     """The compiled CUDA kernels' ops (rlkernels::token_logprobs_*_cuda) under opcheck."""
     for fwd_args, bwd_args in _op_args("cuda", "cuda"):
         torch.library.opcheck(_define("cuda"), (fwd_args[0].clone().requires_grad_(True), *fwd_args[1:]))
-        torch.library.opcheck(torch.ops.rlkernels.token_logprobs_bwd_cuda.default, bwd_args)
+        torch.library.opcheck(_bwd_op("cuda"), bwd_args)
+    for op, args in _loss_op_args("cuda"):
+        torch.library.opcheck(op, args)
+
+
+def _loss_op_args(device):
+    """(op, args) of the extension's other ops: the backward into a buffer, the fused forward with the
+    token loss, and the token loss at given log-probs (the latter two with and without optional inputs)."""
+    from rlkernels.kernels._extension import _loss_scalars
+    from rlkernels.ops.token_loss_params import token_loss_params
+
+    scalars = _loss_scalars(token_loss_params(presets.grpo(entropy_coef=0.01)))
+    for logits, targets, temperature, need_entropy in SAMPLES[:1]:
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
+        n = flat.shape[0]
+        g = torch.Generator().manual_seed(5)
+        mask = (torch.rand(n, generator=g) > 0.2).to(device)
+        weight, adv, old, ref = (torch.randn(n, generator=g).to(device) for _ in range(4))
+        logp, entropy, lse_parts = torch.ops.rlkernels_C.token_logprobs_fwd(flat, flat_targets, temperature, True)
+        grad_logp, grad_entropy = torch.randn_like(logp), torch.randn_like(entropy)
+        yield (torch.ops.rlkernels_C.token_logprobs_bwd_out.default,
+               (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, torch.empty_like(flat)))
+        for optional in ((old, ref), (None, None)):
+            yield (torch.ops.rlkernels_C.policy_token_fwd.default,
+                   (flat, flat_targets, mask, weight, adv, *optional, temperature, *scalars))
+            yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, entropy, mask, weight, adv, *optional, *scalars)
+        yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, None, mask, weight, None, old, None, *scalars)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled extension")
+def test_opcheck_of_the_extensions_other_ops():
+    _define("cpu")  # registers the fakes
+    for op, args in _loss_op_args("cpu"):
+        torch.library.opcheck(op, args)

@@ -1,10 +1,12 @@
 """`token_logprobs`: per-token log-probs and entropy as `torch.library` ops (docs/design.md §2, §5).
 
-Each backend gets one forward and one backward op, `rlkernels::token_logprobs_fwd_<backend>`
-and `..._bwd_<backend>`, with fake implementations (so `torch.compile(fullgraph=True)` traces
-through them) and the autograd formula registered once here. The Triton backend's ops are
-`triton_op`s whose kernels are launched through `wrap_triton`, so the compiler sees the kernels
-themselves rather than an opaque call.
+The compiled backends (cpu, cuda) run the extension's own op, `rlkernels_C::token_logprobs_fwd`,
+with its fake and autograd registered on it (`_c_ops`). The triton and torch backends get one
+forward and one backward Python op, `rlkernels::token_logprobs_fwd_<backend>` and
+`..._bwd_<backend>`, with fake implementations (so `torch.compile(fullgraph=True)` traces through
+them) and the same autograd formula. The Triton backend's ops are `triton_op`s whose kernels are
+launched through `wrap_triton`, so the compiler sees the kernels themselves rather than an opaque
+call.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_tensor
 from .._dtypes import acc_dtype
+from . import _c_ops
 from ._rows import check_logits_args, row_blocks, run_blocks
 
 _OPS = {}
@@ -25,10 +28,14 @@ _DEFINE_LOCK = threading.Lock()
 
 def _define(name: str):
     """Define (once, under a lock: two threads' first calls must not both register) the
-    forward/backward ops of backend `name`."""
+    forward/backward ops of backend `name`: for cpu and cuda the compiled extension's own op
+    (`_c_ops`, shared by both), for triton and torch a Python op pair."""
     with _DEFINE_LOCK:
         if name not in _OPS:
-            _OPS[name] = _register(name)
+            if name in ("cpu", "cuda"):
+                _OPS["cpu"] = _OPS["cuda"] = _OPS.get("cpu") or _c_ops.register()
+            else:
+                _OPS[name] = _register(name)
         return _OPS[name]
 
 
