@@ -14,13 +14,13 @@ from ..kernels.token_loss_params import NUM_STATS
 _LIB = "rlkernels_C"
 
 
-def _fwd_fake(logits, targets, temperature, need_entropy):
+def logprobs_fwd_fake(logits, targets, temperature, need_entropy):
     n, dtype = logits.shape[0], acc_dtype(logits)
     return (logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype),
             logits.new_empty(n, 2, dtype=dtype))
 
 
-def _bwd_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature):
+def logprobs_bwd_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature):
     return torch.empty_like(logits)
 
 
@@ -46,23 +46,27 @@ def _setup_context(ctx, inputs, output):
     ctx.temperature, ctx.need_entropy = temperature, need_entropy
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse_parts):
-    logits, targets, lse_parts, entropy = ctx.saved_tensors
-    if grad_logp is None:
-        grad_logp = lse_parts.new_zeros(lse_parts.shape[0])
-    if not ctx.need_entropy:
-        grad_entropy = None
-    grad = torch.ops.rlkernels_C.token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp.contiguous(),
-                                                    None if grad_entropy is None else grad_entropy.contiguous(),
-                                                    ctx.temperature)
-    return grad, None, None, None
+def register_logprobs_autograd(fwd, bwd) -> None:
+    """The autograd formula of a token_logprobs forward op `fwd` (any backend's), whose backward op is `bwd`."""
+
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse_parts):
+        logits, targets, lse_parts, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = lse_parts.new_zeros(lse_parts.shape[0])
+        if not ctx.need_entropy:
+            grad_entropy = None
+        grad = bwd(logits, targets, lse_parts, entropy, grad_logp.contiguous(),
+                   None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature)
+        return grad, None, None, None
+
+    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
 
 
 def register():
     """Register the fakes and the autograd formula (once: the caller holds the registration lock)."""
-    for name, fake in (("token_logprobs_fwd", _fwd_fake), ("token_logprobs_bwd", _bwd_fake),
+    for name, fake in (("token_logprobs_fwd", logprobs_fwd_fake), ("token_logprobs_bwd", logprobs_bwd_fake),
                        ("token_logprobs_bwd_out", _bwd_out_fake), ("policy_token_fwd", _policy_fwd_fake),
                        ("policy_token_loss", _policy_loss_fake)):
         torch.library.register_fake(f"{_LIB}::{name}", fake)
-    torch.library.register_autograd(f"{_LIB}::token_logprobs_fwd", _backward, setup_context=_setup_context)
+    register_logprobs_autograd(f"{_LIB}::token_logprobs_fwd", torch.ops.rlkernels_C.token_logprobs_bwd)
     return torch.ops.rlkernels_C.token_logprobs_fwd.default

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_tensor
-from .._dtypes import acc_dtype
 from . import _c_ops
 from ._rows import check_logits_args, row_blocks, run_blocks
 
@@ -50,11 +49,7 @@ def _register(name: str):
         return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy, **launch)
 
     # For triton this replaces triton_op's fake (the body traced), which the interpreter cannot run.
-    @fwd.register_fake
-    def _(logits, targets, temperature, need_entropy):
-        n, dtype = logits.shape[0], acc_dtype(logits)
-        return (logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype),
-                logits.new_empty(n, 2, dtype=dtype))
+    fwd.register_fake(_c_ops.logprobs_fwd_fake)
 
     @register(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
     def bwd(
@@ -64,27 +59,8 @@ def _register(name: str):
         return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy,
                                                          temperature, **launch)
 
-    @bwd.register_fake
-    def _(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature):
-        return torch.empty_like(logits)
-
-    def setup_context(ctx, inputs, output):
-        logits, targets, temperature, need_entropy = inputs
-        _, entropy, lse_parts = output
-        ctx.save_for_backward(logits, targets, lse_parts, entropy)
-        ctx.temperature, ctx.need_entropy = temperature, need_entropy
-
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse_parts):
-        logits, targets, lse_parts, entropy = ctx.saved_tensors
-        if grad_logp is None:
-            grad_logp = lse_parts.new_zeros(lse_parts.shape[0])
-        if not ctx.need_entropy:
-            grad_entropy = None
-        grad = bwd(logits, targets, lse_parts, entropy, grad_logp.contiguous(),
-                   None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature)
-        return grad, None, None, None
-
-    fwd.register_autograd(backward, setup_context=setup_context)
+    bwd.register_fake(_c_ops.logprobs_bwd_fake)
+    _c_ops.register_logprobs_autograd(fwd, bwd)
     return fwd
 
 
