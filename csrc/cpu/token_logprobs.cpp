@@ -31,6 +31,7 @@
 #endif
 
 #include "rlkernels/grad_out_check.h"
+#include "rlkernels/op_args.h"
 #include "rlkernels/row_math.h"
 #include "rlkernels/token_loss.h"
 #include "rlkernels/token_loss_args.h"
@@ -270,14 +271,11 @@ void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.is_contiguous(), "logits: expected a contiguous tensor");
 }
 
-// targets (N,) int64 (int32 accepted), every value in [0, V); returns an int64 contiguous copy or view.
-at::Tensor check_targets(const at::Tensor& targets, int64_t N, int64_t V) {
-  TORCH_CHECK(targets.device().is_cpu(), "targets: expected a CPU tensor, got ", targets.device());
-  TORCH_CHECK(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
-              "targets: expected dtype int64, got ", targets.scalar_type());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == N, "targets: expected shape (", N,
-              ",) matching logits (N, V), got ", targets.sizes());
-  at::Tensor t = targets.to(at::kLong).contiguous();
+// targets (N,) int64 (int32 accepted) on the CPU, every value in [0, V) (read here: no device to
+// synchronise with); returns an int64 contiguous copy or view.
+at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
+  const at::Tensor t = rlk::check_targets_shape(targets, logits);
+  const int64_t N = logits.size(0), V = logits.size(1);
   const int64_t* p = t.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK_VALUE(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
@@ -285,29 +283,13 @@ at::Tensor check_targets(const at::Tensor& targets, int64_t N, int64_t V) {
   return t;
 }
 
-double check_temperature(double temperature) {
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
-              temperature);
-  return temperature;
-}
-
-// A per-row input of the backward, (N,) or with `pair` (N, 2): converted to the accumulation dtype, contiguous.
-at::Tensor check_row_vector(const at::Tensor& t, const char* name, int64_t N, at::ScalarType acc, bool pair = false) {
-  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
-  const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
-  TORCH_CHECK(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
-              t.sizes());
-  return t.to(acc).contiguous();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, double temperature, bool need_entropy) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
-  const at::Tensor tgt = check_targets(targets, N, V);
-  check_temperature(temperature);
+  const at::Tensor tgt = check_targets(targets, logits);
+  rlk::check_temperature(temperature);
   const auto opts = logits.options().dtype(acc_type(logits.scalar_type()));
   at::Tensor logp = at::empty({N}, opts);
   at::Tensor lse_parts = at::empty({N, 2}, opts);
@@ -342,16 +324,16 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
                              const std::optional<at::Tensor>& grad_entropy, double temperature, at::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
-  const at::Tensor tgt = check_targets(targets, N, V);
-  check_temperature(temperature);
+  const at::Tensor tgt = check_targets(targets, logits);
+  rlk::check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits.scalar_type());
-  const at::Tensor lse_c = check_row_vector(lse_parts, "lse_parts", N, acc, /*pair=*/true);
-  const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", N, acc);
+  const at::Tensor lse_c = rlk::check_row_vector(lse_parts, "lse_parts", logits, acc, /*pair=*/true);
+  const at::Tensor g_c = rlk::check_row_vector(grad_logp, "grad_logp", logits, acc);
   const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
   at::Tensor h_c, ent_c;
   if (has_h) {
-    h_c = check_row_vector(*grad_entropy, "grad_entropy", N, acc);
-    ent_c = check_row_vector(entropy, "entropy", N, acc);
+    h_c = rlk::check_row_vector(*grad_entropy, "grad_entropy", logits, acc);
+    ent_c = rlk::check_row_vector(entropy, "entropy", logits, acc);
   }
   if (N == 0) return;
 
@@ -409,8 +391,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
-  const at::Tensor tgt = check_targets(targets, N, V);
-  check_temperature(temperature);
+  const at::Tensor tgt = check_targets(targets, logits);
+  rlk::check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, acc);
   const auto opts = logits.options().dtype(acc);

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "rlkernels/grad_out_check.h"
+#include "rlkernels/op_args.h"
 #include "rlkernels/token_loss_args.h"
 
 #include <cmath>
@@ -44,40 +45,15 @@ void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
 }
 
-// targets (N,) int64 (int32 accepted) on the logits' device. Values are not checked here (that
-// would synchronise); ops/ checks them, and a row whose target is out of range gets a NaN logp.
-at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
-  TORCH_CHECK(targets.device() == logits.device(), "targets: expected a tensor on ", logits.device(), ", got ",
-              targets.device());
-  TORCH_CHECK(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
-              "targets: expected dtype int64, got ", targets.scalar_type());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "targets: expected shape (", logits.size(0),
-              ",) matching logits (N, V), got ", targets.sizes());
-  return targets.to(at::kLong).contiguous();
-}
-
 float inv_temperature(double temperature) {
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
-              temperature);
-  return static_cast<float>(1.0 / temperature);  // rounded as on the CPU
-}
-
-// A per-row input of the backward, (N,) or with `pair` (N, 2): converted to fp32, contiguous.
-at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, bool pair = false) {
-  const int64_t N = logits.size(0);
-  TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), ", got ", t.device());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
-  const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
-  TORCH_CHECK(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
-              t.sizes());
-  return t.to(at::kFloat).contiguous();
+  return static_cast<float>(1.0 / rlk::check_temperature(temperature));  // rounded as on the CPU
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at::Tensor& logits,
                                                                      const at::Tensor& targets, double temperature,
                                                                      bool need_entropy) {
   check_logits(logits);
-  const at::Tensor tgt = check_targets(targets, logits);
+  const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const float inv_tau = inv_temperature(temperature);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
@@ -95,15 +71,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at:
 void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
               const at::Tensor& entropy, const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, double temperature,
               const at::Tensor& out) {
-  const at::Tensor tgt = check_targets(targets, logits);
+  const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const float inv_tau = inv_temperature(temperature);
-  const at::Tensor lse_c = check_row_vector(lse_parts, "lse_parts", logits, /*pair=*/true);
-  const at::Tensor g_c = check_row_vector(grad_logp, "grad_logp", logits);
+  const at::Tensor lse_c = rlk::check_row_vector(lse_parts, "lse_parts", logits, at::kFloat, /*pair=*/true);
+  const at::Tensor g_c = rlk::check_row_vector(grad_logp, "grad_logp", logits, at::kFloat);
   const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
   at::Tensor h_c, ent_c;
   if (has_h) {
-    h_c = check_row_vector(*grad_entropy, "grad_entropy", logits);
-    ent_c = check_row_vector(entropy, "entropy", logits);
+    h_c = rlk::check_row_vector(*grad_entropy, "grad_entropy", logits, at::kFloat);
+    ent_c = rlk::check_row_vector(entropy, "entropy", logits, at::kFloat);
   }
   if (logits.numel() == 0) return;
   const RowGrads grads{lse_c.const_data_ptr<float>(), has_h ? ent_c.const_data_ptr<float>() : nullptr,
@@ -134,7 +110,7 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
 }
 
 // The forward plus the per-token policy loss. fp32 accumulation, so the per-token inputs are fp32.
-// Targets are not checked (a row outside [0, V) gets a NaN logp, see check_targets).
+// Target values are not checked here (a row outside [0, V) gets a NaN logp; ops/ checks on the device).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
@@ -142,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
     double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
   check_logits(logits);
-  const at::Tensor tgt = check_targets(targets, logits);
+  const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const float inv_tau = inv_temperature(temperature);
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
