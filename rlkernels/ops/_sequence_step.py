@@ -177,12 +177,14 @@ def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, rat
     grad, _, stats = kernels.policy_token_loss(logp, None, rows.mask.reshape(-1), weights.reshape(-1),
                                                (adv * coef[:, None]).reshape(-1), None, None,
                                                surrogate_params(config, "reinforce"))
-    valid = rows.lengths > 0
-    counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(rows.lengths.dtype)
-    low, high = (rows.zero.expand_as(ratio),) * 2 if flags is None else (f.to(ratio.dtype) for f in flags)
-    row_stats = torch.stack([rows.zero.expand_as(ratio), low, high, torch.where(valid, ratio, rows.zero)], 1)
-    sums = _row_sums(row_stats, counted, rows.lengths)
-    return grad, torch.cat([stats[:, 0].sum().reshape(1), sums[1:]]), _max(row_stats[:, 3])
+    ratio = torch.where(rows.lengths > 0, ratio, rows.zero)
+    if flags is None:
+        clipped = rows.zero.expand(2)
+    else:  # each row's flag counts on its tokens with ω > 0 (docs/math.md §10)
+        counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(ratio.dtype)
+        clipped = (torch.stack(flags, 1).to(ratio.dtype) * counted[:, None]).sum(0)
+    sums = torch.cat([stats[:, 0].sum().reshape(1), clipped, (ratio * rows.lengths).sum().reshape(1)])
+    return grad, sums, _max(ratio)
 
 
 def _max(ratios: Tensor) -> Tensor:
