@@ -100,3 +100,67 @@ def test_rejection_mask_levels_nan_and_bad_arguments():
             rlkernels.rollout_rejection_mask(old, rollout, mask, **kw)
     with pytest.raises(ValueError, match="rollout_logp"):
         rlkernels.rollout_rejection_mask(old, rollout[:, :3], mask)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rollout_is="token", rollout_is_upper=1.5),
+    dict(rollout_is="sequence", rollout_is_mode="mask", rollout_is_lower=0.5, rollout_is_upper=2.0,
+         rollout_is_batch_normalize=True),
+    dict(rollout_rs=(("token_k1", -0.5, 0.5), ("seq_mean_k3", None, 0.1))),
+    dict(rollout_is="token", rollout_is_mode="mask", rollout_is_lower=0.7, rollout_is_upper=1.4,
+         rollout_rs=(("seq_max_k2", None, 0.2),)),
+], ids=["token-tis", "sequence-icepop-normalized", "rejection", "token-icepop-and-rejection"])
+@pytest.mark.parametrize("name", ["dapo", "gspo"])
+def test_config_fields_equal_the_functions(fields, name):
+    """`PolicyLossConfig.rollout_*` = the weights of `rollout_is_weights` and the mask of
+    `rollout_rejection_mask` passed by hand, in `policy_loss` and the fused op (whose kernel takes the
+    weights folded into the advantage)."""
+    g = torch.Generator().manual_seed(6)
+    B, T, V = 6, 9, 40
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    logp = rlkernels.token_logprobs(logits, targets, backend="torch")
+    old = logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    rollout = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv, mask = torch.randn(B, generator=g, dtype=torch.float64), torch.rand(B, T, generator=g) > 0.2
+    config = rlkernels.presets.get(name, **fields)
+    plain = rlkernels.presets.get(name)
+    w, kept = None, mask
+    if config.rollout_is:
+        w = rlkernels.rollout_is_weights(old, rollout, mask, level=config.rollout_is, mode=config.rollout_is_mode,
+                                         lower=config.rollout_is_lower, upper=config.rollout_is_upper,
+                                         batch_normalize=config.rollout_is_batch_normalize)
+    for test in config.rejection_tests():
+        kept = kept & rlkernels.rollout_rejection_mask(old, rollout, mask, **test)
+    assert 0 < kept.sum() and (kept.sum() < mask.sum()) == bool(config.rollout_rs)  # some tokens rejected, not all
+    by_hand = rlkernels.policy_loss(logp, adv, kept, plain, old_logp=old, is_weights=w)
+    by_config = rlkernels.policy_loss(logp, adv, mask, config, old_logp=old, rollout_logp=rollout)
+    torch.testing.assert_close(by_config.loss, by_hand.loss)
+    for key, value in by_hand.metrics.items():
+        torch.testing.assert_close(by_config.metrics[key], value, msg=key)
+    x = logits.float().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv.float(), mask, config, old_logp=old.float(),
+                                        rollout_logp=rollout.float())
+    fused.loss.backward()
+    y = logits.float().requires_grad_(True)
+    composed = rlkernels.policy_loss(rlkernels.token_logprobs(y, targets), adv.float(), kept, plain,
+                                     old_logp=old.float(), is_weights=None if w is None else w.float())
+    composed.loss.backward()
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_config_fields_are_checked():
+    for fields, name in [(dict(rollout_is="row"), "rollout_is"), (dict(rollout_is_mode="clip"), "rollout_is_mode"),
+                         (dict(rollout_is_upper=0.0), "rollout_is_upper"),
+                         (dict(rollout_is_lower=3.0, rollout_is_upper=2.0), "rollout_is_lower"),
+                         (dict(rollout_rs=(("token_k4", None, 1.0),)), "rollout_rs"),
+                         (dict(rollout_rs=(("seq_max_k1", None, 1.0),)), "rollout_rs"),
+                         (dict(rollout_rs=(("token_k2", 1.0, 0.5),)), "rollout_rs"),
+                         (dict(rollout_rs="token_k1"), "rollout_rs")]:
+        with pytest.raises((ValueError, TypeError), match=name):
+            rlkernels.presets.dapo(**fields)
+    config = rlkernels.presets.dapo(rollout_is="token")
+    logp = -torch.rand(2, 3)
+    with pytest.raises(ValueError, match="rollout_logp"):  # the sampler's log-probs are needed
+        rlkernels.policy_loss(logp, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), config, old_logp=logp)

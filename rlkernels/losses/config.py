@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from .._checks import check_choice, check_int, check_real
 
@@ -76,6 +76,18 @@ class PolicyLossConfig:
     # 80/20 rule (Wang et al. 2025; TRL's top_entropy_quantile): only the fraction ρ of the call's tokens
     # with the highest entropy keep their surrogate term (docs/math.md §7); None: all
     top_entropy_quantile: Optional[float] = None
+    # Rollout correction from the sampler's log-probs (argument `rollout_logp`, docs/math.md §7): importance
+    # weights ω = π_old/π_rollout per token or per row, truncated to [lower, upper] or zeroed outside it
+    # (TRL's vllm_importance_sampling_mode, verl's rollout_is); None: off
+    rollout_is: Optional[str] = None
+    rollout_is_mode: str = "truncate"
+    rollout_is_lower: Optional[float] = None
+    rollout_is_upper: Optional[float] = 2.0
+    rollout_is_batch_normalize: bool = False
+    # rejection sampling (verl's rollout_rs): tests ("<level>_<k1|k2|k3>", lower, upper) on the statistics
+    # of `rlkernels.rollout_rejection_mask`, level token / seq_sum / seq_mean / seq_max; a rejected token
+    # leaves the mask
+    rollout_rs: Tuple[Tuple[str, Optional[float], Optional[float]], ...] = ()
 
     def __post_init__(self):
         check_choice("ratio", self.ratio, RATIOS)
@@ -143,9 +155,48 @@ class PolicyLossConfig:
         check_real("top_entropy_quantile", self.top_entropy_quantile, 0.0, lo_open=True, optional=True)
         if self.top_entropy_quantile is not None and self.top_entropy_quantile > 1:
             raise ValueError(f"top_entropy_quantile: expected a fraction in (0, 1], got {self.top_entropy_quantile}")
+        check_choice("rollout_is", self.rollout_is, (None, "token", "sequence"))
+        check_choice("rollout_is_mode", self.rollout_is_mode, ("truncate", "mask"))
+        check_real("rollout_is_lower", self.rollout_is_lower, 0.0, optional=True)
+        check_real("rollout_is_upper", self.rollout_is_upper, 0.0, lo_open=True, optional=True)
+        if None not in (self.rollout_is_lower, self.rollout_is_upper) and self.rollout_is_lower > self.rollout_is_upper:
+            raise ValueError(f"rollout_is_lower: expected a value <= rollout_is_upper ({self.rollout_is_upper}), "
+                             f"got {self.rollout_is_lower}")
+        if not isinstance(self.rollout_is_batch_normalize, bool):
+            raise TypeError(f"rollout_is_batch_normalize: expected a bool, got {type(self.rollout_is_batch_normalize).__name__}")
+        object.__setattr__(self, "rollout_rs", _rejection_tests(self.rollout_rs))
         if self.off_policy_mask is not None and self.ratio == "snis":
             raise ValueError("off_policy_mask: reads the sign of the advantage, and ratio='snis' takes rewards")
+
+    def rejection_tests(self):
+        """`rollout_rs` as keyword arguments of `rlkernels.rollout_rejection_mask`, one dict per test."""
+        return [dict(level=name.rpartition("_")[0], estimator=name.rpartition("_")[2], lower=lo, upper=hi)
+                for name, lo, hi in self.rollout_rs]
 
     def replace(self, **overrides) -> "PolicyLossConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **overrides)
+
+
+_RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+
+
+def _rejection_tests(tests) -> tuple:
+    """`rollout_rs` validated and as a tuple of (name, lower, upper) tuples (hashable, as the config)."""
+    if not isinstance(tests, (tuple, list)):
+        raise TypeError(f"rollout_rs: expected a sequence of (name, lower, upper), got {type(tests).__name__}")
+    out = []
+    for test in tests:
+        if not isinstance(test, (tuple, list)) or len(test) != 3 or not isinstance(test[0], str):
+            raise ValueError(f"rollout_rs: expected (name, lower, upper) tests, got {test!r}")
+        name, lower, upper = test
+        level, _, estimator = name.rpartition("_")
+        if level not in _RS_LEVELS or estimator not in ("k1", "k2", "k3") or (level, estimator) == ("seq_max", "k1"):
+            raise ValueError(f"rollout_rs: unknown test {name!r}; expected <level>_<k1|k2|k3> with level in "
+                             f"{_RS_LEVELS} (no seq_max_k1)")
+        lower = check_real(f"rollout_rs[{name}] lower", lower, optional=True)
+        upper = check_real(f"rollout_rs[{name}] upper", upper, optional=True)
+        if None not in (lower, upper) and lower > upper:
+            raise ValueError(f"rollout_rs: {name}'s lower bound {lower} is above its upper bound {upper}")
+        out.append((name, lower, upper))
+    return tuple(out)

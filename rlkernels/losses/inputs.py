@@ -19,6 +19,7 @@ from torch import Tensor
 from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
 from .._groups import group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
+from .rollout_correction import rollout_is_weights, rollout_rejection_mask
 
 _GROUPED_RATIOS = ("group_expectation", "snis")
 
@@ -92,8 +93,11 @@ class LossInputs:
                 exact_count=False,
             )
         is_weights = _is_weights(is_weights, mask, shape, dtype, device, what)
+        rollout_logp = float_input("rollout_logp", rollout_logp)
+        if config.rollout_is is not None or config.rollout_rs:
+            mask, is_weights = _rollout_correction(config, mask, old_logp, rollout_logp, is_weights)
         return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype,
-                   is_weights, float_input("rollout_logp", rollout_logp))
+                   is_weights, rollout_logp)
 
     def flat(self, name: str) -> Optional[Tensor]:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""
@@ -128,6 +132,25 @@ def _is_weights(w, mask, shape, dtype, device, what):
     valid = torch.where(mask, w, torch.zeros((), dtype=dtype, device=device))
     check_on_device(((valid >= 0) & (valid < float("inf"))).all(), "is_weights: expected finite values >= 0")
     return w
+
+
+def _rollout_correction(config: PolicyLossConfig, mask, old_logp, rollout_logp, is_weights):
+    """(the mask less the tokens rejection sampling drops, the importance weights times the rollout
+    correction's), both from ℓ_old and the sampler's ℓ_rollout on the given mask (docs/math.md §7)."""
+    if old_logp is None or rollout_logp is None:
+        raise ValueError("rollout_logp: config.rollout_is / rollout_rs compare old_logp with the sampler's "
+                         "rollout_logp; pass both")
+    kept = mask
+    for test in config.rejection_tests():  # each on the given mask, as verl's options
+        kept = kept & rollout_rejection_mask(old_logp, rollout_logp, mask, log_ratio_clamp=config.log_ratio_clamp,
+                                             **test)
+    if config.rollout_is is not None:
+        w = rollout_is_weights(old_logp, rollout_logp, mask, level=config.rollout_is, mode=config.rollout_is_mode,
+                               lower=config.rollout_is_lower, upper=config.rollout_is_upper,
+                               batch_normalize=config.rollout_is_batch_normalize,
+                               log_ratio_clamp=config.log_ratio_clamp)
+        is_weights = w if is_weights is None else is_weights * w
+    return kept, is_weights
 
 
 def _advantages(advantages, mask, config, shape, dtype, device, what):
