@@ -146,18 +146,25 @@ def test_token_configs_equal_the_composition(backend, name, on_policy):
     kw = _kwargs(inputs, config)
     if on_policy:
         kw.pop("old_logp")
+    _check_against_the_composition(logits, targets, inputs, config, kw, 1.3, backend)
+
+
+def _check_against_the_composition(logits, targets, inputs, config, kw, temperature, backend):
+    """fused_policy_loss = policy_loss(token_logprobs(...)) (torch backend) in loss, ∂logits and metrics;
+    returns (the fused output, ∂logits)."""
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     x = logits.clone().requires_grad_(True)
-    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=1.3, backend=backend, **kw)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=temperature, backend=backend, **kw)
     fused.loss.backward()
     y = logits.clone().requires_grad_(True)
-    logp, ent = rlkernels.token_logprobs(y, targets, temperature=1.3, return_entropy=True, backend="torch")
+    logp, ent = rlkernels.token_logprobs(y, targets, temperature=temperature, return_entropy=True, backend="torch")
     composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
     composed.loss.backward()
     torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
     for key in composed.metrics:
         torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+    return fused, x.grad
 
 
 # Sequence-level configs beyond the presets, through the sequence step (TRL's sequence-level CISPO, with a cap
@@ -178,25 +185,15 @@ def test_sequence_configs_equal_the_composition_and_the_reference(backend, name)
     logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000)
     config = rlkernels.PolicyLossConfig(**SEQUENCE_CONFIGS[name])
     kw = _kwargs(inputs, config)
+    fused, grad = _check_against_the_composition(logits, targets, inputs, config, kw, 0.9, backend)
     adv, mask = inputs["advantages"].float(), inputs["mask"]
-    x = logits.clone().requires_grad_(True)
-    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.9, backend=backend, **kw)
-    fused.loss.backward()
-    y = logits.clone().requires_grad_(True)
-    logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.9, return_entropy=True, backend="torch")
-    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
-    composed.loss.backward()
-    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
-    for key in composed.metrics:
-        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
     z = logits.double().requires_grad_(True)
     ref_logp, ref_ent = reference.token_logprobs(z, targets, 0.9)
     kw64 = {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
     ref_loss, _ = reference.policy_loss(ref_logp, adv.double(), mask, config, entropy=ref_ent, **kw64)
     ref_loss.backward()
     torch.testing.assert_close(fused.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad.double(), z.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_inplace_rejects_strided_logits():

@@ -44,10 +44,7 @@ def rollout_is_weights(
     `batch_normalize`: ω divided by its mean over the tokens (token level) or the non-empty rows
     (sequence level) of this call, as verl's `rollout_is_batch_normalize` within one process.
     """
-    check_tensor("old_logp", old_logp, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("rollout_logp", rollout_logp, shape=tuple(old_logp.shape), dtypes=FLOAT_DTYPES, device=old_logp.device)
-    check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
-    mask = check_mask("mask", mask)
+    mask = _check_log_probs(old_logp, rollout_logp, mask)
     if level not in LEVELS:
         raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
     if mode not in MODES:
@@ -107,10 +104,7 @@ def rollout_rejection_mask(
     (`None`: no bound); a NaN statistic (a token the sampler could not score) is rejected. Several
     tests combine as the logical and of their masks, each from the same `mask`.
     """
-    check_tensor("old_logp", old_logp, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("rollout_logp", rollout_logp, shape=tuple(old_logp.shape), dtypes=FLOAT_DTYPES, device=old_logp.device)
-    check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
-    mask = check_mask("mask", mask)
+    mask = _check_log_probs(old_logp, rollout_logp, mask)
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
     if level not in REJECTION_LEVELS:
@@ -142,3 +136,11 @@ def rollout_rejection_mask(
     if upper is not None:
         keep = keep & (stat <= upper)
     return mask & keep
+
+
+def _check_log_probs(old_logp, rollout_logp, mask) -> Tensor:
+    """Both functions' `(B, T)` inputs checked; returns the mask as bool."""
+    check_tensor("old_logp", old_logp, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("rollout_logp", rollout_logp, shape=tuple(old_logp.shape), dtypes=FLOAT_DTYPES, device=old_logp.device)
+    check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
+    return check_mask("mask", mask)
