@@ -176,6 +176,11 @@ SEQUENCE_CONFIGS = {
     "sapo_sequence": dict(ratio="sequence", objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
     "sapo_sequence_token": dict(ratio="sequence_token", objective="sapo", agg="token_mean", kl_estimator="k2",
                                 kl_coef=0.1),
+    # the bias-corrected KL times the row's sequence ratio (TRL at importance_sampling_level="sequence")
+    "gspo_kl_bias_row": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, kl_estimator="k3", kl_coef=0.1,
+                             kl_bias_correction=True, kl_bias_ratio="sequence"),
+    "grpo_kl_bias_row": dict(ratio="token", kl_estimator="k3", kl_coef=0.1, kl_bias_correction=True,
+                             kl_bias_ratio="sequence", agg="seq_mean_token_mean"),
 }
 
 

@@ -140,8 +140,8 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
         if not bf16:  # TRL's unbiased KL (the k3 times the token ratio, with its gradient)
             trainer.args.use_bias_correction_kl = True
             try:
-                for case in CASES:
-                    if case[1] == "token" and case[3] != 0:
+                for case in CASES:  # token level: the token ratio; sequence level: the row's
+                    if case[3] != 0:
                         compare(model, inputs, params, *case, what=" use_bias_correction_kl")
             finally:
                 trainer.args.use_bias_correction_kl = False
@@ -190,7 +190,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
 
     trainer._compute_loss = checked
     trainer.train()
-    bias_cases = sum(1 for _, level, _, beta in CASES if level == "token" and beta != 0)
+    bias_cases = sum(1 for _, level, _, beta in CASES if beta != 0)
     expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
@@ -228,16 +228,10 @@ def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
 def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
+    assert rk_trl.loss_config(trainer)[0].kl_bias_ratio == "sequence"  # mapped
+    trainer._entropy_bonus_enabled = True  # TRL normalises its entropy bonus apart from the policy term
     cfg, why = rk_trl.loss_config(trainer)
-    assert cfg is None and "use_bias_correction_kl" in why  # TRL weights the KL by the sequence ratio there
-    trainer.importance_sampling_level = "token"  # mapped: then the other reasons show
-    assert rk_trl.loss_config(trainer)[0] is not None
-    for attr, value, words in [("_entropy_bonus_enabled", True, "entropy bonus")]:
-        old = getattr(trainer, attr)
-        setattr(trainer, attr, value)
-        assert words in rk_trl.loss_config(trainer)[1]
-        setattr(trainer, attr, old)
-    trainer.importance_sampling_level = "sequence"
+    assert cfg is None and "entropy bonus" in why
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()  # TRL's own loss on rlkernels' log-probs

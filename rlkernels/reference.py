@@ -12,7 +12,7 @@ import torch
 _CONFIG_DEFAULTS = dict(
     ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, delta=None, dual_clip=None,
     fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
-    kl_bias_correction=False, entropy_coef=0.0, agg="token_mean", norm_length=None,
+    kl_bias_correction=False, kl_bias_ratio="token", entropy_coef=0.0, agg="token_mean", norm_length=None,
     log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
     clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=0.1, dro_beta=None,
     vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
@@ -361,8 +361,8 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 k = _kl(d_ref, est)
                 if kl_clamp is not None:
                     k = torch.clamp(k, -kl_clamp, kl_clamp)
-                if _cfg(config, "kl_bias_correction"):   # with the ratio's gradient
-                    k = k * w_tok
+                if _cfg(config, "kl_bias_correction"):   # with the ratio's gradient: the token's, or the row's
+                    k = k * (w_tok if _cfg(config, "kl_bias_ratio") == "token" else torch.exp(log_s(i)))
                 loss_tok = loss_tok + coef * k
             else:
                 k = _kl(d_ref, "k3")

@@ -12,7 +12,8 @@ Either way two methods change:
 
 TRL's loss in `PolicyLossConfig` terms (`ε_low = epsilon`, `ε_high = epsilon_high or epsilon`,
 `delta`, KL `k3` with `kl_coef = beta` (`use_bias_correction_kl` → `kl_bias_correction`, the KL
-times the token ratio with its gradient); `importance_sampling_level` token → `ratio="token"`,
+times the token ratio with its gradient, at sequence level the row's sequence ratio:
+`kl_bias_ratio="sequence"`); `importance_sampling_level` token → `ratio="token"`,
 sequence → `ratio="sequence"`, whose row loss is broadcast to the row's tokens, as TRL does).
 vLLM importance sampling correction (on by default with `use_vllm`): TRL's
 `importance_sampling_ratio`, in any of its four modes, is passed as `is_weights` (docs/math.md §7);
@@ -33,11 +34,9 @@ accumulation steps in training (1 in evaluation):
 | `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: `top_entropy_quantile < 1` on several
-processes (TRL's quantile spans them all);
-`use_bias_correction_kl` with `beta ≠ 0` at sequence level (TRL weights the KL by the sequence
-ratio there); an entropy bonus (TRL
-normalises it apart from the policy term); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`.
+says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
+entropy bonus (TRL normalises it apart from the policy term); MoE auxiliary losses; multimodal
+inputs; `delta ≤ 1`.
 Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
 ValueError (`integrations/transformers.py`).
 
@@ -82,9 +81,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
-        (trainer.beta != 0.0 and getattr(args, "use_bias_correction_kl", False) and level != "token",
-         "use_bias_correction_kl=True with beta != 0 and importance_sampling_level='sequence' (TRL then weights "
-         "the KL by the sequence ratio; kl_bias_correction uses the token ratio)"),
         (getattr(trainer, "_entropy_bonus_enabled", False), "an entropy bonus"),
         (getattr(trainer, "aux_loss_enabled", False), "a MoE auxiliary loss"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -106,7 +102,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     kl = {}
     if trainer.beta != 0.0:
         kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
-                  kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)))
+                  kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)),
+                  kl_bias_ratio="sequence" if level == "sequence" else "token")  # TRL's coef_1 at either level
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
     masks = {}  # of the policy term (docs/math.md §7)
     if trainer.off_policy_mask_threshold is not None:

@@ -47,6 +47,9 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_clamp: Optional[float] = None
     kl_bias_correction: bool = False
+    # which ratio multiplies the bias-corrected KL: each token's own (DeepSeek-V3.2), or its row's sequence
+    # ratio exp(mean_t (ℓ − ℓ_old)) (TRL's use_bias_correction_kl with importance_sampling_level="sequence")
+    kl_bias_ratio: str = "token"
     entropy_coef: float = 0.0
     agg: str = "token_mean"
     norm_length: Optional[int] = None
@@ -125,6 +128,7 @@ class PolicyLossConfig:
         check_real("kl_clamp", self.kl_clamp, 0.0, lo_open=True, optional=True)
         if not isinstance(self.kl_bias_correction, bool):
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
+        check_choice("kl_bias_ratio", self.kl_bias_ratio, ("token", "sequence"))
         check_real("entropy_coef", self.entropy_coef)
         check_int("norm_length", self.norm_length, 1, optional=True)
         if self.agg == "constant" and self.norm_length is None:

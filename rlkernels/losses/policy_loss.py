@@ -146,8 +146,9 @@ def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy
         if cfg.kl_coef > 0:
             if cfg.kl_clamp is not None:
                 k = k.clamp(-cfg.kl_clamp, cfg.kl_clamp)
-            if cfg.kl_bias_correction:
-                k = k * torch.exp((b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+            if cfg.kl_bias_correction:  # times the token's ratio or its row's, with the ratio's gradient
+                k = k * (surrogates.token_ratio(b, cfg) if cfg.kl_bias_ratio == "token" else
+                         surrogates.sequence_ratio(b, cfg))
             per_token = per_token + cfg.kl_coef * k
         else:  # the metric reports k3 when no KL enters the loss
             k = kl_estimate(ref_logp, b.logp, "k3", cfg.log_ratio_clamp)

@@ -64,8 +64,18 @@ def _sequence_log_ratio(b: Batch, cfg) -> torch.Tensor:
     return b.row_mean(b.logp - b.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
 
 
+def token_ratio(b: Batch, cfg) -> torch.Tensor:
+    """w = exp(clamp(ℓ − ℓ_old)) per token (B, T)."""
+    return torch.exp(_token_log_ratio(b, cfg))
+
+
+def sequence_ratio(b: Batch, cfg) -> torch.Tensor:
+    """s_i = exp(clamp(mean_t (ℓ − ℓ_old))) (GSPO's), on each token of its row (B, T)."""
+    return b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
+
+
 def token(b: Batch, cfg) -> Surrogate:
-    return _TOKEN_OBJECTIVES[cfg.objective](torch.exp(_token_log_ratio(b, cfg)), b, cfg)
+    return _TOKEN_OBJECTIVES[cfg.objective](token_ratio(b, cfg), b, cfg)
 
 
 def _none(b: Batch) -> torch.Tensor:
@@ -201,7 +211,7 @@ _TOKEN_OBJECTIVES = {
 
 
 def sequence(b: Batch, cfg) -> Surrogate:
-    w = b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
+    w = sequence_ratio(b, cfg)
     if cfg.objective == "cispo":
         return _cispo(w, b, cfg)
     return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)

@@ -41,7 +41,8 @@ _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels."""
-    return hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _PER_ROW | _PER_TOKEN
+    return (hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _PER_ROW | _PER_TOKEN
+            and not (config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0))
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):
