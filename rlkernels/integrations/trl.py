@@ -36,7 +36,13 @@ accumulation steps in training (1 in evaluation):
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
 entropy bonus (TRL normalises it apart from the policy term); MoE auxiliary losses; multimodal
-inputs; `delta ≤ 1`.
+inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
+rlkernels' head needs the decoder's final hidden states and runs the decoder itself
+(`backbone_hidden_states`: `model.model(input_ids, attention_mask)`), but a vision-language model
+encodes the images and merges their features into the token embeddings inside its
+`*ForConditionalGeneration.forward`, differently for each family (Qwen2-VL's `image_grid_thw` and
+3-D positions, Gemma 3's token types, ...); calling that forward for its hidden states would also
+compute the full logits the head exists to avoid. So such batches take TRL's own path, whole.
 Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
 ValueError (`integrations/transformers.py`).
 
