@@ -32,7 +32,7 @@ from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
-from .token_loss_params import surrogate_params, token_terms_params
+from .token_loss_params import row_bias_correction, surrogate_params, token_terms_params
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
 _PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("group_expectation", "clip"), ("snis", "reinforce")}
@@ -42,7 +42,7 @@ _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels."""
     return (hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _PER_ROW | _PER_TOKEN
-            and not (config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0))
+            and not row_bias_correction(config))
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):

@@ -29,10 +29,10 @@ def kernel_supports(config: PolicyLossConfig) -> bool:
     """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
     the off-policy and entropy masks need row means or quantiles of the kernel's outputs first)."""
     return (config.ratio == "token" and config.objective in _OBJECTIVES and config.off_policy_mask is None
-            and config.top_entropy_quantile is None and not _row_bias_correction(config))
+            and config.top_entropy_quantile is None and not row_bias_correction(config))
 
 
-def _row_bias_correction(config: PolicyLossConfig) -> bool:
+def row_bias_correction(config: PolicyLossConfig) -> bool:
     """A KL term times its row's sequence ratio: it couples the row's tokens, which no per-token formula has."""
     return config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0
 
@@ -47,7 +47,7 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
     (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
     objective its kernels do not implement yet): same values, more launches."""
     masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
-    masks += ["kl_bias_ratio='sequence'"] if _row_bias_correction(config) else []
+    masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
     what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
         if not weighted or config.objective in _WEIGHTS_FOLD:
