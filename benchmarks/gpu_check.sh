@@ -38,7 +38,7 @@ stage "tests"
 # losses/), plus the tests marked gpu. pytest-xdist spreads them when it is installed.
 parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
 timeout 150 $PY -m pytest -q -p no:cacheprovider $parallel \
-  python_tests/test_cuda_kernels.py python_tests/test_triton_kernels.py python_tests/test_policy_token_kernel.py \
+  python_tests/test_kernel_contract.py python_tests/test_policy_token_kernel.py python_tests/test_policy_token_loss.py \
   python_tests/test_triton_policy_token.py python_tests/test_triton_fused.py python_tests/test_compile.py \
   python_tests/test_threads.py python_tests/test_precision.py python_tests/test_edge_inputs.py \
   python_tests/test_token_logprobs.py python_tests/test_linear_path.py || status=1
@@ -49,7 +49,7 @@ stage "crash triage"
 timeout 60 $PY -m benchmarks.exception_probe || status=1
 # and two of the tests alone; a crash prints the native stack.
 for t in python_tests/test_policy_token_kernel.py::test_bad_scalars_name_the_argument \
-         python_tests/test_cuda_kernels.py::test_empty_batch_and_bad_inputs; do
+         python_tests/test_kernel_contract.py::test_bad_inputs_name_the_argument; do
   if timeout 60 $PY -m pytest -q -p no:cacheprovider -p no:xdist "$t" > /tmp/one_test.log 2>&1; then
     echo "$t: passed"
   else

@@ -7,7 +7,7 @@ import torch
 import rlkernels
 from rlkernels import reference
 
-# The Triton interpreter is slow; its kernels are tested at tiny shapes in test_triton_kernels.py.
+# The Triton interpreter is slow; its kernels are tested at tiny shapes in test_kernel_contract.py.
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 # Relative tolerance on log-probs and gradients (docs/design.md §9): bf16/fp16 are compared with the
 # reference evaluated on the same rounded values, upcast.

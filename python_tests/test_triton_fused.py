@@ -1,7 +1,7 @@
 """`fused_policy_loss(..., backend="triton")` equals `policy_loss(token_logprobs(..., backend="torch"))`.
 
 Without CUDA the kernels run in the Triton interpreter (slow: tiny shapes). The `gpu` tests in
-test_triton_kernels.py cover real sizes of the kernels themselves.
+test_kernel_contract.py cover real sizes of the kernels themselves.
 """
 from __future__ import annotations
 
