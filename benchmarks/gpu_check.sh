@@ -47,9 +47,11 @@ stage "crash triage"
 # On the first H200 run these tests killed their process (SIGSEGV) where the extension raises an
 # argument error; not reproduced on a CPU machine. Which kinds of error crash, each in its own process:
 timeout 60 $PY -m benchmarks.exception_probe || status=1
-# and two of the tests alone; a crash prints the native stack.
+# and the tests of argument errors alone; a crash prints the native stack.
 for t in python_tests/test_policy_token_kernel.py::test_bad_scalars_name_the_argument \
-         python_tests/test_kernel_contract.py::test_bad_inputs_name_the_argument; do
+         python_tests/test_kernel_contract.py::test_bad_inputs_name_the_argument \
+         python_tests/test_kernel_contract.py::test_empty_batch \
+         python_tests/test_kernel_contract.py::test_backward_out_rejects_bad_buffers; do
   if timeout 60 $PY -m pytest -q -p no:cacheprovider -p no:xdist "$t" > /tmp/one_test.log 2>&1; then
     echo "$t: passed"
   else
