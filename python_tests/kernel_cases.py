@@ -335,3 +335,29 @@ BAD_LOSS_SCALARS = [
     ("dro_beta", dict(dro_beta=-0.1)),
     ("dro_beta", dict(dro_beta=math.inf)),
 ]
+
+
+# Drawing log-ratios away from the kinks of the token loss (the clip bounds, ±c, ±kl_clamp), where an
+# fp32 kernel and the fp64 spec could take different branches.
+KINK_MARGIN = 1e-3  # distance of every drawn value from a kink; fp32's error of ℓ is ~1e-6
+
+
+def uniform_away(gen, n, half_width, near_kink):
+    """n values uniform in [−half_width, half_width], each redrawn until `near_kink` is False."""
+    draw = lambda k: (torch.rand(k, generator=gen, dtype=torch.float64) * 2 - 1) * half_width  # noqa: E731
+    x = draw(n)
+    while (redo := near_kink(x)).any():
+        x[redo] = draw(int(redo.sum()))
+    return x
+
+
+def close_to(x, points):
+    """Where x is within KINK_MARGIN of one of `points`."""
+    if not points:
+        return torch.zeros_like(x, dtype=torch.bool)
+    return torch.stack([(x - p).abs() < KINK_MARGIN for p in points]).any(0)
+
+
+def kl_term(delta, estimator):
+    """The KL estimate of (clamped) Δ before its kl_clamp."""
+    return {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[estimator]

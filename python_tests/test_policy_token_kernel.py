@@ -28,14 +28,13 @@ from rlkernels.losses.kl import kl_estimate
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss
 from rlkernels.ops.token_loss_params import token_loss_params
 
-from kernel_cases import BAD_LOSS_SCALARS
+from kernel_cases import BAD_LOSS_SCALARS, close_to, kl_term, uniform_away
 
 _CPU_OK, _CPU_REASON = cpu.available()
 _CUDA_OK, _CUDA_REASON = cuda.available()
 pytestmark = pytest.mark.skipif(not _CPU_OK, reason=_CPU_REASON)
 
 B, T, V = 4, 16, 301  # V odd: a partial last vector step on the CPU, a misaligned row on CUDA
-MARGIN = 1e-3  # distance of every drawn log-ratio from a kink; the fp32 error of ℓ is ~1e-6
 HALF_WIDTH = 1.2  # log-ratios in [−1.2, 1.2]: ratios from 0.3 to 3.3, through every clip bound
 
 
@@ -98,24 +97,6 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _uniform(gen, n, half_width, near_kink):
-    """n values uniform in [−half_width, half_width], each redrawn until `near_kink` is False."""
-    draw = lambda k: (torch.rand(k, generator=gen, dtype=torch.float64) * 2 - 1) * half_width  # noqa: E731
-    x = draw(n)
-    while (redo := near_kink(x)).any():
-        x[redo] = draw(int(redo.sum()))
-    return x
-
-
-def _near(x, points):
-    return torch.stack([(x - p).abs() < MARGIN for p in points]).any(0) if points else torch.zeros_like(x, dtype=bool)
-
-
-def _kl_term(delta, config):
-    """The KL estimate of Δ before its clamp, for the kink test."""
-    return {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[config.kl_estimator]
-
-
 @dataclasses.dataclass
 class Inputs:
     logits: torch.Tensor  # (N, V) in the case's dtype
@@ -144,15 +125,15 @@ def _inputs(case: Case, seed: int) -> Inputs:
         if cfg.clip_low is not None and cfg.clip_low < 1:
             bounds.append(1 - cfg.clip_low)
         kinks = [-c, c] + [math.log(b) for b in bounds if b is not None]
-        old = logp - _uniform(gen, B * T, HALF_WIDTH, lambda r: _near(r, kinks)).view(B, T)
+        old = logp - uniform_away(gen, B * T, HALF_WIDTH, lambda r: close_to(r, kinks)).view(B, T)
     if case.ref:
         def kl_kinks(d):
-            near = _near(d, [-c, c])
+            near = close_to(d, [-c, c])
             if cfg.kl_coef > 0 and cfg.kl_clamp is not None:
-                near |= _near(_kl_term(d.clamp(-c, c), cfg).abs(), [cfg.kl_clamp])
+                near |= close_to(kl_term(d.clamp(-c, c), cfg.kl_estimator).abs(), [cfg.kl_clamp])
             return near
 
-        ref = logp + _uniform(gen, B * T, 1.5, kl_kinks).view(B, T)
+        ref = logp + uniform_away(gen, B * T, 1.5, kl_kinks).view(B, T)
     return Inputs(logits, targets, mask, adv, old, ref)
 
 
@@ -209,7 +190,7 @@ def _missing_branches(case: Case, x: Inputs, spec: Spec):
         delta = (x.ref_logp.reshape(-1) - spec.logp)
         reached["kl_log_ratio_clamp"] = delta.abs() > cfg.log_ratio_clamp
         if cfg.kl_clamp is not None:
-            reached["kl_clamp"] = _kl_term(delta.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp), cfg).abs() > cfg.kl_clamp
+            reached["kl_clamp"] = kl_term(delta.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp), cfg.kl_estimator).abs() > cfg.kl_clamp
     # each branch taken by some tokens, and not by all of them
     return [name for name in case.exercises if not (reached[name] & m).any() or (reached[name] | ~m).all()]
 

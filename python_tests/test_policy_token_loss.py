@@ -37,7 +37,7 @@ from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
 from rlkernels.ops.token_loss_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
-from kernel_cases import BAD_LOSS_SCALARS  # noqa: E402
+from kernel_cases import BAD_LOSS_SCALARS, close_to, kl_term, uniform_away  # noqa: E402
 
 try:
     from rlkernels.kernels import triton as tk  # noqa: E402
@@ -55,7 +55,6 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 B, T = 6, 50  # N = 300
 TRITON_SHAPE = (5, 50)  # one program of 256 (the interpreter is slow); test_many_tokens runs several
-MARGIN = 1e-3  # distance of every drawn log-ratio (and |KL term|) from a kink; fp32's error is ~1e-6
 HALF_WIDTH = 1.2  # ℓ − ℓ_old in [−1.2, 1.2]: ratios from 0.3 to 3.3, through every clip bound
 REF_HALF_WIDTH = 1.5  # ℓ_ref − ℓ in [−1.5, 1.5]
 LOSS, CLIP_LOW, CLIP_HIGH, RATIO, APPROX_KL, KL, ENTROPY = range(NUM_STATS)
@@ -168,26 +167,6 @@ class Inputs:
     ref: Optional[torch.Tensor]
 
 
-def _uniform(gen, n, half_width, near_kink):
-    """n values uniform in [−half_width, half_width], each redrawn until `near_kink` is False."""
-    draw = lambda k: (torch.rand(k, generator=gen, dtype=torch.float64) * 2 - 1) * half_width  # noqa: E731
-    x = draw(n)
-    while (redo := near_kink(x)).any():
-        x[redo] = draw(int(redo.sum()))
-    return x
-
-
-def _near(x, points):
-    if not points:
-        return torch.zeros_like(x, dtype=torch.bool)
-    return torch.stack([(x - p).abs() < MARGIN for p in points]).any(0)
-
-
-def _kl_term(delta, estimator):
-    """The KL estimate of (clamped) Δ before its kl_clamp."""
-    return {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[estimator]
-
-
 def _inputs(case: Case, acc: torch.dtype, seed: int, shape=(B, T)) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     cfg = case.config
@@ -211,15 +190,15 @@ def _inputs(case: Case, acc: torch.dtype, seed: int, shape=(B, T)) -> Inputs:
         if cfg.clip_low is not None and cfg.clip_low < 1:
             bounds.append(1 - cfg.clip_low)
         kinks = [-c, c] + [math.log(x) for x in bounds if x is not None]
-        old = logp - _uniform(gen, n, HALF_WIDTH, lambda r: _near(r, kinks)).view(b, t)
+        old = logp - uniform_away(gen, n, HALF_WIDTH, lambda r: close_to(r, kinks)).view(b, t)
     if case.ref:
         def kl_kinks(d):
-            near = _near(d, [-c, c])
+            near = close_to(d, [-c, c])
             if case.params.kl_estimator != KL_NONE and cfg.kl_clamp is not None:
-                near |= _near(_kl_term(d.clamp(-c, c), cfg.kl_estimator).abs(), [cfg.kl_clamp])
+                near |= close_to(kl_term(d.clamp(-c, c), cfg.kl_estimator).abs(), [cfg.kl_clamp])
             return near
 
-        ref = logp + _uniform(gen, n, REF_HALF_WIDTH, kl_kinks).view(b, t)
+        ref = logp + uniform_away(gen, n, REF_HALF_WIDTH, kl_kinks).view(b, t)
     exact = lambda x: None if x is None else x.to(acc).double()  # noqa: E731
     return Inputs(mask, exact(weight), exact(logp), exact(entropy), exact(adv), exact(old), exact(ref))
 
@@ -273,7 +252,7 @@ def _missing_branches(case: Case, x: Inputs, spec: Spec):
         d = x.ref.reshape(-1) - logp
         reached["kl_log_ratio_clamp"] = d.abs() > c
         if cfg.kl_clamp is not None and cfg.kl_estimator is not None:
-            reached["kl_clamp"] = _kl_term(d.clamp(-c, c), cfg.kl_estimator).abs() > cfg.kl_clamp
+            reached["kl_clamp"] = kl_term(d.clamp(-c, c), cfg.kl_estimator).abs() > cfg.kl_clamp
     return [name for name in case.exercises
             if name not in reached or not (reached[name] & m).any() or (reached[name] | ~m).all()]
 
