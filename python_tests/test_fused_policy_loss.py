@@ -181,6 +181,11 @@ SEQUENCE_CONFIGS = {
                              kl_bias_correction=True, kl_bias_ratio="sequence"),
     "grpo_kl_bias_row": dict(ratio="token", kl_estimator="k3", kl_coef=0.1, kl_bias_correction=True,
                              kl_bias_ratio="sequence", agg="seq_mean_token_mean"),
+    # a log-ratio clamp that binds on some rows (FSPO: the summed log-ratio; GMPO: tokens), asymmetric bands
+    "fspo_clamped": dict(ratio="sequence_sum", fspo_c_low=0.05, fspo_c_high=0.2, log_ratio_clamp=0.3,
+                         kl_estimator="k3", kl_coef=0.05),
+    "gmpo_clamped": dict(ratio="geometric", clip_low=0.1, clip_high=0.3, log_ratio_clamp=0.25, agg="token_mean",
+                         entropy_coef=0.02),
 }
 
 
@@ -264,7 +269,7 @@ def test_sliced_logits_are_read_in_place(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 # in the kernel (clip), the general path, and the sequence-level step (row-level and token-level surrogates)
-@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo", "fspo", "gmpo"])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_importance_weights_equal_the_composition(backend, name, per_row):
     """`is_weights` on both fused paths (logits, hidden states) = `policy_loss(..., is_weights=...)`:
@@ -280,7 +285,7 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     if name in ("ppo", "gspo_token"):  # and the off-policy mask
         config = config.replace(off_policy_mask=0.01)
         kw["rollout_logp"] = inputs["old_logp"].float() + 0.1
-    if name in ("cispo", "gepo"):  # and the entropy mask (the kernels' entropies)
+    if name in ("cispo", "gepo", "gmpo"):  # and the entropy mask (the kernels' entropies)
         config = config.replace(top_entropy_quantile=0.5)
 
     x = logits.clone().requires_grad_(True)

@@ -151,7 +151,8 @@ def test_new_objectives_read_verls_config():
     assert rk_verl.loss_config("sapo", cfg) == presets.sapo(sapo_tau_pos=1.5, sapo_tau_neg=2.5)
     assert rk_verl.loss_config("dppo_tv", cfg) == presets.dppo_tv(clip_low=0.1, clip_high=0.12, ratio_cap=7.0)
     assert rk_verl.loss_config("clip_cov", cfg) == presets.clip_cov(clip_low=0.1, clip_high=0.12, clip_cov_ratio=0.01,
-                                                                    clip_cov_lb=0.5, clip_cov_ub=3.0)
+                                                                    clip_cov_lb=0.5, clip_cov_ub=3.0,
+                                                                    clip_cov_draw="verl")
     assert rk_verl.loss_config("kl_cov", cfg) == presets.kl_cov(kl_cov_ratio=0.02, kl_cov_coef=0.7)
     assert rk_verl.loss_config("dro", cfg) == presets.dro(dro_beta=0.4)
     with pytest.raises(ValueError, match="dro_beta"):  # verl's dro has no default β either

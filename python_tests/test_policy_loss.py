@@ -650,11 +650,12 @@ def test_dr_grpo_needs_its_constant_and_ignores_padding():
     torch.testing.assert_close(losses[0], torch.tensor(-(3 * 0.5 - 0.25) / (2 * 4), dtype=torch.float64))
 
 
-def test_clip_cov_draw_follows_the_rng_state():
-    # The tokens Clip-Cov zeroes are those of verl's draw: k = max(⌊ratio·N⌋, 1) of the candidates, chosen by
-    # torch.randperm on the default generator, so the same RNG state gives the same tokens.
+@pytest.mark.parametrize("draw", ["device", "verl"])
+def test_clip_cov_draw_follows_the_rng_state(draw):
+    # Clip-Cov zeroes k = max(⌊ratio·N⌋, 1) of the candidates, drawn from the default generator (verl's draw:
+    # torch.randperm; the device draw: uniform keys), so the same RNG state gives the same tokens.
     inputs = random_loss_inputs(B=8, T=9, noise=0.3, per_token_adv=True, seed=21)
-    config = preset("clip_cov", clip_cov_ratio=0.1)
+    config = preset("clip_cov", clip_cov_ratio=0.1, clip_cov_draw=draw)
     plain = config.replace(objective="clip")
 
     def grads(cfg, seed):

@@ -14,7 +14,8 @@ _CONFIG_DEFAULTS = dict(
     fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
     kl_bias_correction=False, kl_bias_ratio="token", entropy_coef=0.0, agg="token_mean", norm_length=None,
     log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
-    clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=0.1, dro_beta=None,
+    clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_draw="device", kl_cov_ratio=2e-4,
+    kl_cov_coef=0.1, dro_beta=None,
     vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
     top_entropy_quantile=None,
 )
@@ -225,8 +226,11 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                     clipped = bool(-x * torch.clamp(w, lo_, hi_) > -x * w)
                     if not clipped and _cfg(config, "clip_cov_lb") < c < _cfg(config, "clip_cov_ub"):
                         cand.append((i, t))
-                if cand:   # verl's draw: torch.randperm(n) on the default generator
-                    k = max(int(_cfg(config, "clip_cov_ratio") * len(cells)), 1)
+                k = max(int(_cfg(config, "clip_cov_ratio") * len(cells)), 1)
+                if _cfg(config, "clip_cov_draw") == "device":   # the k candidates of smallest uniform keys
+                    keys = torch.rand(B, T, device=logp.device)
+                    chosen = set(sorted(cand, key=lambda it: (float(keys[it]), it[0] * T + it[1]))[:k])
+                elif cand:   # verl's draw: torch.randperm(n) on the default generator
                     chosen = {cand[j] for j in torch.randperm(len(cand))[:min(k, len(cand))].tolist()}
             else:
                 k = max(1, int(len(cells) * _cfg(config, "kl_cov_ratio")))

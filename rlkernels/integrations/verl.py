@@ -143,7 +143,7 @@ def _objective_fields(objective: str, config, overrides) -> dict:
         return {"ratio_cap": float(_get(config, "clip_ratio_c", 20.0))}
     if objective == "clip_cov":
         return {"clip_cov_ratio": float(_get(pl, "clip_cov_ratio", 2e-4)), "clip_cov_lb": float(_get(pl, "clip_cov_lb", 1.0)),
-                "clip_cov_ub": float(_get(pl, "clip_cov_ub", 5.0))}
+                "clip_cov_ub": float(_get(pl, "clip_cov_ub", 5.0)), "clip_cov_draw": "verl"}  # verl's tokens
     if objective == "kl_cov":
         return {"kl_cov_ratio": float(_get(pl, "kl_cov_ratio", 2e-4)), "kl_cov_coef": float(_get(pl, "ppo_kl_coef", 1.0))}
     if objective == "dro":

@@ -24,24 +24,31 @@ def aggregation_weights(
     num_seqs: Optional[float] = None,
     norm_length: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
+    lengths: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(B, T) weights w with agg(ℓoss) = Σ_{i,t} w_{i,t}·ℓoss_{i,t} (0 where masked); docs/math.md §8.
 
     Every aggregation is linear in the per-token loss, so a kernel can apply it token by token.
-    Divisors of 0 give weights of 0 (the masked sum is then empty anyway).
+    Divisors of 0 give weights of 0 (the masked sum is then empty anyway). `lengths`: the rows'
+    token counts `mask.sum(-1)` in `dtype`, when the caller has them already.
     """
-    m = mask.to(dtype)
-    lengths = m.sum(-1, keepdim=True)
+    if lengths is None:
+        lengths = mask.sum(-1, dtype=dtype)
+    lengths = lengths[:, None]
     if agg == "token_mean":
-        return m / (lengths.sum().clamp(min=1) if num_items is None else num_items)
-    seqs = torch.count_nonzero(lengths).clamp(min=1) if num_seqs is None else num_seqs  # non-empty rows
-    if agg == "seq_mean_token_mean":
-        return m / (lengths.clamp(min=1) * seqs)
-    if agg == "seq_mean_token_sum":
-        return m / seqs
-    if agg == "constant":
-        return m / (seqs * (mask.shape[-1] if norm_length is None else norm_length))
-    raise ValueError(f"agg: unknown aggregation {agg!r}")
+        divisor = lengths.sum().clamp(min=1) if num_items is None else num_items
+    else:
+        seqs = lengths.clamp(max=1).sum().clamp(min=1) if num_seqs is None else num_seqs  # non-empty rows
+        if agg == "seq_mean_token_mean":
+            divisor = lengths.clamp(min=1) * seqs
+        elif agg == "seq_mean_token_sum":
+            divisor = seqs
+        elif agg == "constant":
+            divisor = seqs * (mask.shape[-1] if norm_length is None else norm_length)
+        else:
+            raise ValueError(f"agg: unknown aggregation {agg!r}")
+    # mask / divisor in `dtype`: a tensor divisor has it already (no cast of the mask); a number does not
+    return torch.div(mask, divisor) if torch.is_tensor(divisor) else mask.to(dtype) / divisor
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, **counts) -> torch.Tensor:

@@ -64,6 +64,9 @@ class PolicyLossConfig:
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
+    # How Clip-Cov draws its tokens: "device" (random keys on the inputs' device, no host sync) or "verl"
+    # (verl's torch.randperm on the CPU generator: the same tokens as verl's code, one host sync per call)
+    clip_cov_draw: str = "device"
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 0.1
     # DRO's quadratic penalty (verl's policy_loss.dro_beta); required (> 0) with objective="dro"
@@ -151,6 +154,7 @@ class PolicyLossConfig:
         check_real("clip_cov_ub", self.clip_cov_ub)
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb: expected a value < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
+        check_choice("clip_cov_draw", self.clip_cov_draw, ("device", "verl"))
         check_real("kl_cov_coef", self.kl_cov_coef, 0.0)
         check_real("dro_beta", self.dro_beta, 0.0, lo_open=True, optional=self.objective != "dro")
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):

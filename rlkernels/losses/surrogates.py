@@ -162,16 +162,24 @@ def _clip_cov(w, b: Batch, cfg) -> Surrogate:
         clipped = -adv * wd.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) > -adv * wd
         cov = _covariance(b)
         candidates = b.mask & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-        chosen = random_tokens(candidates, b.mask, cfg.clip_cov_ratio)
+        chosen = random_tokens(candidates, b.mask, cfg.clip_cov_ratio, cfg.clip_cov_draw)
     loss = torch.where(chosen, torch.zeros((), dtype=sur.loss.dtype, device=sur.loss.device), sur.loss)
     return Surrogate(loss, sur.ratio, sur.clipped_low | (chosen & (adv < 0)), sur.clipped_high | (chosen & (adv > 0)))
 
 
-def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
-    """verl's Clip-Cov draw: of the n candidate tokens (row-major order), those at `randperm(n)[:k]`,
-    k = max(⌊fraction·N⌋, 1) with N the masked tokens; `torch.randperm` on the default (CPU) generator,
-    so the choice is that of verl's code from the same torch RNG state. It needs n on the host: one sync."""
+def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float, draw: str = "device") -> torch.Tensor:
+    """Clip-Cov's draw: min(k, n) of the n candidate tokens, uniformly at random, k = max(⌊fraction·N⌋, 1) with
+    N the masked tokens.
+
+    `draw="device"`: the candidates of the k smallest keys `torch.rand(candidates.shape)` (float32, the
+    default generator of the inputs' device), without a host sync. `draw="verl"`: verl's code, the
+    candidates (row-major) at `torch.randperm(n)[:k]` on the default CPU generator, so the same RNG
+    state chooses the same tokens as verl; n must reach the host, one sync."""
     flat = candidates.reshape(-1)
+    if draw == "device":
+        keys = torch.where(flat, torch.rand(flat.shape, device=flat.device), 2.0)  # non-candidates last
+        k = torch.floor(mask.sum().to(torch.float64) * fraction).clamp(min=1)
+        return ((_ranks(keys) < k) & flat).view_as(candidates)
     order = torch.argsort((~flat).to(torch.int8), stable=True)  # the candidates first, in row-major order
     base = flat.numel() + 1
     n_tokens, n = divmod(int((mask.sum() * base + flat.sum()).item()), base)  # both counts in one sync
@@ -183,15 +191,19 @@ def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float)
     return chosen.view_as(candidates)
 
 
+def _ranks(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """The rank of each entry of a 1-d tensor in sorted order (ties by position)."""
+    order = torch.sort(values, descending=descending, stable=True).indices
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def _kl_cov(w, b: Batch, cfg) -> Surrogate:
     """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
     with torch.no_grad():
         m = b.mask
         cov = torch.where(m, _covariance(b), torch.full((), float("-inf"), dtype=b.logp.dtype, device=b.logp.device))
         k = torch.floor(m.sum().to(torch.float64) * cfg.kl_cov_ratio).clamp(min=1)
-        order = torch.sort(cov.reshape(-1), descending=True, stable=True).indices  # ties: the first position wins
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        chosen = (rank.view_as(m) < k) & m
+        chosen = (_ranks(cov.reshape(-1), descending=True).view_as(m) < k) & m  # ties: the first position wins
     penalty = cfg.kl_cov_coef * (b.logp - b.old_logp).abs()
     loss = -b.adv * w + torch.where(chosen, penalty, torch.zeros((), dtype=penalty.dtype, device=penalty.device))
     return Surrogate(loss, w.detach(), _none(b), _none(b))

@@ -7,16 +7,16 @@ kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
 
 * the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate);
 * the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
-  objective, or SAPO's gate, of the mean log-ratio; SNIS: REINFORCE on Σ_t m ℓ with SNIS's
-  coefficient as its advantage), its derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens
-  where the surrogate is per token with a row's value (GSPO-token: the clip objective or SAPO's
-  gate at the clamped sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE with A·φ(w_i)
-  or A·clamp(s_i)).
+  objective, or SAPO's gate, of the mean log-ratio; FSPO: the clip objective of the summed log-ratio
+  at its band's edge; SNIS: REINFORCE on Σ_t m ℓ with SNIS's coefficient as its advantage), its
+  derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens where the surrogate
+  is per token with a row's value (GSPO-token: the clip objective or SAPO's gate at the clamped
+  sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE with A·φ(w_i) or A·clamp(s_i); GMPO:
+  the log-space clip of each token, from which its row's geometric mean is formed).
 
 A surrogate is per row only when its loss is the same on every token of the row (then its
 aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
 SNIS's coefficient, VESPO's φ) is computed by the functions of `losses/surrogates.py`, the spec.
-Other ratios (FSPO, GMPO) are not taken here: the caller takes autograd of `losses/`.
 """
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
-from .token_loss_params import row_bias_correction, surrogate_params, token_terms_params
+from .token_loss_params import log_band_params, row_bias_correction, surrogate_params, token_terms_params
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
-_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("group_expectation", "clip"), ("snis", "reinforce")}
-_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo")}
+_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip"),
+            ("snis", "reinforce")}
+_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo"),
+              ("geometric", "clip")}
 
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
@@ -51,14 +53,14 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
     B, T = mask.shape
     zero = logp.new_zeros(())
     flat_mask = mask.reshape(-1)
+    rows = _Rows(logp.view(B, T), inputs, zero)
     weights = aggregation_weights(mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
-                                  norm_length=config.norm_length, dtype=logp.dtype)
+                                  norm_length=config.norm_length, dtype=logp.dtype, lengths=rows.lengths)
     tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
         logp, entropy, flat_mask, weights.view(-1), None, inputs.flat("old_logp"), inputs.flat("ref_logp"),
         token_terms_params(config))
 
     omega = _surrogate_weights(logp, entropy, inputs, config)  # (B, T) or None, 0 where masked
-    rows = _Rows(logp.view(B, T), inputs, zero)
     if (config.ratio, config.objective) in _PER_TOKEN:
         sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
     else:
@@ -66,7 +68,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
 
     tok_sums = tok_stats.sum(0)
     sums = torch.cat([tok_sums[:1] + sums[:1], sums[1:4], tok_sums[4:]])
-    metrics = metrics_from_sums(sums[1:], mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    metrics = metrics_from_sums(sums[1:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
     grad_h = tok_grad_h if config.entropy_coef != 0 else None
     return LossOutput(sums[0], metrics), tok_grad + sur_grad, grad_h
 
@@ -76,7 +78,7 @@ class _Rows:
 
     def __init__(self, logp: Tensor, inputs: LossInputs, zero: Tensor):
         self.logp, self.mask, self.old_logp, self.zero = logp, inputs.mask, inputs.old_logp, zero
-        self.lengths = self.mask.sum(-1).to(logp.dtype)  # L_i
+        self.lengths = self.mask.sum(-1, dtype=logp.dtype)  # L_i
         self.divisor = self.lengths.clamp(min=1)
 
     def masked_sum(self, x) -> Tensor:
@@ -115,38 +117,55 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
 
 
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
-    """A surrogate with one value per row: `policy_token_loss` over the rows."""
+    """A surrogate with one value per row: `policy_token_loss` over the rows, row i weighted W_i / L_i, so that
+    its statistics count once per token (Σ_i L_i·stats_i) and its derivative w.r.t. a row mean is each token's."""
     valid = rows.lengths > 0
-    row_weight = (weights if omega is None else weights * omega).sum(-1)  # W_i
+    row_weight = (weights if omega is None else weights * omega).sum(-1) / rows.divisor  # W_i / L_i
     c = config.log_ratio_clamp
+    x_old, params = None, None
+    grad_scale = None  # ∂x/∂ℓ_t·L_i when x is not a row mean (the same on each of the row's tokens)
     ratio = None  # the ratio statistic, when it is not the op's
-    if config.ratio == "snis":  # −coef·S: REINFORCE with A = coef
+    if config.ratio == "sequence_sum":  # FSPO: the clip objective of s = clamp(Σ_t m (ℓ − ℓ_old)) in the band ±c·√L
+        # Only the edge on A's side binds: the clip objective at the ratio e^(s − edge) with bounds 1 and
+        # advantage A·e^edge. The edge is clamped to [−c, c] (s lies there, so nothing changes; e^edge stays finite).
+        raw = rows.log_ratio_sum
+        x, objective = raw.clamp(-c, c), "clip"
+        root = rows.lengths.sqrt()
+        x_old = torch.where(inputs.adv_row > 0, root * config.fspo_c_high, root * -config.fspo_c_low).clamp(-c, c)
+        ratio_scale = torch.exp(x_old)  # the op's ratio is e^(s − edge)
+        adv = inputs.adv_row * ratio_scale
+        params = log_band_params(config, 0.0, 0.0, 2 * c + 1)  # |s − edge| ≤ 2c: the op clamps nothing more
+        grad_scale = torch.where(raw == x, rows.lengths, rows.zero)  # where the clamp of s passes the gradient
+    elif config.ratio == "snis":  # −coef·S: REINFORCE with A = coef
         log_rho = rows.log_ratio_sum.clamp(-c, c)
         adv = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, valid)
-        x, x_old, divisor, objective = rows.logp_sum, None, None, "reinforce"
+        x, objective, grad_scale = rows.logp_sum, "reinforce", rows.lengths
         ratio = torch.where(valid, torch.exp(log_rho), rows.zero)
     elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
-        x, divisor, objective, adv = rows.logp_sum / rows.divisor, rows.divisor, "clip", inputs.adv_row
+        x, objective, adv = rows.logp_sum / rows.divisor, "clip", inputs.adv_row
         x_old = gepo_log_expectation(rows.old_sum / rows.divisor, inputs.group, inputs.num_groups, valid)
     else:  # GSPO: the clip objective (or SAPO's gate) of the mean log-ratio
-        x, divisor, objective, adv = rows.log_ratio_sum / rows.divisor, rows.divisor, config.objective, inputs.adv_row
+        x, objective, adv = rows.log_ratio_sum / rows.divisor, config.objective, inputs.adv_row
         x_old = torch.zeros_like(x)
     row_grad, _, stats = kernels.policy_token_loss(x.contiguous(), None, valid, row_weight, adv.contiguous(),
                                                    None if x_old is None else x_old.contiguous(), None,
-                                                   surrogate_params(config, objective))
-    grad = rows.to_tokens(row_grad if divisor is None else row_grad / divisor)
+                                                   params or surrogate_params(config, objective))
+    grad = rows.to_tokens(row_grad if grad_scale is None else row_grad * grad_scale)
+    if config.ratio == "sequence_sum":
+        ratio = stats[:, 3] * ratio_scale
     if ratio is not None:
         stats = torch.cat([stats[:, :3], ratio[:, None]], 1)
     # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
-    counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(stats.dtype)
+    counted = None if omega is None else (omega > 0).sum(-1).to(stats.dtype)
     return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, 3])
 
 
-def _row_sums(stats: Tensor, counted: Tensor, lengths: Tensor) -> Tensor:
-    """(loss, clip_low, clip_high, ratio) summed over tokens from per-row stats: each flag counts on `counted`
-    tokens of its row, the ratio on all `lengths` of them."""
-    per_token = torch.stack([torch.ones_like(lengths), counted, counted, lengths], 1)
-    return (stats[:, :4] * per_token).sum(0)
+def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tensor:
+    """(loss, clip_low, clip_high, ratio) summed over tokens from the per-row stats of rows weighted W_i / L_i:
+    each counts on the row's L_i tokens, except the clip flags on `counted` of them when given (ω > 0)."""
+    if counted is None:
+        return lengths @ stats[:, :4]
+    return (stats[:, :4] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
 
 
 def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
@@ -161,6 +180,8 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
                                                    adv.reshape(-1), torch.zeros_like(x), None,
                                                    surrogate_params(config, config.objective))
         return grad, stats.sum(0)[:4], _max(stats[:, 3])
+    if config.ratio == "geometric":
+        return _geometric(kernels, logp, rows, weights, omega, inputs, config)
     if config.ratio == "sequence":  # TRL's sequence-level CISPO: −sg(clamp(s_i))·A·ℓ
         s = torch.exp((rows.log_ratio_sum / rows.divisor).clamp(-c, c))
         coef, low, high = cispo_weight(s, config)
@@ -170,6 +191,30 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     log_ratio_sum = rows.log_ratio_sum if old is None else rows.masked_sum((rows.logp - old).clamp(-c, c))
     phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config, inputs.is_weights, rows.mask)
     return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, phi, w, None, config)
+
+
+def _geometric(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """GMPO: −A·exp(mean_t clip_t), clip_t = min(δ_t, ε_high) where A > 0, max(δ_t, −ε_low) where A < 0.
+
+    e^clip_t is the clip objective with the ratio band [e^−ε_low, e^ε_high] at the advantage sign(A): its
+    value is −sign(A)·e^clip_t (so clip_t = log |value|), its derivative is nonzero exactly where δ_t passes
+    the clip (where the row's derivative reaches the token) and its clip flags are GMPO's."""
+    B, T = rows.mask.shape
+    c = config.log_ratio_clamp
+    passed, _, stats = kernels.policy_token_loss(
+        logp, None, rows.mask.reshape(-1), rows.mask.reshape(-1).to(logp.dtype), torch.sign(inputs.adv).reshape(-1),
+        inputs.flat("old_logp"), None, log_band_params(config, config.clip_low, config.clip_high, c))
+    # log e^clip_t and log e^δ_t (the kernel's ratio statistic), averaged over each row: log of the geometric
+    # means of the clipped ratio and of the ratio (a row with A = 0 gets e^−inf = 0: its loss is 0 anyway).
+    logs = torch.stack([stats[:, 0].abs(), stats[:, 3]]).log().view(2, B, T)
+    geo = torch.exp(torch.where(rows.mask, logs, rows.zero).sum(-1) / rows.divisor)
+    row_weight = (weights if omega is None else weights * omega).sum(-1)  # W_i
+    row_loss = row_weight * (-inputs.adv_row * geo[0])  # W_i times the row's loss
+    grad = torch.where(passed.view(B, T) != 0, (row_loss / rows.divisor)[:, None], rows.zero).reshape(-1)
+    flags = stats[:, 1:3] if omega is None else stats[:, 1:3] * (omega > 0).reshape(-1, 1)
+    ratio = torch.where(rows.lengths > 0, geo[1], rows.zero)
+    sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), (ratio * rows.lengths).sum().reshape(1)])
+    return grad, sums, _max(ratio)
 
 
 def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, ratio, flags, config):

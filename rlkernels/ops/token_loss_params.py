@@ -5,6 +5,7 @@ The one place that knows both sides: `losses/` (the spec) and the kernels' encod
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Optional
@@ -78,6 +79,15 @@ def token_terms_params(config: PolicyLossConfig) -> k.TokenLossParams:
 def surrogate_params(config: PolicyLossConfig, objective: str) -> k.TokenLossParams:
     """`objective` ("clip" or "reinforce") with the config's clip bounds, and no KL or entropy term."""
     return _params(config, _OBJECTIVES[objective], with_token_terms=False)
+
+
+def log_band_params(config: PolicyLossConfig, low: float, high: float, log_ratio_clamp: float) -> k.TokenLossParams:
+    """PPO's clip objective with the ratio band [e^−low, e^high] and nothing else (no delta, dual clip, KL or
+    entropy term): −A·e^min(r, high) for A > 0, |A|·e^max(r, −low) for A < 0, r = clamp(x − x_old) at
+    `log_ratio_clamp`. A clip in log space (GMPO's per token; FSPO's per row, shifted to the band's edge)."""
+    return dataclasses.replace(_params(config, k.CLIP, with_token_terms=False), clip_low=-math.expm1(-low),
+                               clip_high=math.expm1(high), delta=math.inf, dual_clip=math.inf,
+                               log_ratio_clamp=float(log_ratio_clamp))
 
 
 def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) -> k.TokenLossParams:
