@@ -379,6 +379,9 @@ def test_two_gloo_processes_match_one(tmp_path):
     (["--seed", "100000000000000000000"], "--seed: expected an int from 0 to 2\\*\\*32 - 1"),
     (["--seed", "-1"], "--seed: expected an int from 0"),
     (["--max-gen-batches", "0"], "--max-gen-batches: expected an int >= 1"),
+    (["--device", "gpu"], "--device: expected auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["--dtype", "fp8"], "--dtype: expected one of auto, float32, bfloat16, float16, got 'fp8'"),
+    (["--dtype", "float16"], "--dtype float16: not supported (float16 gradients underflow without loss scaling"),
 ])
 def test_bad_flags(argv, message, capsys):
     with pytest.raises(ValueError, match=message.replace("?", r"\?").replace("(", r"\(").replace(")", r"\)")):

@@ -1,9 +1,12 @@
 """`python -m rlkernels.train [--key value ...]`: RL fine-tuning with the rlkernels loss head.
 
-With no arguments: the offline CPU demo (a tiny Llama learns 2-digit addition: a supervised
+With no arguments: the offline demo (a tiny Llama learns 2-digit addition: a supervised
 warm-up, then GRPO raises held-out greedy accuracy). `--algo ppo|grpo|gspo|...`, `--config
 FILE.json`, `--resume DIR`; every field of `rlkernels.trainer.Config` is a flag (`--help`).
-Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data parallel (gloo on CPU).
+`--device auto|cpu|cuda|cuda:N` (auto: cuda when available), `--dtype auto|float32|bfloat16` (auto:
+bfloat16 on a GPU that has it, else float32): float32 weights and optimizer state, the forward
+passes under autocast. Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data
+parallel: each rank on cuda:LOCAL_RANK over nccl, or on the CPU over gloo.
 """
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
-    from .trainer import train
+    from .trainer import device, train
 
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+    world = int(os.environ.get("WORLD_SIZE", 1))
     try:
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group(device.backend(device.process_device(cfg.device, world)))
         train(cfg, explicit=explicit if cfg.resume else None)
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)

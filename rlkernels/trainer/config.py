@@ -15,6 +15,7 @@ import typing
 from typing import List, Optional
 
 from ..losses.presets import NAMES as ALGOS
+from . import device
 
 REWARD_KINDS = "exact | regex:PATTERN | module:function"
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
@@ -29,6 +30,10 @@ class Config:
     threads: int = 0               # torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks
     resume: str = ""               # a run folder (or checkpoint file) to continue exactly
     progress: bool = True          # tqdm bar
+    device: str = "auto"           # auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun
+                                   # cuda is cuda:LOCAL_RANK. A resumed run takes this from its own flags
+    dtype: str = "auto"            # forward passes under autocast: auto (bfloat16 on a GPU that has it,
+                                   # else float32) | float32 | bfloat16; weights stay float32
     # model; "" = the built-in tiny Llama with a character tokenizer (offline demo)
     model: str = ""
     n_layer: int = 2
@@ -194,6 +199,7 @@ def validate(cfg: Config) -> None:
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{_flag(name)}: expected one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    device.check(cfg.device, cfg.dtype)
     for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
         v = getattr(cfg, name)
         if _base_type(name)[0] is float and v is not None and not math.isfinite(v):

@@ -36,33 +36,55 @@ import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
-from . import export, report, task
+from . import device, export, report, task
 from .config import FLOAT32_MAX, Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
 # what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
 RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
+# what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
+# a GPU resumes on a CPU machine)
+RESUME_FRESH = ("resume", "device")
 
 # ----------------------------------------------------------------------------------------------
 # The loss head: the ONE place the policy loss is called. Switching to the hidden-state path is
 # the commented line below (it takes `hidden` and the lm_head weight instead of the logits).
 
 def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, temperature, path="fused"):
-    """Policy loss of `loss_cfg` on the completion positions `hidden (b, T, H)`; a LossOutput."""
+    """Policy loss of `loss_cfg` on the completion positions `hidden (b, T, H)`; a LossOutput.
+
+    Under autocast the head runs at the autocast dtype (bfloat16 hidden states and weight, or
+    logits, go into the ops), and the ops themselves run outside it: they accumulate in float32."""
     head = _parts(model)[1]
     kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], group_ids=batch["group_ids"],
               rewards=batch["rewards"], num_items=num_items, num_seqs=num_seqs)
     if path == "linear":  # from the hidden states: the (b, T, V) logits never exist (docs/design.md §4)
-        return rlkernels.fused_linear_policy_loss(hidden, head.weight, batch["targets"], batch["advantages"],
-                                                  batch["mask"], loss_cfg, bias=head.bias, temperature=temperature,
-                                                  **kw)
-    logits = head(hidden).float()
-    if path == "split":
-        logp, entropy = rlkernels.token_logprobs(logits, batch["targets"], temperature=temperature, return_entropy=True)
-        return rlkernels.policy_loss(logp, batch["advantages"], batch["mask"], loss_cfg, entropy=entropy, **kw)
-    return rlkernels.fused_policy_loss(logits, batch["targets"], batch["advantages"], batch["mask"], loss_cfg,
-                                       temperature=temperature, **kw)
+        dtype = _compute_dtype(hidden)  # the op takes hidden and weight in one dtype
+        bias = head.bias.to(dtype) if head.bias is not None else None
+        with _no_autocast(hidden):
+            return rlkernels.fused_linear_policy_loss(hidden.to(dtype), head.weight.to(dtype), batch["targets"],
+                                                      batch["advantages"], batch["mask"], loss_cfg, bias=bias,
+                                                      temperature=temperature, **kw)
+    logits = head(hidden)
+    with _no_autocast(hidden):
+        if path == "split":
+            logp, entropy = rlkernels.token_logprobs(logits, batch["targets"], temperature=temperature,
+                                                     return_entropy=True)
+            return rlkernels.policy_loss(logp, batch["advantages"], batch["mask"], loss_cfg, entropy=entropy, **kw)
+        return rlkernels.fused_policy_loss(logits, batch["targets"], batch["advantages"], batch["mask"], loss_cfg,
+                                           temperature=temperature, **kw)
+
+
+def _compute_dtype(x):
+    """The dtype a matmul on `x` runs at here: autocast's when it is on, else x's own."""
+    on = torch.is_autocast_enabled(x.device.type)
+    return torch.get_autocast_dtype(x.device.type) if on else x.dtype
+
+
+def _no_autocast(x):
+    """The rlkernels ops pick their own precision: autocast must not recast the matmuls inside them."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +125,9 @@ def token_logp(model, seq, attn, P, temperature):
     """log π(y_t | y_<t) / τ-softmax of the completion tokens seq[:, P:], and the hidden states."""
     trunk, head = _parts(model)
     h = hidden_states(trunk, seq, attn)[:, P - 1:-1]
-    return rlkernels.token_logprobs(head(h).float(), seq[:, P:], temperature=temperature), h
+    logits = head(h)  # as loss_head computes them, at the autocast dtype if any
+    with _no_autocast(h):
+        return rlkernels.token_logprobs(logits, seq[:, P:], temperature=temperature), h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,6 +139,7 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
     padded after eos. Pure temperature sampling: no top-k / top-p, so the recorded ℓ_old
     (a forward pass at the same temperature) is the sampling distribution."""
     n = max_new_tokens or cfg.max_new_tokens
+    ids, attn = ids.to(model.device), attn.to(model.device)
     kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=0,
                          pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, **kw)
@@ -168,7 +193,7 @@ def checked_reward(reward_fn, name: str):
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, reward_fn, cfg, batch=256):
+def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
     """Mean reward of greedy completions over held-out examples (accuracy for `exact`)."""
     was_training = model.training
     model.eval()
@@ -176,8 +201,9 @@ def evaluate(model, tok, examples, reward_fn, cfg, batch=256):
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         ids, attn = task.left_pad([tok.encode(p) for p, _ in chunk], tok.pad_id)
-        seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
-        completions = [tok.decode(row) for row in seq[:, ids.shape[1]:]]
+        with place.autocast():
+            seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
+        completions = [tok.decode(row) for row in seq[:, ids.shape[1]:].tolist()]  # one copy off the GPU
         total += sum(reward_fn([p for p, _ in chunk], completions, [a for _, a in chunk]))
     model.train(was_training)
     return total / max(len(examples), 1)
@@ -205,28 +231,30 @@ def rollout(model, tok, prompts, cfg, rng):
         attns.append(a.view(len(prompts), K, -1))
     seq = torch.cat(seqs, 1).flatten(0, 1)  # (prompts × R × K, P + T): grouped by prompt, then tree
     full_attn = torch.cat(attns, 1).flatten(0, 1)
-    tree_ids = torch.arange(R).repeat_interleave(K).repeat(len(prompts))
+    tree_ids = torch.arange(R, device=seq.device).repeat_interleave(K).repeat(len(prompts))
     return seq, full_attn, P, tree_ids
 
 
-def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group):
+def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place):
     """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
     overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
     drop of the groups whose rewards are all equal (their advantages are zero).
     Returns the chosen rows (a dict of tensors), with P and the verifier's rewards of all rows."""
     G = cfg.num_generations
-    seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
+    with place.autocast():
+        seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
     targets = seq[:, P:]
     mask = task.first_eos_mask(targets, tok.eos_id)
-    group_ids = torch.arange(len(prompts)).repeat_interleave(G) + first_group
+    group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
     answers = [a for _, a in prompts for _ in range(G)]
-    texts = [tok.decode(row) for row in targets]
-    rewards = torch.tensor(reward_fn([p for p, _ in prompts for _ in range(G)], texts, answers), dtype=torch.float32)
+    texts = [tok.decode(row) for row in targets.tolist()]
+    rewards = torch.tensor(reward_fn([p for p, _ in prompts for _ in range(G)], texts, answers), dtype=torch.float32,
+                           device=seq.device)
     score = rewards.clone()  # the verifier's reward, reported as reward_mean
     lengths = mask.sum(-1)
     if cfg.overlong_buffer:
         rewards = rewards + sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-    keep = torch.arange(len(rewards))
+    keep = torch.arange(len(rewards), device=seq.device)
     if cfg.pods_keep:  # the m rollouts per prompt with the largest reward variance
         keep = sampling.pods_select(rewards, cfg.pods_keep, group_ids)
     if cfg.dynamic_sampling:
@@ -255,7 +283,7 @@ def concat_rows(parts, pad_id):
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed helpers (torchrun; gloo on CPU). Gradients are SUMMED over ranks, not averaged:
+# Distributed helpers (torchrun; gloo on CPU, nccl on CUDA). Gradients are SUMMED over ranks, not averaged:
 # the loss is already divided by the global token / row count (`num_items` / `num_seqs`).
 
 def dist_info():
@@ -267,9 +295,14 @@ def dist_info():
 def all_sum(x: float) -> float:
     if dist_info()[1] == 1:
         return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64)
+    t = torch.tensor([float(x)], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t)
     return float(t)
+
+
+def _comm_device():
+    """Where collective buffers live: NCCL reduces only CUDA tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def sync_grads(params) -> None:
@@ -362,6 +395,7 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
     from the defaults) taken from `cfg`. `resume` always comes from `cfg`, and `out` unless
     given is the run's own folder."""
     default = Config()
+    saved = {"dtype": "float32", **saved}  # checkpoints from before --dtype ran in float32
     if explicit is None:
         explicit = {f for f in saved if getattr(cfg, f, None) != getattr(default, f, None)}
     for f in RESUME_FIXED:
@@ -369,7 +403,7 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
             raise ValueError(f"{_flag(f)}: the run in {cfg.resume!r} has {saved[f]!r} and a resumed run keeps it "
                              f"(start a new run to change it), got {getattr(cfg, f)!r}")
     merged = {**saved, **{f: getattr(cfg, f) for f in explicit if f in saved}}
-    merged["resume"] = cfg.resume
+    merged.update({f: getattr(cfg, f) for f in RESUME_FRESH})
     merged["out"] = cfg.out or run_dir(cfg.resume)
     out = Config(**{k: v for k, v in merged.items() if k in Config.__dataclass_fields__})
     validate(out)
@@ -415,9 +449,13 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     out_dir = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
     cfg = dataclasses.replace(cfg, out=out_dir)
     log = print if master else (lambda *a, **k: None)
+    place = device.placement(cfg.device, cfg.dtype, world)
+    runs_on = place.describe()
     if master:
         prepare_out_dir(out_dir)
-    log(f"rlkernels.train: {'resuming ' + cfg.resume if saved else 'config'}\n{describe(cfg)}")
+    log(f"rlkernels.train: {'resuming ' + cfg.resume if saved else 'config'}\n{describe(cfg)}\n"
+        f"  running on: device {runs_on['device']}, dtype {runs_on['dtype']} (float32 weights), "
+        f"process group {runs_on['backend'] or 'none (one process)'}")
 
     # ---- seeds: model init and data order are identical on every rank; sampling differs per rank
     random.seed(cfg.seed)
@@ -451,6 +489,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                          f"prompts{source} (after {len(eval_set)} held out for eval)")
     if not cfg.model:
         policy = task.tiny_model(cfg, tok, prompt_len)
+    policy.to(place.device)  # built on the CPU, so a seed gives the same weights on every device
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
     n_params = sum(p.numel() for p in policy.parameters())
     log(f"policy: {type(policy).__name__}, {n_params / 1e6:.2f}M parameters; "
@@ -462,8 +501,10 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
         for it in range(cfg.warmup_steps):
-            ids, attn, labels = task.supervised_batch(tok, rng.sample(train_set, cfg.warmup_batch))
-            loss = policy(input_ids=ids, attention_mask=attn, labels=labels).loss
+            sup = task.supervised_batch(tok, rng.sample(train_set, cfg.warmup_batch))
+            ids, attn, labels = (t.to(place.device) for t in sup)
+            with place.autocast():
+                loss = policy(input_ids=ids, attention_mask=attn, labels=labels).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -488,9 +529,9 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 raise ValueError(f"--resume: the checkpoint in {cfg.resume!r} does not fit this run "
                                  f"({type(e).__name__}: {_one_line(e)})") from None
     if cfg.lora_rank:
-        policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target)
+        policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target).to(place.device)
     trunk, _ = _parts(policy)
-    critic = Critic(trunk, policy.config.hidden_size, cfg.critic == "separate") if algo_ppo else None
+    critic = Critic(trunk, policy.config.hidden_size, cfg.critic == "separate").to(place.device) if algo_ppo else None
     params = [p for p in policy.parameters() if p.requires_grad]
     if critic is not None:
         params += [p for p in critic.parameters() if p.requires_grad]
@@ -506,15 +547,16 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             start, beta = saved["step"], saved["kl_coef"]
             rng.setstate(saved["rng"]["python"])
             random.setstate(saved["rng"]["python_global"])
-            torch.set_rng_state(saved["rng"]["torch"][rank])
+            cuda_rngs = saved["rng"].get("cuda")  # absent from checkpoints of CPU runs
+            device.set_rng_state(saved["rng"]["torch"][rank], cuda_rngs[rank] if cuda_rngs else None, place.device)
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"--resume: the checkpoint in {cfg.resume!r} does not fit this run "
                              f"({type(e).__name__}: {_one_line(e)})") from None
         log(f"resumed at step {start} from {cfg.resume}")
     else:
-        torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams
+        torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
     if eval_before is None:
-        eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg)
+        eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
 
     # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
@@ -527,17 +569,19 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             open(metrics_path, "w").close()
 
     def checkpoint(step):
-        rngs = [torch.get_rng_state()]
+        rngs = [device.rng_state(place.device)]
         if world > 1:
             rngs = [None] * world
-            dist.all_gather_object(rngs, torch.get_rng_state())
+            dist.all_gather_object(rngs, device.rng_state(place.device))
+        cpu_rngs, cuda_rngs = zip(*rngs)
         if master:
             save_checkpoint(os.path.join(out_dir, CHECKPOINT), {
                 "config": dataclasses.asdict(cfg), "step": step, "kl_coef": beta,
                 "model": policy.state_dict(), "critic": critic.state_dict() if critic is not None else None,
                 "ref": ref.state_dict() if ref is not None and not cfg.model else None,
                 "optimizer": optimizer.state_dict(), "eval_reward_before": eval_before,
-                "rng": {"torch": rngs, "python": rng.getstate(), "python_global": random.getstate()},
+                "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
+                        "python": rng.getstate(), "python_global": random.getstate()},
             })
             export.save_pretrained(policy, tok, out_dir, merge_lora=cfg.merge_lora)
 
@@ -578,7 +622,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 chosen = rng.sample(train_set, cfg.prompts_per_step * world)
                 prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
                 first_group = (len(parts) * world + rank) * cfg.prompts_per_step
-                parts.append(sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group))
+                parts.append(sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place))
                 if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
                     break
                 n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
@@ -586,7 +630,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                     break
             b = concat_rows(parts, tok.pad_id)
             P, score, all_lengths = b["P"], b["score"], b["all_lengths"]
-            train_rows = torch.arange(len(b["rewards"]))
+            train_rows = torch.arange(len(b["rewards"]), device=b["rewards"].device)
             if cfg.dynamic_sampling:  # the first prompts_per_step groups kept; none when a rank has none
                 first_groups = b["group_ids"].unique()[:cfg.prompts_per_step]
                 train_rows = train_rows[torch.isin(b["group_ids"], first_groups)]
@@ -602,19 +646,20 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             # ==== 3. behaviour log-probs ℓ_old: a forward pass at the sampling temperature ====
             # (not generate's scores: the same forward as the update, so the first ratio is 1 up
             # to rounding; test_trainer checks it equals generate's own τ-softmax of the logits.)
-            old_logp, h = token_logp(policy, seq, attn, P, cfg.temperature)
-            ref_logp = token_logp(ref, seq, attn, P, cfg.temperature)[0] if ref is not None else None
+            with place.autocast():
+                old_logp, h = token_logp(policy, seq, attn, P, cfg.temperature)
+                ref_logp = token_logp(ref, seq, attn, P, cfg.temperature)[0] if ref is not None else None
 
             # ==== 4. advantages ===============================================================
             if algo_ppo:
                 # PPO: per-token reward = −β·k1(π_old ‖ π_ref) at every token, + R at the last
                 # token; GAE(γ, λ) on the critic's values; returns are the value targets.
-                with torch.no_grad():
+                with torch.no_grad(), place.autocast():
                     values = critic(h, seq, attn, P)
                 kl_tok = (old_logp - ref_logp) if ref is not None else torch.zeros_like(old_logp)
                 tok_reward = -beta * kl_tok * mask
                 last_tok = (lengths - 1).clamp(min=0)
-                tok_reward[torch.arange(len(rewards)), last_tok] += rewards * (lengths > 0)
+                tok_reward[torch.arange(len(rewards), device=rewards.device), last_tok] += rewards * (lengths > 0)
                 advantages, returns = adv_lib.gae(tok_reward, values, mask, cfg.gamma, cfg.lam)
             elif cfg.tree:
                 # Tree-GRPO: the prompt-level plus the tree-level normalised reward
@@ -643,7 +688,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 rng.shuffle(order)
                 per = max(1, math.ceil(len(order) / cfg.minibatches)) if order else 1
                 for mb in range(cfg.minibatches):
-                    gsel = torch.tensor(order[mb * per:(mb + 1) * per], dtype=group_ids.dtype)
+                    gsel = torch.tensor(order[mb * per:(mb + 1) * per], dtype=group_ids.dtype, device=group_ids.device)
                     rows = torch.isin(group_ids, gsel).nonzero().squeeze(-1)
                     mbatch = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
                     # global normalisers: the loss is Σ_local / N_global, so summed gradients are exact
@@ -652,14 +697,15 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                     if num_items == 0:
                         continue
                     trunk, _ = _parts(policy)
-                    hid = hidden_states(trunk, mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
-                    out = loss_head(policy, hid, mbatch, loss_cfg, num_items=num_items, num_seqs=num_seqs,
-                                    temperature=cfg.temperature, path=cfg.loss_path)
+                    with place.autocast():
+                        hid = hidden_states(trunk, mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
+                        out = loss_head(policy, hid, mbatch, loss_cfg, num_items=num_items, num_seqs=num_seqs,
+                                        temperature=cfg.temperature, path=cfg.loss_path)
+                        pred = critic(hid, mbatch["seq"], mbatch["attn"], P) if critic is not None else None
                     loss, m = out.loss, {k: float(v) for k, v in out.metrics.items()}
                     if critic is not None:
-                        vout = rlkernels.value_loss(critic(hid, mbatch["seq"], mbatch["attn"], P), mbatch["values"],
-                                                    mbatch["returns"], mbatch["mask"], clip=cfg.vf_clip,
-                                                    num_items=num_items)
+                        vout = rlkernels.value_loss(pred, mbatch["values"], mbatch["returns"], mbatch["mask"],
+                                                    clip=cfg.vf_clip, num_items=num_items)
                         loss = loss + cfg.vf_coef * vout.loss
                         m["value_loss"] = float(vout.loss.detach())
                         m["vf_clip_frac"] = float(vout.metrics["vf_clip_frac"])
@@ -704,7 +750,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             for k in ("loss", "kl", "entropy", "clip_frac"):
                 row.setdefault(k, None)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                row["eval_reward"] = evaluate(policy, tok, eval_set, reward_fn, cfg)
+                row["eval_reward"] = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
@@ -728,11 +774,12 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
-    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate(policy, tok, eval_set, reward_fn, cfg)
+    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate(policy, tok, eval_set, reward_fn, cfg, place)
     summary = {"algo": cfg.algo, "steps": done, "eval_reward_before": eval_before, "eval_reward_after": eval_after,
                "final_reward_mean": last.get("reward_mean"), "final_kl": last.get("kl"),
                "final_entropy": last.get("entropy"), "skipped_steps": skipped_total,
-               "wall_time_s": round(time.time() - t_start, 1), "out": out_dir, "config": dataclasses.asdict(cfg)}
+               "wall_time_s": round(time.time() - t_start, 1), **runs_on, "out": out_dir,
+               "config": dataclasses.asdict(cfg)}
     if master:
         write_file(os.path.join(out_dir, "summary.json"), report.dumps(summary, indent=2), "w")
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),

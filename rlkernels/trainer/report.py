@@ -91,8 +91,8 @@ def plot(rows: List[dict], path: str, title: str) -> bool:
 
 
 def summary_table(summary: dict) -> str:
-    keys = ("algo", "steps", "eval_reward_before", "eval_reward_after", "final_reward_mean", "final_kl",
-            "final_entropy", "skipped_steps", "wall_time_s")
+    keys = ("algo", "device", "dtype", "steps", "eval_reward_before", "eval_reward_after", "final_reward_mean",
+            "final_kl", "final_entropy", "skipped_steps", "wall_time_s")
     width = max(len(k) for k in keys)
     lines = ["-" * (width + 16)]
     for k in keys:
