@@ -118,6 +118,7 @@ def test_resume_after_bfloat16_is_exact(tmp_path):
     assert _strip(resumed) == _strip(full) and summary["dtype"] == "bfloat16"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_run_resumes_exactly_and_on_the_cpu(tmp_path):
     _, full = run(tmp_path / "full", device="cuda", steps=4)
