@@ -134,6 +134,11 @@ TOKEN_CONFIGS = {
                                log_ratio_clamp=0.15),
     "cispo_two_sided": dict(ratio="token", objective="cispo", clip_low=0.1, clip_high=0.2, entropy_coef=-0.05),
     "reinforce": dict(ratio="token", objective="reinforce", kl_estimator="k3", kl_coef=0.05),
+    # the call's choice of tokens (`ops/_covariance_step.py`), with every term around it
+    "clip_cov+asymmetric": dict(ratio="token", objective="clip_cov", clip_cov_lb=0.0, clip_cov_ratio=0.2, clip_low=0.1,
+                                clip_high=0.3, kl_estimator="k3", kl_coef=0.1, entropy_coef=0.02),
+    "kl_cov+k2": dict(ratio="token", objective="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.3, kl_estimator="k2",
+                      kl_coef=0.1, agg="seq_mean_token_mean"),
 }
 
 
@@ -154,10 +159,12 @@ def _check_against_the_composition(logits, targets, inputs, config, kw, temperat
     returns (the fused output, ∂logits)."""
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     x = logits.clone().requires_grad_(True)
+    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw on both paths
     fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=temperature, backend=backend, **kw)
     fused.loss.backward()
     y = logits.clone().requires_grad_(True)
     logp, ent = rlkernels.token_logprobs(y, targets, temperature=temperature, return_entropy=True, backend="torch")
+    torch.manual_seed(0)
     composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
     composed.loss.backward()
     torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
@@ -269,7 +276,8 @@ def test_sliced_logits_are_read_in_place(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 # in the kernel (clip), the general path, and the sequence-level step (row-level and token-level surrogates)
-@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo", "fspo", "gmpo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo", "fspo", "gmpo",
+                                  "clip_cov", "kl_cov"])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_importance_weights_equal_the_composition(backend, name, per_row):
     """`is_weights` on both fused paths (logits, hidden states) = `policy_loss(..., is_weights=...)`:
@@ -289,10 +297,12 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
         config = config.replace(top_entropy_quantile=0.5)
 
     x = logits.clone().requires_grad_(True)
+    torch.manual_seed(0)  # Clip-Cov's draw
     fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
     fused.loss.backward()
     y = logits.clone().requires_grad_(True)
     logp, ent = rlkernels.token_logprobs(y, targets, temperature=0.8, return_entropy=True, backend=backend)
+    torch.manual_seed(0)
     composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
     composed.loss.backward()
     torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-6, atol=1e-7)
@@ -306,10 +316,12 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     H = 8  # the hidden-state path: logits = hidden @ weightᵀ
     hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
     weight = torch.randn(logits.shape[-1], H, generator=g, requires_grad=True)
+    torch.manual_seed(0)
     lin = rlkernels.fused_linear_policy_loss(hidden, weight, targets, adv, mask, config, temperature=0.8,
                                              backend=backend, chunk_size=5, **kw)
     gh, gw = torch.autograd.grad(lin.loss, (hidden, weight))
     h2, w2 = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    torch.manual_seed(0)
     ref = rlkernels.fused_policy_loss(h2 @ w2.t(), targets, adv, mask, config, temperature=0.8, backend=backend, **kw)
     rh, rw = torch.autograd.grad(ref.loss, (h2, w2))
     torch.testing.assert_close(lin.loss, ref.loss, rtol=1e-5, atol=1e-6)

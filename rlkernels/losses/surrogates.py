@@ -143,27 +143,39 @@ def _dro(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
-def _covariance(b: Batch) -> torch.Tensor:
-    """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch; detached."""
-    m = b.mask
-    count = m.sum().clamp(min=1)
-    zero = torch.zeros((), dtype=b.logp.dtype, device=b.logp.device)
-    adv, logp = b.adv, b.logp.detach()
-    mean_adv = torch.where(m, adv, zero).sum() / count
-    mean_logp = torch.where(m, logp, zero).sum() / count
+def _covariance(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch."""
+    count = mask.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    mean_adv = torch.where(mask, adv, zero).sum() / count
+    mean_logp = torch.where(mask, logp, zero).sum() / count
     return (adv - mean_adv) * (logp - mean_logp)
 
 
+def clip_cov_tokens(w: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """Clip-Cov's chosen tokens (B, T): of the masked tokens PPO's clip leaves unclipped and whose covariance lies
+    in (clip_cov_lb, clip_cov_ub), a random few (`random_tokens`). Inputs detached; padding may hold anything."""
+    clipped = -adv * w.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) > -adv * w
+    cov = _covariance(adv, logp, mask)
+    candidates = mask & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    return random_tokens(candidates, mask, cfg.clip_cov_ratio, cfg.clip_cov_draw)
+
+
+def kl_cov_tokens(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """KL-Cov's chosen tokens (B, T): the k = max(⌊kl_cov_ratio·N⌋, 1) masked tokens of largest covariance (ties:
+    the first position wins), k kept on the device. Inputs detached; padding may hold anything."""
+    cov = torch.where(mask, _covariance(adv, logp, mask), float("-inf"))
+    k = torch.floor(mask.sum().to(torch.float64) * cfg.kl_cov_ratio).clamp(min=1)
+    return (_ranks(cov.reshape(-1), descending=True).view_as(mask) < k) & mask
+
+
 def _clip_cov(w, b: Batch, cfg) -> Surrogate:
-    """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance (verl's draw)."""
+    """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance."""
     sur = clip_objective(w, b.adv, cfg)
     with torch.no_grad():
-        wd, adv = w.detach(), b.adv
-        clipped = -adv * wd.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) > -adv * wd
-        cov = _covariance(b)
-        candidates = b.mask & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-        chosen = random_tokens(candidates, b.mask, cfg.clip_cov_ratio, cfg.clip_cov_draw)
+        chosen = clip_cov_tokens(w.detach(), b.adv, b.logp.detach(), b.mask, cfg)
     loss = torch.where(chosen, torch.zeros((), dtype=sur.loss.dtype, device=sur.loss.device), sur.loss)
+    adv = b.adv
     return Surrogate(loss, sur.ratio, sur.clipped_low | (chosen & (adv < 0)), sur.clipped_high | (chosen & (adv > 0)))
 
 
@@ -200,10 +212,7 @@ def _ranks(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
 def _kl_cov(w, b: Batch, cfg) -> Surrogate:
     """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
     with torch.no_grad():
-        m = b.mask
-        cov = torch.where(m, _covariance(b), torch.full((), float("-inf"), dtype=b.logp.dtype, device=b.logp.device))
-        k = torch.floor(m.sum().to(torch.float64) * cfg.kl_cov_ratio).clamp(min=1)
-        chosen = (_ranks(cov.reshape(-1), descending=True).view_as(m) < k) & m  # ties: the first position wins
+        chosen = kl_cov_tokens(b.adv, b.logp.detach(), b.mask, cfg)
     penalty = cfg.kl_cov_coef * (b.logp - b.old_logp).abs()
     loss = -b.adv * w + torch.where(chosen, penalty, torch.zeros((), dtype=penalty.dtype, device=penalty.device))
     return Surrogate(loss, w.detach(), _none(b), _none(b))

@@ -3,7 +3,8 @@
 Token-level (`kernel_inputs`, `loss_from_stats`): the flat per-token inputs and parameters of
 `policy_token_fwd`, and the loss and metrics from its statistics. Any ratio (`row_grads`): the
 loss at the kernel's log-probs and entropy and its derivatives, by `_sequence_step` where it
-takes the ratio, else by the `(B, T)` loss of `losses/` and its autograd.
+takes the ratio, by `_covariance_step` for Clip-Cov and KL-Cov, else by the `(B, T)` loss of
+`losses/` and its autograd.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import evaluate
+from ._covariance_step import covariance_step, evaluates as covariance_step_evaluates
 from ._sequence_step import evaluates as sequence_step_evaluates, sequence_step
 from .token_loss_params import token_loss_params
 
@@ -41,9 +43,12 @@ def loss_from_stats(stats: torch.Tensor, inputs: LossInputs) -> LossOutput:
 
 def row_grads(kernels, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
     """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values:
-    by the backend's `policy_token_loss` where `_sequence_step` takes the config, else by autograd of `losses/`."""
+    by the backend's `policy_token_loss` where `_sequence_step` or `_covariance_step` takes the config, else by
+    autograd of `losses/`."""
     if sequence_step_evaluates(kernels, config):
         return sequence_step(kernels, logp, entropy, inputs, config)
+    if covariance_step_evaluates(kernels, config):
+        return covariance_step(kernels, logp, entropy, inputs, config)
     need_h = config.entropy_coef != 0
     with torch.enable_grad():
         logp_leaf = logp.detach().view(inputs.mask.shape).requires_grad_(True)

@@ -33,6 +33,12 @@ def kernel_supports(config: PolicyLossConfig) -> bool:
             and config.top_entropy_quantile is None and not row_bias_correction(config))
 
 
+def covariance_supports(config: PolicyLossConfig) -> bool:
+    """Whether `_covariance_step` evaluates this config (Clip-Cov, KL-Cov) with `policy_token_loss`."""
+    return (config.ratio == "token" and config.objective in ("clip_cov", "kl_cov") and config.off_policy_mask is None
+            and config.top_entropy_quantile is None and not row_bias_correction(config))
+
+
 def row_bias_correction(config: PolicyLossConfig) -> bool:
     """A KL term times its row's sequence ratio: it couples the row's tokens, which no per-token formula has."""
     return config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0
@@ -54,6 +60,8 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
         if not weighted or config.objective in _WEIGHTS_FOLD:
             return True
         what += " with is_weights"
+    if hasattr(kernels, "policy_token_loss") and covariance_supports(config):
+        return False  # the kernel's log-probs first, then the call's choice of tokens: no warning
     key = (backend, what)
     if config.ratio == "token" and backend != "torch" and key not in _warned:
         _warned.add(key)
@@ -88,6 +96,15 @@ def log_band_params(config: PolicyLossConfig, low: float, high: float, log_ratio
     return dataclasses.replace(_params(config, k.CLIP, with_token_terms=False), clip_low=-math.expm1(-low),
                                clip_high=math.expm1(high), delta=math.inf, dual_clip=math.inf,
                                log_ratio_clamp=float(log_ratio_clamp))
+
+
+def covariance_params(config: PolicyLossConfig) -> k.TokenLossParams:
+    """The per-token loss of Clip-Cov (PPO's clip; its chosen tokens get A = 0) or KL-Cov (−A·w: the clip
+    objective without bounds; its penalty is added outside), with the KL and entropy terms."""
+    params = _params(config, k.CLIP, with_token_terms=True)
+    if config.objective == "clip_cov":
+        return params
+    return dataclasses.replace(params, clip_low=math.inf, clip_high=math.inf, delta=math.inf, dual_clip=math.inf)
 
 
 def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) -> k.TokenLossParams:
