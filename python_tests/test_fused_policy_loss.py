@@ -327,3 +327,40 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     torch.testing.assert_close(lin.loss, ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["gepo", "snis"])
+def test_contiguous_groups_equal_the_same_groups_by_id(backend, name):
+    """`group_size=k` (reductions over a `(G, k)` view) gives what `group_ids` naming the same contiguous groups
+    gives (scatters), on the fused and the plain loss, with an empty row and a group of empty rows."""
+    B, T, k = 9, 7, 3
+    logits, targets, inputs = _case(B=B, T=T, seed=5)
+    mask = inputs["mask"].clone()
+    mask[4] = False
+    mask[6:] = False
+    adv = inputs["advantages"].float()
+    kw = _kwargs(inputs, preset(name))
+    kw.pop("group_ids", None)
+    by_size = preset(name, group_size=k)
+    by_id = preset(name)
+    outs = []
+    for config, extra in ((by_size, {}), (by_id, {"group_ids": torch.arange(B) // k})):
+        x = logits.clone().requires_grad_(True)
+        fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend=backend, **kw,
+                                            **extra)
+        fused.loss.backward()
+        logp = rlkernels.token_logprobs(logits, targets, temperature=0.8, backend=backend).requires_grad_(True)
+        plain = rlkernels.policy_loss(logp, adv, mask, config, **kw, **extra)
+        plain.loss.backward()
+        outs.append((fused, x.grad, plain, logp.grad))
+    (f1, g1, p1, l1), (f2, g2, p2, l2) = outs
+    assert g1.abs().sum() > 0 and l1[mask].abs().sum() > 0
+    torch.testing.assert_close(f1.loss, f2.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p1.loss, p2.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-7)
+    for key in f2.metrics:
+        torch.testing.assert_close(f1.metrics[key], f2.metrics[key], msg=key)
+    for key in p2.metrics:
+        torch.testing.assert_close(p1.metrics[key], p2.metrics[key], msg=key)

@@ -3,7 +3,9 @@
 A batch of ``B`` rows is split into groups either by ``group_ids`` (a ``(B,)`` integer tensor;
 rows with equal ids form a group, any values) or by ``group_size=k`` (contiguous groups of
 ``k`` rows). Both become an ``inverse`` index ``(B,)`` into ``G`` groups numbered ``0..G-1``,
-on which group statistics are ``index_add_`` / ``scatter_reduce`` reductions.
+on which group statistics are ``index_add_`` / ``scatter_reduce`` reductions. Contiguous groups of
+``size`` rows (``group_size``) may also pass ``size``: their reductions are then over a
+``(G, size)`` view, fewer launches than a scatter.
 """
 from __future__ import annotations
 
@@ -54,13 +56,19 @@ def group_index(
             return _sorted_group_index(group_ids), batch_size
         uniq, inverse = torch.unique(group_ids, return_inverse=True)
         return inverse, int(uniq.numel())
+    k = check_group_size(batch_size, group_size)
+    inverse = torch.arange(batch_size, device=device) // k
+    return inverse, batch_size // k
+
+
+def check_group_size(batch_size: int, group_size) -> int:
+    """``group_size`` is a positive int dividing ``batch_size``."""
     k = check_int("group_size", group_size, lo=1, what="a positive int")
     if batch_size % k:
         raise ValueError(
             f"group_size: expected a positive int dividing the batch size {batch_size}, got {k}"
         )
-    inverse = torch.arange(batch_size, device=device) // k
-    return inverse, batch_size // k
+    return k
 
 
 def _sorted_group_index(ids: torch.Tensor) -> torch.Tensor:
@@ -77,9 +85,17 @@ def pair_index(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, int]:
     return inverse, int(uniq.shape[1])
 
 
-def group_sum(x: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``(G, ...)`` sums of ``x (B, ...)`` over each group."""
+def group_sum(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, size: Optional[int] = None) -> torch.Tensor:
+    """``(G, ...)`` sums of ``x (B, ...)`` over each group (``size``: the groups are contiguous runs of it)."""
+    if size is not None:
+        return x.view(num_groups, size, *x.shape[1:]).sum(1)
     return x.new_zeros((num_groups, *x.shape[1:])).index_add_(0, inverse, x)
+
+
+def group_gather(values: torch.Tensor, inverse: Optional[torch.Tensor], size: Optional[int] = None) -> torch.Tensor:
+    """``(B, ...)``: each row's value of ``values (G, ...)``, by ``inverse`` or, for contiguous groups of ``size``
+    rows, by repetition."""
+    return values[inverse] if size is None else values.repeat_interleave(size, 0)
 
 
 def group_reduce(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, op: str) -> torch.Tensor:
@@ -88,10 +104,15 @@ def group_reduce(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, op: st
     return x.new_zeros((num_groups, *x.shape[1:])).scatter_reduce_(0, index, x, op, include_self=False)
 
 
-def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor) -> torch.Tensor:
+def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor,
+                    size: Optional[int] = None) -> torch.Tensor:
     """``(G, ...)`` logsumexp of ``x (B, ...)`` over the ``valid`` rows of each group (−inf for a group with
-    none); ``valid`` broadcasts against ``x``."""
+    none); ``valid`` broadcasts against ``x``; ``size`` as in `group_sum`."""
     x = torch.where(valid, x, float("-inf"))
+    if size is not None:
+        x = x.view(num_groups, size, *x.shape[1:])
+        top = x.amax(1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()  # a group of none: 0, its sum empty
+        return torch.log(torch.exp(x - top[:, None]).sum(1)) + top
     top = group_reduce(x, inverse, num_groups, "amax").nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
     return torch.log(group_sum(torch.exp(x - top[inverse]), inverse, num_groups)) + top
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
-from .._groups import group_index
+from .._groups import check_group_size, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
 
@@ -32,8 +32,9 @@ class LossInputs:
     old_logp: Optional[Tensor]  # (B, T) ℓ_old, detached; None: on-policy
     ref_logp: Optional[Tensor]  # (B, T) ℓ_ref, detached; None: no reference
     rewards: Optional[Tensor]  # (B,), snis only
-    group: Optional[Tensor]  # (B,) group index in [0, num_groups), grouped ratios only
+    group: Optional[Tensor]  # (B,) group index in [0, num_groups), grouped ratios from group_ids only
     num_groups: int
+    group_size: Optional[int]  # or: the groups are contiguous runs of this many rows (config.group_size)
     num_items: Optional[float]
     num_seqs: Optional[float]
     dtype: torch.dtype  # the dtype every float input was converted to
@@ -84,20 +85,21 @@ class LossInputs:
                 raise ValueError("rewards: required for ratio='snis' (it takes rewards in place of advantages)")
             check_tensor("rewards", rewards, shape=(B,), dtypes=FLOAT_DTYPES, device=device)
             rewards = rewards.detach().to(dtype)
-        group, num_groups = None, 0
+        group, num_groups, group_size = None, 0, None
         if config.ratio in _GROUPED_RATIOS:
             if group_ids is None and config.group_size is None:
                 raise ValueError(f"group_ids: ratio={config.ratio!r} needs group_ids or config.group_size")
-            group, num_groups = group_index(
-                B, group_ids, None if group_ids is not None else config.group_size, device, ref_name=f"{what} rows",
-                exact_count=False,
-            )
+            if group_ids is None:  # contiguous runs of group_size rows: reductions over a view, no index
+                group_size = check_group_size(B, config.group_size)
+                num_groups = B // group_size
+            else:
+                group, num_groups = group_index(B, group_ids, None, device, ref_name=f"{what} rows", exact_count=False)
         is_weights = _is_weights(is_weights, mask, shape, dtype, device, what)
         rollout_logp = float_input("rollout_logp", rollout_logp)
         if config.rollout_is is not None or config.rollout_rs:
             mask, is_weights = _rollout_correction(config, mask, old_logp, rollout_logp, is_weights)
-        return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, num_items, num_seqs, dtype,
-                   is_weights, rollout_logp)
+        return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, group_size, num_items, num_seqs,
+                   dtype, is_weights, rollout_logp)
 
     def flat(self, name: str) -> Optional[Tensor]:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""

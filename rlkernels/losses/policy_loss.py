@@ -126,7 +126,7 @@ def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
     old = logp_m.detach() if inputs.old_logp is None else where(inputs.old_logp)
     lengths = mask.sum(-1).to(logp.dtype)
     b = surrogates.Batch(logp_m, old, mask, lengths, where(inputs.adv), inputs.adv_row, inputs.group,
-                         inputs.num_groups, inputs.rewards, inputs.is_weights)
+                         inputs.num_groups, inputs.group_size, inputs.rewards, inputs.is_weights)
     return b, where(inputs.ref_logp), where(entropy)
 
 

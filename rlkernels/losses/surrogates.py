@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .._groups import group_logsumexp, group_sum
+from .._groups import group_gather, group_logsumexp, group_sum
 from .aggregation import masked_sum_rows
 
 
@@ -33,8 +33,9 @@ class Batch:
     lengths: torch.Tensor  # L_i (B,)
     adv: Optional[torch.Tensor]  # A (B, T), per-row advantages broadcast
     adv_row: Optional[torch.Tensor]  # (B,), only for sequence-level ratios
-    group: Optional[torch.Tensor]  # (B,) group index in [0, num_groups)
+    group: Optional[torch.Tensor]  # (B,) group index in [0, num_groups), None for contiguous groups of group_size
     num_groups: int
+    group_size: Optional[int]  # the groups are contiguous runs of this many rows (None: any index)
     rewards: Optional[torch.Tensor]  # (B,), only for snis
     is_weights: Optional[torch.Tensor] = None  # (B, T) importance weights ω, read by VESPO's ratio only
 
@@ -294,16 +295,18 @@ def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg, is_wei
 def group_expectation(b: Batch, cfg) -> Surrogate:
     """GEPO: log w_i = log p_i − log Ê_g with Ê_g = Σ_g q_j² / Σ_g q_j, all in log space."""
     valid = b.lengths > 0
-    log_e = gepo_log_expectation(b.row_mean(b.old_logp), b.group, b.num_groups, valid)
+    log_e = gepo_log_expectation(b.row_mean(b.old_logp), b.group, b.num_groups, valid, b.group_size)
     log_w = (b.row_mean(b.logp) - log_e).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_w = torch.where(valid, log_w, torch.zeros_like(log_w))  # a group of empty rows has no Ê_g
     return clip_objective(b.per_token(torch.exp(log_w)), b.adv, cfg)
 
 
-def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor):
+def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor,
+                         group_size: Optional[int] = None):
     """log Ê_g of each row's group (B,): log Σ_g q_j² − log Σ_g q_j over the valid rows, log q_j the mean ℓ_old."""
-    both = group_logsumexp(torch.stack([2 * log_q, log_q], 1), group, num_groups, valid[:, None])  # one reduction
-    return (both[:, 0] - both[:, 1])[group]
+    both = group_logsumexp(torch.stack([2 * log_q, log_q], 1), group, num_groups, valid[:, None],
+                           group_size)  # one reduction
+    return group_gather(both[:, 0] - both[:, 1], group, group_size)
 
 
 def geometric(b: Batch, cfg) -> Surrogate:
@@ -328,19 +331,21 @@ def snis(b: Batch, cfg) -> Surrogate:
     row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants.
     """
     log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).detach()
-    row_loss = -snis_advantage(log_rho, b.rewards, b.group, b.num_groups, b.lengths > 0) * masked_sum_rows(b.logp, b.mask)
+    row_loss = -snis_advantage(log_rho, b.rewards, b.group, b.num_groups, b.lengths > 0, b.group_size) * \
+        masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
     return Surrogate(b.per_token(row_loss), b.per_token(torch.exp(log_rho)), none, none)
 
 
 def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Tensor, num_groups: int,
-                   valid: torch.Tensor) -> torch.Tensor:
+                   valid: torch.Tensor, group_size: Optional[int] = None) -> torch.Tensor:
     """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from the clamped log ρ_i; 0 for invalid rows."""
-    counts = group_sum(valid.to(log_rho.dtype), group, num_groups).clamp(min=1)
-    log_mean = group_logsumexp(log_rho, group, num_groups, valid) - torch.log(counts)
-    w_hat = torch.where(valid, torch.exp(log_rho - log_mean[group]), 0.0)
-    baseline = group_sum(w_hat * rewards, group, num_groups) / counts  # over the valid rows: ŵ is 0 on the others
-    return w_hat * (rewards - baseline[group])
+    counts = group_sum(valid.to(log_rho.dtype), group, num_groups, group_size).clamp(min=1)
+    log_mean = group_logsumexp(log_rho, group, num_groups, valid, group_size) - torch.log(counts)
+    w_hat = torch.where(valid, torch.exp(log_rho - group_gather(log_mean, group, group_size)), 0.0)
+    # over the valid rows: ŵ is 0 on the others
+    baseline = group_sum(w_hat * rewards, group, num_groups, group_size) / counts
+    return w_hat * (rewards - group_gather(baseline, group, group_size))
 
 
 BY_RATIO = {

@@ -89,10 +89,13 @@ class _Rows:
         """S = Σ_t m ℓ."""
         return self.masked_sum(self.logp)
 
-    @functools.cached_property
-    def old_sum(self) -> Tensor:
-        """Σ_t m ℓ_old (S on-policy)."""
-        return self.logp_sum if self.old_logp is None else self.masked_sum(self.old_logp)
+    def means(self) -> tuple:
+        """(Σ_t m ℓ / L, Σ_t m ℓ_old / L), both rows' means in one reduction (the same on-policy)."""
+        if self.old_logp is None:
+            mean = self.logp_sum / self.divisor
+            return mean, mean
+        mean, old_mean = self.masked_sum(torch.stack([self.logp, self.old_logp])) / self.divisor
+        return mean, old_mean
 
     @functools.cached_property
     def log_ratio_sum(self) -> Tensor:
@@ -138,12 +141,12 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
         grad_scale = torch.where(raw == x, rows.lengths, rows.zero)  # where the clamp of s passes the gradient
     elif config.ratio == "snis":  # −coef·S: REINFORCE with A = coef
         log_rho = rows.log_ratio_sum.clamp(-c, c)
-        adv = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, valid)
+        adv = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, valid, inputs.group_size)
         x, objective, grad_scale = rows.logp_sum, "reinforce", rows.lengths
         ratio = torch.where(valid, torch.exp(log_rho), rows.zero)
     elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
-        x, objective, adv = rows.logp_sum / rows.divisor, "clip", inputs.adv_row
-        x_old = gepo_log_expectation(rows.old_sum / rows.divisor, inputs.group, inputs.num_groups, valid)
+        (x, old_mean), objective, adv = rows.means(), "clip", inputs.adv_row
+        x_old = gepo_log_expectation(old_mean, inputs.group, inputs.num_groups, valid, inputs.group_size)
     else:  # GSPO: the clip objective (or SAPO's gate) of the mean log-ratio
         x, objective, adv = rows.log_ratio_sum / rows.divisor, config.objective, inputs.adv_row
         x_old = torch.zeros_like(x)
@@ -164,7 +167,7 @@ def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tens
     """(loss, clip_low, clip_high, ratio) summed over tokens from the per-row stats of rows weighted W_i / L_i:
     each counts on the row's L_i tokens, except the clip flags on `counted` of them when given (ω > 0)."""
     if counted is None:
-        return lengths @ stats[:, :4]
+        return torch.mv(stats[:, :4].T, lengths)
     return (stats[:, :4] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
 
 
