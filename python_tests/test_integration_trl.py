@@ -256,3 +256,21 @@ def test_rejects_a_softcapped_head(dataset, tmp_path):
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         rk_trl.patch_trl_grpo_trainer(trainer)
 
+
+
+class _CappedLlama(LlamaForCausalLM):
+    """A forward that caps its logits with no config attribute announcing it."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if getattr(out, "logits", None) is not None:
+            out.logits = 3 * torch.tanh(out.logits / 3)
+        return out
+
+
+def test_refuses_a_head_that_transforms_its_logits_unannounced(model_id, dataset, tmp_path):
+    model = _CappedLlama.from_pretrained(model_id)
+    trainer = RLKernelsGRPOTrainer(model=model, reward_funcs=reward_fn, train_dataset=dataset,
+                                   processing_class=_tokenizer(), args=_config(tmp_path, beta=0.0))
+    with pytest.raises(ValueError, match="_CappedLlama.*nats away"):
+        trainer.train()

@@ -85,3 +85,33 @@ def test_bad_arguments():
         causal_lm_token_logprobs(model, ids, mask, logits_to_keep=9)
     with pytest.raises(ValueError, match="input_ids"):
         causal_lm_token_logprobs(model, ids[:, :1], mask[:, :1])
+
+
+class _TransformedLlama(transformers.LlamaForCausalLM):
+    """A head that changes its logits in `forward` with no config attribute saying so (as BERT-style
+    prediction-head transforms or an unannounced cap do)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 20 * torch.tanh(out.logits / 20)
+        return out
+
+
+def test_an_unannounced_logit_transform_is_refused_naming_the_model():
+    model = _TransformedLlama(transformers.LlamaConfig(**SMALL))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30)
+    model.train()
+    with pytest.raises(ValueError, match="_TransformedLlama.*'llama'.*nats away"):
+        causal_lm_token_logprobs(model, *_batch())
+    assert model.training  # the check's eval mode is undone
+
+
+def test_the_head_check_runs_once_per_model_class():
+    model = _model("Qwen2")
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))  # model(...) is only called by the check
+    ids, mask = _batch()
+    causal_lm_token_logprobs(model, ids, mask)
+    causal_lm_token_logprobs(_model("Qwen2"), ids, mask)
+    assert len(calls) <= 1

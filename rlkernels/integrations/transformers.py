@@ -10,16 +10,24 @@ Output transforms: a model whose head does more than `hidden @ W.T + b` needs ca
 scalar on the logits (Cohere's `logit_scale`, Granite's `logits_scaling`) is folded into the
 temperature, which is exact; anything else the config announces (`final_logit_softcapping` of
 Gemma 2/3, `lm_head_multiplier`, `output_multiplier`, ...) is rejected with a ValueError that
-names the attribute. Models that transform the logits without a config attribute cannot be
-detected here.
+names the attribute. A model that transforms its logits without a config attribute saying so
+(a prediction-head transform, a cap or a multiplier in its own `forward`) is caught by
+`check_head`: once per model class, on first use, a few tokens' log-probs through the hidden
+states are compared with `log_softmax(model(...).logits)`, and a mismatch raises, naming the
+model's type.
 """
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import torch
 
 from ..ops import linear_token_logprobs
+
+_CHECK_TOKENS = 16  # the tokens of one row that `check_head` scores both ways
+_checked = set()  # model classes whose hidden-state log-probs matched their logits
+_check_lock = threading.Lock()
 
 # config attribute → how it enters the logits: "mul"/"div" by a scalar (folded into τ), or rejected.
 _SCALES = {"logit_scale": "mul", "logits_scaling": "div"}
@@ -49,6 +57,63 @@ def output_temperature(config, temperature: float) -> float:
                 raise ValueError(f"model.config.{attr}={scale!r}: expected a positive number")
             temperature = temperature / scale if op == "mul" else temperature * scale
     return temperature
+
+
+def check_head(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+               hidden_state_logprobs: Callable, temperature: float = 1.0, logits: Optional[Callable] = None) -> None:
+    """Once per class of `model`, on its first use: `hidden_state_logprobs(ids, mask)` (the caller's
+    own hidden-state path, log-probs `(1, t − 1)` of `ids[:, 1:]`) against
+    `log_softmax(logits(ids, mask) / temperature)` (default: `model(ids, mask).logits`; a wrapper's
+    forward when the model is wrapped) on up to 16 real tokens of the batch's longest row, in eval
+    mode without gradients. Raises ValueError naming the model's type when they differ by more than
+    rounding: its head does more than the hidden-state path reproduces."""
+    cls = type(model)
+    if cls in _checked:
+        return
+    ids, mask = _check_tokens(input_ids, attention_mask)
+    if ids is None:  # fewer than two real tokens: nothing to score yet
+        return
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = logits(ids, mask) if logits is not None else model(input_ids=ids, attention_mask=mask).logits
+            expected = torch.log_softmax(full[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            got = hidden_state_logprobs(ids, mask).float()
+    finally:
+        model.train(training)
+    # fp32 agrees to rounding; a half-precision model's logits are rounded to 2^-8 of their size first
+    half = model.get_output_embeddings().weight.dtype in (torch.float16, torch.bfloat16) or \
+        torch.is_autocast_enabled(ids.device.type)
+    tolerance = 0.25 if half else 1e-3
+    gap = float((got - expected).abs().max())
+    if not gap <= tolerance:
+        raise ValueError(
+            f"model: {cls.__name__} (model_type {getattr(model.config, 'model_type', '?')!r}) gives log-probs "
+            f"{gap:.3g} nats away from log_softmax(model(...).logits) through its hidden states and output "
+            "embedding: its forward transforms the logits in a way the hidden-state path does not reproduce; "
+            "use token_logprobs on model(...).logits instead")
+    with _check_lock:
+        _checked.add(cls)
+
+
+def _check_tokens(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]):
+    """(ids (1, t), mask (1, t) of ones): up to `_CHECK_TOKENS` consecutive real tokens of the longest row,
+    or (None, None) when no row has two."""
+    if attention_mask is None:
+        ids = input_ids[:1, :_CHECK_TOKENS]
+    else:
+        real = attention_mask.bool()
+        row = int(real.sum(-1).argmax())
+        where = real[row].nonzero().flatten()
+        if where.numel() < 2:
+            return None, None
+        start = int(where[0])
+        ids = input_ids[row : row + 1, start : start + _CHECK_TOKENS]
+        ids = ids[:, : int(real[row, start : start + _CHECK_TOKENS].to(torch.int64).cumprod(0).sum())]
+    if ids.shape[1] < 2:
+        return None, None
+    return ids, torch.ones_like(ids)
 
 
 def backbone_hidden_states(model, *args, **kwargs):
@@ -83,11 +148,24 @@ def causal_lm_token_logprobs(
     keep = T - 1 if logits_to_keep is None else logits_to_keep
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= T - 1:
         raise ValueError(f"logits_to_keep: expected an int in [1, {T - 1}] (T − 1 scored positions), got {logits_to_keep!r}")
-    temperature = output_temperature(model.config, temperature)
+    output_temperature(model.config, temperature)  # rejects an announced transform by name, before any work
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"model.get_output_embeddings(): expected an nn.Linear head, got {type(head).__name__}")
+    run = dict(temperature=temperature, backend=backend, chunk_size=chunk_size)
+    check_head(model, input_ids, attention_mask, lambda ids, mask: _hidden_state_logprobs(model, ids, mask, **run),
+               temperature)
+    return _hidden_state_logprobs(model, input_ids, attention_mask, keep, return_entropy=return_entropy, **run)
+
+
+def _hidden_state_logprobs(model, input_ids, attention_mask, keep=None, *, temperature, return_entropy=False,
+                           backend=None, chunk_size=None):
+    """Log-probs (and entropy) of the last `keep` tokens of `input_ids` (all but the first by default)."""
+    T = input_ids.shape[1]
+    keep = T - 1 if keep is None else keep
+    head = model.get_output_embeddings()
     hidden = backbone_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
     hidden = hidden[:, T - 1 - keep : T - 1].to(head.weight.dtype)  # position t scores token t + 1
-    return linear_token_logprobs(hidden, head.weight, input_ids[:, T - keep :], bias=head.bias, temperature=temperature,
+    return linear_token_logprobs(hidden, head.weight, input_ids[:, T - keep :], bias=head.bias,
+                                 temperature=output_temperature(model.config, temperature),
                                  return_entropy=return_entropy, backend=backend, chunk_size=chunk_size)

@@ -44,7 +44,8 @@ encodes the images and merges their features into the token embeddings inside it
 3-D positions, Gemma 3's token types, ...); calling that forward for its hidden states would also
 compute the full logits the head exists to avoid. So such batches take TRL's own path, whole.
 Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
-ValueError (`integrations/transformers.py`).
+ValueError (`integrations/transformers.py`), by their config attribute or, when none announces the
+transform, by `check_head` on the first batch (rlkernels' log-probs against `model(...).logits`).
 
 The head's matmul runs in the dtype TRL's runs in: the autocast dtype under autocast (TRL's
 default `bf16=True`), fp32 with `cast_lm_head_to_fp32`, else the weight's. Small differences:
@@ -69,7 +70,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from ..losses import PolicyLossConfig
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
-from .transformers import backbone_hidden_states, output_temperature
+from .transformers import backbone_hidden_states, check_head, output_temperature
 
 _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
         "cispo": "token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum", "vespo": "token_mean"}
@@ -215,6 +216,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
         return GRPOTrainer._get_per_token_logps_and_entropies(
             self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
             compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+    _check_head(self, model, input_ids, attention_mask)
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -233,6 +235,24 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
         logps.append(lp.masked_fill(pad, 0.0))
         entropies.append(ent.masked_fill(pad, 0.0))
     return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+
+def _check_head(self, model, input_ids, attention_mask) -> None:
+    """rlkernels' log-probs against TRL's own (`model(...).logits`), once per model class (`check_head`)."""
+    module = self.accelerator.unwrap_model(model)
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def ours(ids, mask):
+        def head(module, hidden):
+            hidden, weight, bias = _head_inputs(self, module, hidden, ids.size(1) - 1)
+            with _no_autocast(hidden.device):
+                return linear_token_logprobs(hidden, weight, ids[:, 1:], bias=bias,
+                                             temperature=output_temperature(module.config, self.temperature))
+        return model(input_ids=ids, attention_mask=mask, rlkernels_head=head)
+
+    with self.accelerator.autocast():
+        check_head(module, input_ids, attention_mask, ours, self.temperature,
+                   logits=lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits)
 
 
 def compute_loss(self, model, inputs):
