@@ -97,6 +97,9 @@ IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]
 # TRL's vespo folds vLLM IS into its sequence ratio, and takes the token-level modes only
 VESPO_IS_CASE = ("vespo", "token", 0.03, 0.04)
 OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
+# TRL's entropy bonus is its own token mean: mapped for the loss types whose policy term is a token mean too
+ENTROPY_CASES = [("dapo", "token", 0.03, 0.04), ("bnpo", "sequence", 0.03, 0.0), ("cispo", "token", 1.02, 0.04),
+                 ("vespo", "token", 0.03, 0.04)]
 
 
 def _grads(loss, params):
@@ -185,13 +188,21 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
             finally:
                 trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
                 inputs.pop("importance_sampling_ratio", None)
+        if not bf16:
+            trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.05, True
+            try:
+                for case in ENTROPY_CASES:
+                    compare(model, inputs, params, *case, what=" entropy bonus")
+            finally:
+                trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.0, False
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high, trainer.beta = "dapo", "token", 0.03, 0.04
         return ours_fn(model, inputs)
 
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) if not bf16 else len(CASES[::4])
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) \
+        if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
     assert clipped > 0, "the clip is active somewhere"
@@ -229,7 +240,7 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
     assert rk_trl.loss_config(trainer)[0].kl_bias_ratio == "sequence"  # mapped
-    trainer._entropy_bonus_enabled = True  # TRL normalises its entropy bonus apart from the policy term
+    trainer._entropy_bonus_enabled = True  # a token mean of its own, unlike grpo's per-row means
     cfg, why = rk_trl.loss_config(trainer)
     assert cfg is None and "entropy bonus" in why
     with warnings.catch_warnings(record=True) as caught:

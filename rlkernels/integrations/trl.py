@@ -35,8 +35,11 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
-entropy bonus (TRL normalises it apart from the policy term); MoE auxiliary losses; multimodal
-inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
+entropy bonus with `grpo`, `dr_grpo`, `sapo` or `luspo`, an adaptive one, or one with
+`top_entropy_quantile < 1` (TRL normalises the bonus as a token mean of its own: that is rlkernels'
+per-token entropy term with a rescaled coefficient only where the policy term is a token mean too,
+`bnpo`, `dapo`, `cispo`, `vespo`, which are mapped, with TRL's `policy_loss` and `entropy_coef`
+metrics); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
 (`backbone_hidden_states`: `model.model(input_ids, attention_mask)`), but a vision-language model
 encodes the images and merges their features into the token embeddings inside its
@@ -88,7 +91,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
-        (getattr(trainer, "_entropy_bonus_enabled", False), "an entropy bonus"),
+        (getattr(trainer, "_entropy_bonus_enabled", False) and not _entropy_bonus_mapped(trainer),
+         "an entropy bonus (mapped for the token-mean loss types, static coefficient, every token)"),
         (getattr(trainer, "aux_loss_enabled", False), "a MoE auxiliary loss"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
     ]
@@ -122,6 +126,22 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
         return None, str(err)
     return cfg, ""
+
+
+def _entropy_bonus_mapped(trainer) -> bool:
+    """TRL's entropy bonus −coef·Σ m H / (max(Σ m, 1)·G) is its own token mean, whatever the loss type. It is
+    rlkernels' per-token term −c_H·w_agg·H with a scalar c_H only where w_agg is a token mean too; TRL's
+    adaptive coefficient and its bonus on the high-entropy tokens alone stay with TRL."""
+    return (_AGG.get(trainer.loss_type) == "token_mean" and not getattr(trainer, "use_adaptive_entropy", False)
+            and trainer.top_entropy_quantile >= 1.0)
+
+
+def _entropy_coef(trainer, mask, counts) -> float:
+    """c_H with c_H·w_agg = TRL's coef / (max(Σ m, 1)·G) per token (w_agg = m / num_items); 0 without a bonus."""
+    if not getattr(trainer, "_entropy_bonus_enabled", False):
+        return 0.0
+    accum = trainer.current_gradient_accumulation_steps if trainer.model.training else 1.0
+    return float(trainer.entropy_coef) * counts["num_items"] / (max(float(mask.sum()), 1.0) * accum)
 
 
 def _counts(trainer, loss_type, mask, inputs) -> dict:
@@ -274,6 +294,9 @@ def compute_loss(self, model, inputs):
     mask = mask.bool()
     keep = completion_ids.size(1)
     counts = _counts(self, self.loss_type, mask, inputs)
+    entropy_coef = _entropy_coef(self, mask, counts)
+    if entropy_coef:
+        cfg = cfg.replace(entropy_coef=entropy_coef)
     # TRL's vLLM importance sampling correction: its truncated or masked ratio times the policy term.
     vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
     is_weights = inputs["importance_sampling_ratio"] if vllm_is else None
@@ -290,14 +313,20 @@ def compute_loss(self, model, inputs):
 
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head)
-    _log_metrics(self, out["metrics"], mask, cfg)
+    _log_metrics(self, out["loss"], out["metrics"], mask, cfg)
     return out["loss"]
 
 
-def _log_metrics(self, metrics, mask, cfg):
+def _log_metrics(self, loss, metrics, mask, cfg):
     """TRL's metric names, as token-weighted means over all processes."""
     mode = "train" if self.model.training else "eval"
     count = mask.sum().to(torch.float32)
+    if getattr(self, "_entropy_bonus_enabled", False):  # TRL's loss without its bonus, and the coefficient
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        policy_loss = loss.detach() + self.entropy_coef * metrics["entropy"] / accum
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def global_mean(value):
         totals = self.accelerator.reduce(torch.stack([value.float() * count, count]), reduction="sum")
