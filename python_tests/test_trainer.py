@@ -1,6 +1,7 @@
 """The trainer (docs/design.md §10): short end-to-end runs per algorithm family, exact resume, the
-non-finite guard, the log-probs it records, data parallel equality, and errors for bad configs,
-rewards, files and checkpoints (kills and signals: test_trainer_faults.py).
+non-finite guard, the log-probs it records, and errors for bad configs, rewards, files and
+checkpoints (kills and signals: test_trainer_faults.py; several processes and gradient
+checkpointing: test_trainer_parallel.py).
 
 Runs use a 1-layer, 32-wide Llama on 1-digit addition: a few seconds each on 2 cores."""
 import json
@@ -10,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlkernels.train import main
 from rlkernels.trainer import Config, from_args, loop, task, train
@@ -280,76 +280,6 @@ def test_recorded_logprobs_match_the_sampler():
     expected = torch.log_softmax(gen / 0.7, -1).gather(-1, seq[:, P:, None])[..., 0]
     got, _ = loop.token_logp(model, seq, torch.cat([attn, torch.ones_like(seq[:, P:])], 1), P, 0.7)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-
-
-# ---- data parallel: 2 gloo processes give the loss and gradients of one process on the same data
-
-def _tiny_batch(algo):
-    torch.manual_seed(0)
-    cfg = Config(**TINY)
-    tok = task.CharTokenizer()
-    model = task.tiny_model(cfg, tok, 5)
-    B, P, T = 8, 5, 3
-    seq = torch.randint(3, tok.vocab_size, (B, P + T))
-    attn = torch.ones_like(seq)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, 1:] = False
-    mask[5, 2:] = False
-    old, _ = loop.token_logp(model, seq, attn, P, 1.0)
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1])
-    group_ids = torch.arange(B) // 4
-    adv = torch.randn(B)
-    batch = dict(seq=seq, attn=attn, targets=seq[:, P:], mask=mask, old_logp=old - 0.1 * torch.rand(B, T),
-                 ref_logp=old + 0.05, group_ids=group_ids, rewards=rewards, advantages=adv)
-    return model, batch, P, loop.loss_config(Config(**{**TINY, "algo": algo}), 4)
-
-
-def _loss_and_grads(model, batch, P, loss_cfg, rows):
-    mb = {k: v[rows] for k, v in batch.items()}
-    num_items = loop.all_sum(mb["mask"].sum())
-    num_seqs = loop.all_sum((mb["mask"].sum(-1) > 0).sum())
-    trunk, _ = loop._parts(model)
-    hid = loop.hidden_states(trunk, mb["seq"], mb["attn"])[:, P - 1:-1]
-    out = loop.loss_head(model, hid, mb, loss_cfg, num_items=num_items, num_seqs=num_seqs, temperature=1.0)
-    model.zero_grad()
-    out.loss.backward()
-    params = list(model.parameters())
-    loop.sync_grads(params)
-    return loop.all_sum(out.loss.detach()), [p.grad.clone() for p in params]
-
-
-ALGOS_DP = ("grpo", "dapo", "gspo")  # seq_mean_token_mean (num_seqs), token_mean (num_items), per row
-
-
-def _ddp_worker(rank, world, init_file, result_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {}
-        for algo in ALGOS_DP:
-            model, batch, P, loss_cfg = _tiny_batch(algo)
-            rows = torch.arange(8)[rank * 4:(rank + 1) * 4]  # whole groups on each rank
-            results[algo] = _loss_and_grads(model, batch, P, loss_cfg, rows)
-        if rank == 0:
-            torch.save(results, result_file)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow  # two spawned processes import torch and transformers: ~20-50 s on 2 cores
-def test_two_gloo_processes_match_one(tmp_path):
-    torch.set_num_threads(1)
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "r.pt")), nprocs=2, join=True)
-    got = torch.load(tmp_path / "r.pt")
-    for algo in ALGOS_DP:
-        model, batch, P, loss_cfg = _tiny_batch(algo)
-        loss, grads = _loss_and_grads(model, batch, P, loss_cfg, torch.arange(8))
-        dp_loss, dp_grads = got[algo]
-        assert math.isclose(dp_loss, loss, rel_tol=1e-5, abs_tol=1e-7), algo
-        for g1, g2 in zip(dp_grads, grads):
-            torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
 
 
 # ---- bad flags and files: clear errors naming the flag

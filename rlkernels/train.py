@@ -6,7 +6,8 @@ FILE.json`, `--resume DIR`; every field of `rlkernels.trainer.Config` is a flag 
 `--device auto|cpu|cuda|cuda:N` (auto: cuda when available), `--dtype auto|float32|bfloat16` (auto:
 bfloat16 on a GPU that has it, else float32): float32 weights and optimizer state, the forward
 passes under autocast. Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data
-parallel: each rank on cuda:LOCAL_RANK over nccl, or on the CPU over gloo.
+parallel through DistributedDataParallel: each rank on cuda:LOCAL_RANK over nccl, or on the CPU
+over gloo. `--gradient-checkpointing` trades a second forward pass for activation memory.
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ class Config:
     lora_alpha: float = 16.0
     lora_target: str = "all-linear"  # LoRA modules: all-linear (every linear layer but the head) or name,name,...
     merge_lora: bool = False       # save the merged weights, not the adapter (the demo model is always merged)
+    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward (HF's, non-reentrant):
+                                          # less memory for longer sequences, about one more forward of time
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
     prompts: str = ""              # JSONL of {"prompt": str or [{"role", "content"}, ...], "answer": ...}
     reward: str = "exact"          # exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float,

@@ -104,6 +104,14 @@ def hidden_states(trunk, seq, attn):
     return trunk(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
 
 
+def enable_checkpointing(model) -> None:
+    """`--gradient-checkpointing`: Hugging Face's, non-reentrant (torch's recommended form; the reentrant
+    one needs inputs that require grad, which frozen embeddings under LoRA are not)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class Critic(nn.Module):
     """PPO value model: a zero-initialised linear head on the actor's trunk (`shared`, a "hydra"
     head, gradients of the value loss reach the trunk) or on its own copy of it (`separate`)."""
@@ -305,13 +313,76 @@ def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def sync_grads(params) -> None:
+class UpdateForward(nn.Module):
+    """The update's forward pass as one module: the policy loss through `loss_head`, and the critic's values.
+
+    DistributedDataParallel reduces the gradients of the parameters its module's forward uses, and
+    the loss head reads the trunk and the lm_head weight directly, not through the model's forward:
+    so all of it runs inside this forward. Returns (loss, metrics, values or None)."""
+
+    def __init__(self, policy, critic, loss_cfg, temperature, path):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+        self.loss_cfg, self.temperature, self.path = loss_cfg, temperature, path
+
+    def forward(self, mbatch, P, num_items, num_seqs):
+        hid = hidden_states(_parts(self.policy)[0], mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
+        out = loss_head(self.policy, hid, mbatch, self.loss_cfg, num_items=num_items, num_seqs=num_seqs,
+                        temperature=self.temperature, path=self.path)
+        values = self.critic(hid, mbatch["seq"], mbatch["attn"], P) if self.critic is not None else None
+        return out.loss, out.metrics, values
+
+
+def _summed(group, bucket):
+    """DDP communication hook: gradients summed over ranks (DDP's own hook averages them, which would
+    shrink every update by the world size, as the loss is already Σ_rank / N_global)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def update_engine(forward: UpdateForward, place, find_unused: bool):
+    """`forward` as it runs the update: itself in one process, wrapped in DistributedDataParallel under
+    torchrun. `find_unused`: some rank may train on an empty mini-batch (dynamic sampling keeps
+    unequal numbers of groups per rank), where the trunk takes no part in its forward."""
     if dist_info()[1] == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
+        return forward
+    ids = [place.device.index] if place.device.type == "cuda" else None
+    # no buffer broadcast per forward: the models' buffers (rotary tables) are constants
+    ddp = nn.parallel.DistributedDataParallel(forward, device_ids=ids, forward_sync_buffers=False,
+                                              find_unused_parameters=find_unused)
+    ddp.register_comm_hook(None, _summed)
+    return ddp
+
+
+def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_items, num_seqs):
+    """One optimizer step on a mini-batch (all ranks together); (this rank's metrics, skipped).
+    A non-finite loss or gradient on any rank never reaches the weights: the step is skipped."""
+    with place.autocast():
+        loss, metrics, pred = engine(mbatch, P, num_items, num_seqs)
+    m = {k: float(v) for k, v in metrics.items()}
+    if pred is not None:
+        vout = rlkernels.value_loss(pred, mbatch["values"], mbatch["returns"], mbatch["mask"],
+                                    clip=cfg.vf_clip, num_items=num_items)
+        loss = loss + cfg.vf_coef * vout.loss
+        m["value_loss"] = float(vout.loss.detach())
+        m["vf_clip_frac"] = float(vout.metrics["vf_clip_frac"])
+    m["loss"] = float(loss.detach())
+    bad = all_sum(0.0 if math.isfinite(m["loss"]) else 1.0) > 0
+    optimizer.zero_grad(set_to_none=True)
+    if not bad:
+        loss.backward()  # under DDP: summed over ranks by the time it returns
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        bad = all_sum(0.0 if torch.isfinite(grad_norm) else 1.0) > 0
+        m["grad_norm"] = float(grad_norm)
+    if bad:
+        optimizer.zero_grad(set_to_none=True)
+        return m, True
+    optimizer.step()
+    return m, False
+
+
+# metrics that are this rank's share of a global sum (Σ_rank / N_global): summed over ranks, not averaged
+SUMMED_METRICS = ("loss", "value_loss")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -490,6 +561,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if not cfg.model:
         policy = task.tiny_model(cfg, tok, prompt_len)
     policy.to(place.device)  # built on the CPU, so a seed gives the same weights on every device
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(policy)
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
     n_params = sum(p.numel() for p in policy.parameters())
     log(f"policy: {type(policy).__name__}, {n_params / 1e6:.2f}M parameters; "
@@ -555,6 +628,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
+    engine = update_engine(UpdateForward(policy, critic, loss_cfg, cfg.temperature, cfg.loss_path), place,
+                           find_unused=cfg.dynamic_sampling)
     if eval_before is None:
         eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
@@ -696,35 +771,12 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                     num_seqs = all_sum((mbatch["mask"].sum(-1) > 0).sum())
                     if num_items == 0:
                         continue
-                    trunk, _ = _parts(policy)
-                    with place.autocast():
-                        hid = hidden_states(trunk, mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
-                        out = loss_head(policy, hid, mbatch, loss_cfg, num_items=num_items, num_seqs=num_seqs,
-                                        temperature=cfg.temperature, path=cfg.loss_path)
-                        pred = critic(hid, mbatch["seq"], mbatch["attn"], P) if critic is not None else None
-                    loss, m = out.loss, {k: float(v) for k, v in out.metrics.items()}
-                    if critic is not None:
-                        vout = rlkernels.value_loss(pred, mbatch["values"], mbatch["returns"], mbatch["mask"],
-                                                    clip=cfg.vf_clip, num_items=num_items)
-                        loss = loss + cfg.vf_coef * vout.loss
-                        m["value_loss"] = float(vout.loss.detach())
-                        m["vf_clip_frac"] = float(vout.metrics["vf_clip_frac"])
-                    m["loss"] = float(loss.detach())
-                    # a non-finite loss or gradient never reaches the weights: skip this update
-                    bad = all_sum(0.0 if math.isfinite(m["loss"]) else 1.0) > 0
-                    optimizer.zero_grad(set_to_none=True)
-                    if not bad:
-                        loss.backward()
-                        sync_grads(params)
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                        bad = all_sum(0.0 if torch.isfinite(grad_norm) else 1.0) > 0
-                        m["grad_norm"] = float(grad_norm)
+                    m, bad = minibatch_update(engine, optimizer, params, mbatch, P, cfg, place,
+                                              num_items=num_items, num_seqs=num_seqs)
                     if bad:
-                        optimizer.zero_grad(set_to_none=True)
                         skipped += 1
                         bar.write(f"step {step}: non-finite loss/gradient ({m['loss']}); update skipped")
                         continue
-                    optimizer.step()
                     n_updates += 1
                     collected.append(m)
 
@@ -746,7 +798,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 row["gen_batches"] = len(parts)
             keys = sorted({k for m in collected for k in m})
             for k in keys:
-                row[k] = all_sum(sum(m[k] for m in collected if k in m) / len(collected)) / world
+                mean = sum(m[k] for m in collected if k in m) / len(collected)
+                row[k] = all_sum(mean) / (1 if k in SUMMED_METRICS else world)
             for k in ("loss", "kl", "entropy", "clip_frac"):
                 row.setdefault(k, None)
             if step % cfg.eval_every == 0 or step == cfg.steps:

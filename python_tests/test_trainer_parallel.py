@@ -1,0 +1,203 @@
+"""The trainer across processes and with gradient checkpointing (docs/design.md §10).
+
+Data parallel: two gloo processes, each with half of a global batch, take the update step of one
+process on the whole batch (DistributedDataParallel sums the gradients; averaging them would halve
+every gradient, which AdamW or clipping would hide: so the gradients are compared, and the steps are
+plain SGD without clipping)."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlkernels.trainer import Config, device, loop, task, train
+
+TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
+            prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=2, eval_every=2, ckpt_every=2,
+            progress=False)
+CPU32 = device.Placement(torch.device("cpu"), torch.float32)
+B, P, T = 8, 5, 3
+HALVES = (torch.arange(4), torch.arange(4, 8))  # whole prompt groups on each rank
+
+
+def _setup(algo, path="linear", critic=None, lora=False):
+    """(UpdateForward, params, a batch of 8 rows in 2 groups, Config): the same on every call."""
+    torch.manual_seed(0)
+    cfg = Config(**{**TINY, "algo": algo, "loss_path": path, "max_grad_norm": 1e6})
+    tok = task.CharTokenizer()
+    model = task.tiny_model(cfg, tok, P)
+    seq = torch.randint(3, tok.vocab_size, (B, P + T))
+    attn = torch.ones_like(seq)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 1:] = False  # unequal lengths: token and row counts differ between the ranks
+    mask[5, 2:] = False
+    mask[6, 1:] = False
+    old, _ = loop.token_logp(model, seq, attn, P, 1.0)
+    batch = dict(seq=seq, attn=attn, targets=seq[:, P:], mask=mask, old_logp=old - 0.1 * torch.rand(B, T),
+                 ref_logp=old + 0.05, group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]),
+                 advantages=torch.randn(B, T) if critic else torch.randn(B), values=torch.randn(B, T),
+                 returns=torch.randn(B, T))
+    if lora:
+        model = task.add_lora(model, 4, 16.0)
+    value_model = loop.Critic(loop._parts(model)[0], 32, critic == "separate") if critic else None
+    forward = loop.UpdateForward(model, value_model, loop.loss_config(cfg, 4), 1.0, path)
+    params = [p for p in forward.parameters() if p.requires_grad]
+    return forward, params, batch, cfg
+
+
+CASES = {  # name: (_setup arguments, find_unused)
+    "grpo": (("grpo",), False),  # seq_mean_token_mean: num_seqs
+    "dapo": (("dapo",), False),  # token_mean: num_items
+    "gspo": (("gspo",), False),  # a sequence ratio
+    "grpo-fused": (("grpo", "fused"), False),
+    "ppo-shared": (("ppo", "linear", "shared"), False),  # the value loss, the critic on the actor's trunk
+    "ppo-separate": (("ppo", "linear", "separate"), False),
+    "lora": (("grpo", "linear", None, True), False),
+}
+
+
+def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison=False):
+    """Optimizer steps on `rows_per_step` (this rank's rows of each step's mini-batch); per step the
+    (globally reduced) metrics, gradients, and parameters after it."""
+    engine = loop.update_engine(forward, CPU32, find_unused)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    out = []
+    for i, rows in enumerate(rows_per_step):
+        mb = {k: v[rows] for k, v in batch.items()}
+        if poison and i == 0:  # a non-finite loss on one rank: every rank skips the step
+            mb["advantages"] = mb["advantages"] * (math.inf if loop.dist_info()[0] == 0 else 1.0)
+        num_items = loop.all_sum(mb["mask"].sum())
+        num_seqs = loop.all_sum((mb["mask"].sum(-1) > 0).sum())
+        m, skipped = loop.minibatch_update(engine, optimizer, params, mb, P, cfg, CPU32,
+                                           num_items=num_items, num_seqs=num_seqs)
+        summed = {k: loop.all_sum(m[k]) for k in loop.SUMMED_METRICS if k in m}
+        grads = [p.grad.clone() if p.grad is not None else None for p in params]
+        out.append((skipped, summed, m.get("grad_norm"), grads, [p.detach().clone() for p in params]))
+    return out
+
+
+def _rank_rows(rank, name):
+    """This rank's rows of the two steps: half the global batch each, or (`empty`) all of rank 0's
+    rows and none of rank 1's (dynamic sampling can leave a rank with no group)."""
+    if name == "empty":
+        return [HALVES[0] if rank == 0 else HALVES[0][:0]] * 2
+    return [HALVES[rank], HALVES[rank]]
+
+
+def _global_rows(name):
+    return [HALVES[0]] * 2 if name == "empty" else [torch.arange(B)] * 2
+
+
+def _run(name, rows_per_step):
+    if name == "empty":
+        return _steps(*_setup("grpo"), rows_per_step, find_unused=True)
+    if name == "skip":
+        return _steps(*_setup("grpo"), rows_per_step, poison=True)
+    setup, find_unused = CASES[name]
+    return _steps(*_setup(*setup), rows_per_step, find_unused)
+
+
+NAMES = (*CASES, "empty", "skip")
+
+
+def _ddp_worker(rank, world, init_file, result_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {name: _run(name, _rank_rows(rank, name)) for name in NAMES}
+        if rank == 0:
+            torch.save(results, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes import torch and transformers: ~20-40 s on 2 cores
+def test_two_gloo_processes_take_the_step_of_one(tmp_path):
+    torch.set_num_threads(1)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "r.pt")), nprocs=2, join=True)
+    got = torch.load(tmp_path / "r.pt")
+    for name in NAMES:
+        expected = _run(name, _global_rows(name))
+        for step, (one, two) in enumerate(zip(expected, got[name])):
+            where = f"{name}, step {step + 1}"
+            assert one[0] == two[0] == (name == "skip" and step == 0), where
+            if not one[0]:
+                for k, v in one[1].items():
+                    assert math.isclose(two[1][k], v, rel_tol=1e-5, abs_tol=1e-7), (where, k)
+                assert math.isclose(two[2], one[2], rel_tol=1e-5), (where, "grad_norm")
+                for g1, g2 in zip(one[3], two[3]):
+                    torch.testing.assert_close(g2, g1, atol=1e-6, rtol=1e-4, msg=where)
+            for p1, p2 in zip(one[4], two[4]):
+                torch.testing.assert_close(p2, p1, atol=1e-6, rtol=1e-4, msg=where)
+
+
+def _train_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        train(Config(**{**TINY, "out": out, "algo": "ppo", "critic": "separate"}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_two_process_run_trains_through_ddp(tmp_path):
+    out = str(tmp_path / "run")
+    mp.spawn(_train_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["updates"] == 2 and r["skipped"] == 0 for r in rows)
+    assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "value_loss", "grad_norm"))
+    assert rows[0]["groups"] == 8  # 4 prompts per step on each of the 2 ranks
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["backend"] == "gloo"
+
+
+# ---- gradient checkpointing: the same loss and gradients, the layers run twice
+
+def _loss_and_grads(forward, params, batch, cfg):
+    mb = {k: v[:4] for k, v in batch.items()}
+    loss, _, _ = forward(mb, P, float(mb["mask"].sum()), float((mb["mask"].sum(-1) > 0).sum()))
+    loss.backward()
+    return loss.detach(), [p.grad for p in params]
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    forward, params, batch, cfg = _setup("grpo")
+    loss, grads = _loss_and_grads(forward, params, batch, cfg)
+    forward, params, batch, cfg = _setup("grpo")
+    loop.enable_checkpointing(forward.policy)
+    mlp, calls = forward.policy.model.layers[0].mlp, []
+    run_mlp = mlp.forward  # counted here: module hooks do not run again when the backward recomputes
+    mlp.forward = lambda *a, **k: calls.append(1) or run_mlp(*a, **k)
+    forward.train()  # Hugging Face checkpoints only in training mode
+    ck_loss, ck_grads = _loss_and_grads(forward, params, batch, cfg)
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    torch.testing.assert_close(ck_loss, loss, atol=0, rtol=0)
+    for g1, g2 in zip(grads, ck_grads):
+        torch.testing.assert_close(g2, g1, atol=1e-7, rtol=1e-6)
+
+
+def test_gradient_checkpointing_in_a_run_changes_no_metric(tmp_path):
+    pytest.importorskip("peft")
+
+    def metrics(out, **kw):
+        train(Config(**{**TINY, "out": str(out), "lora_rank": 4, **kw}))
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s")} for r in rows]
+
+    plain, checkpointed = metrics(tmp_path / "a"), metrics(tmp_path / "b", gradient_checkpointing=True)
+    assert checkpointed[0]["updates"] == 2
+    for r1, r2 in zip(plain, checkpointed):
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6), k
+
+
+def test_gradient_checkpointing_refused_where_the_model_has_none():
+    with pytest.raises(ValueError, match="--gradient-checkpointing: Linear does not support it"):
+        loop.enable_checkpointing(torch.nn.Linear(2, 2))
