@@ -364,3 +364,29 @@ def test_contiguous_groups_equal_the_same_groups_by_id(backend, name):
         torch.testing.assert_close(f1.metrics[key], f2.metrics[key], msg=key)
     for key in p2.metrics:
         torch.testing.assert_close(p1.metrics[key], p2.metrics[key], msg=key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["grpo", "gspo", "kl_cov"])  # in the kernel, the sequence step, the covariance step
+@pytest.mark.parametrize("grad", [True, False])
+def test_outputs_carry_the_log_probs_and_entropies(backend, name, grad):
+    config = preset(name)
+    logits, targets, inputs = _case(seed=4)
+    adv, mask = inputs["advantages"].float(), inputs["mask"]
+    kw = _kwargs(inputs, config)
+    logp, ent = rlkernels.token_logprobs(logits, targets, temperature=0.7, return_entropy=True, backend=backend)
+    B, T, V = logits.shape
+    H = 5
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    lin_logp, lin_ent = rlkernels.linear_token_logprobs(hidden, weight, targets, temperature=0.7,
+                                                        return_entropy=True, backend=backend)
+    with torch.set_grad_enabled(grad):
+        fused = rlkernels.fused_policy_loss(logits.clone().requires_grad_(grad), targets, adv, mask, config,
+                                            temperature=0.7, backend=backend, **kw)
+        lin = rlkernels.fused_linear_policy_loss(hidden.requires_grad_(grad), weight, targets, adv, mask, config,
+                                                 temperature=0.7, backend=backend, chunk_size=7, **kw)
+    for out, lp, h in ((fused, logp, ent), (lin, lin_logp, lin_ent)):
+        assert out.logp.shape == out.entropy.shape == (B, T) and not out.logp.requires_grad
+        torch.testing.assert_close(out.logp, lp, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.entropy, h, rtol=1e-6, atol=1e-6)

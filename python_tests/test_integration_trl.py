@@ -120,7 +120,10 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high = loss_type, level, eps_high
         trainer.beta = beta
         assert rk_trl.loss_config(trainer)[0] is not None, rk_trl.loss_config(trainer)[1]
+        logged = trainer._metrics["train"]
+        before = {k: len(v) for k, v in logged.items()}
         ours = ours_fn(model, inputs)
+        ours_logged = {k: len(v) for k, v in logged.items()}
         ours_grads = _grads(ours, params)
         trainer._get_per_token_logps_and_entropies = trl_logps  # TRL all the way down
         try:
@@ -130,6 +133,16 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
         ref_grads = _grads(ref, params)
         tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(ours.detach(), ref.detach(), **tol, msg=f"{loss_type}/{level}{what}")
+        for key, values in logged.items():  # the same metrics, by the same definitions
+            n_ours = ours_logged.get(key, 0) - before.get(key, 0)
+            n_trl = len(values) - ours_logged.get(key, 0)
+            if key == "vespo/phi_seq_mean":  # not logged by the fused path
+                continue
+            assert n_ours == n_trl, f"{key}: {loss_type}/{level}{what}"
+            if n_ours:
+                a, b = torch.tensor(values[-2]), torch.tensor(values[-1])
+                torch.testing.assert_close(a, b, rtol=2e-2 if bf16 else 1e-5, atol=2e-2 if bf16 else 1e-6,
+                                           equal_nan=True, msg=f"{key}: {loss_type}/{level}{what}")
         for p, a, b in zip(params, ours_grads, ref_grads):
             scale = b.abs().max().item() + 1e-12
             assert (a - b).abs().max().item() <= (3e-2 if bf16 else 1e-5) * scale, f"{loss_type}/{level}{what}"

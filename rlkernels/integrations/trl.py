@@ -52,10 +52,11 @@ transform, by `check_head` on the first batch (rlkernels' log-probs against `mod
 
 The head's matmul runs in the dtype TRL's runs in: the autocast dtype under autocast (TRL's
 default `bf16=True`), fp32 with `cast_lm_head_to_fp32`, else the weight's. Small differences:
-rlkernels clamps log-ratios to ±20 (TRL does not); the clip metrics of sequence-level sampling
-are token-weighted (TRL counts rows); `clip_ratio/low_min` / `high_max` are not logged by the
-fused path. (TRL ≥ 1.x also avoids full logits for its log-probs, with its own chunked head;
-what this adds is the loss and its gradient in the same pass, and one tested definition.)
+rlkernels clamps log-ratios to ±20 in the loss (TRL does not). The metrics are TRL's, by TRL's
+definitions (the clip ratios from the log-probs the fused pass returns), except VESPO's
+`vespo/phi_seq_mean`, which is not logged. (TRL ≥ 1.x also avoids full logits for its log-probs,
+with its own chunked head; what this adds is the loss and its gradient in the same pass, and one
+tested definition.)
 """
 from __future__ import annotations
 
@@ -309,21 +310,24 @@ def compute_loss(self, model, inputs):
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
                 is_weights=is_weights, rollout_logp=inputs.get("sampling_per_token_logps"),
                 temperature=output_temperature(module.config, self.temperature), **counts)
-        return {"loss": out.loss, "metrics": out.metrics}
+        return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp}
 
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head)
-    _log_metrics(self, out["loss"], out["metrics"], mask, cfg)
+    _log_metrics(self, out["loss"], out["metrics"], mask)
+    _log_clip_ratios(self, out["logp"], inputs, mask)
     return out["loss"]
 
 
-def _log_metrics(self, loss, metrics, mask, cfg):
-    """TRL's metric names, as token-weighted means over all processes."""
+def _log_metrics(self, loss, metrics, mask):
+    """TRL's KL, entropy and entropy-bonus metrics, as token-weighted means over all processes."""
     mode = "train" if self.model.training else "eval"
     count = mask.sum().to(torch.float32)
     if getattr(self, "_entropy_bonus_enabled", False):  # TRL's loss without its bonus, and the coefficient
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         policy_loss = loss.detach() + self.entropy_coef * metrics["entropy"] / accum
+        if self.loss_type not in ("cispo", "dapo", "vespo"):  # TRL logs these before its accumulation divisor
+            policy_loss = policy_loss * accum
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
@@ -335,13 +339,49 @@ def _log_metrics(self, loss, metrics, mask, cfg):
     if self.beta != 0.0:
         self._metrics[mode]["kl"].append(global_mean(metrics["kl"]))
     self._metrics[mode]["entropy"].append(global_mean(metrics["entropy"]))
-    if cfg.objective == "cispo":
-        self._metrics[mode]["cispo_clip_ratio"].append(global_mean(metrics["clip_frac_high"]))
+
+
+# the loss types whose clip ratios TRL logs (besides cispo's own)
+_CLIP_LOGGED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _log_clip_ratios(self, logp, inputs, mask):
+    """TRL's clip metrics by TRL's definitions, from the log-probs the fused pass computed: its ratio of each
+    token (of each row, at sequence level) against ε, means over the tokens (rows) of every process, and the
+    smallest / largest per-row fraction over every process's rows (`low_min`, `high_max`)."""
+    if self.loss_type not in _CLIP_LOGGED + ("cispo",):
         return
-    low, high = global_mean(metrics["clip_frac_low"]), global_mean(metrics["clip_frac_high"])
-    self._metrics[mode]["clip_ratio/low_mean"].append(low)
-    self._metrics[mode]["clip_ratio/high_mean"].append(high)
-    self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+    mode = "train" if self.model.training else "eval"
+    old = inputs.get("old_per_token_logps")
+    log_ratio = torch.where(mask, logp - (logp if old is None else old), 0.0)
+    sequence = self.importance_sampling_level == "sequence"
+    if sequence:
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    adv = inputs["advantages"]
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    weight = torch.ones_like(ratio) if sequence else mask.to(ratio.dtype)  # TRL counts rows at sequence level
+
+    def global_mean(flags):
+        totals = self.accelerator.reduce(torch.stack([(flags * weight).sum(), weight.sum()]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def extreme_row_mean(flags, pick):  # NaN rows (no tokens) are left out, as TRL's nanmin / nanmax do
+        rows = flags.squeeze(1) if sequence else (flags * mask).sum(-1) / mask.sum(-1)
+        rows = self.accelerator.gather(rows)
+        rows = rows[~rows.isnan()]
+        return pick(rows).item() if rows.numel() else float("nan")
+
+    if self.loss_type == "cispo":
+        self._metrics[mode]["cispo_clip_ratio"].append(global_mean(((ratio > self.epsilon_high) & (adv > 0)).float()))
+        return
+    low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
+    high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+    self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))
+    self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high))
+    self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(low + high))  # never both: A's sign
+    self._metrics[mode]["clip_ratio/low_min"].append(extreme_row_mean(low, torch.min))
+    self._metrics[mode]["clip_ratio/high_max"].append(extreme_row_mean(high, torch.max))
 
 
 class RLKernelsGRPOTrainer(GRPOTrainer):

@@ -17,10 +17,14 @@ from .metrics import metrics_from_sums
 
 @dataclasses.dataclass
 class LossOutput:
-    """`loss`: 0-d tensor to minimise; `metrics`: detached 0-d tensors (docs/math.md, "Metrics")."""
+    """`loss`: 0-d tensor to minimise; `metrics`: detached 0-d tensors (docs/math.md, "Metrics");
+    `logp`, `entropy`: the per-token log-probs and entropies `(B, T)` the fused ops computed on the
+    way, detached, in the accumulation dtype (None from `policy_loss`, which takes them as inputs)."""
 
     loss: torch.Tensor
     metrics: Dict[str, torch.Tensor]
+    logp: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
 
 
 def policy_loss(

@@ -73,7 +73,8 @@ def fused_linear_policy_loss(
         logp, entropy = linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
                                               return_entropy=True, backend=backend, chunk_size=chunk_size,
                                               process_group=process_group)
-        return policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
+        out = policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
+        return LossOutput(out.loss, out.metrics, logp, entropy)
 
     spec = head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group)
     head = LinearHead(hidden, weight, bias, targets, spec)
@@ -81,12 +82,12 @@ def fused_linear_policy_loss(
                               mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
     grads = head.new_grads(*need)
     if process_group is None and kernel_evaluates(head.kernels, spec.backend, config, is_weights is not None):
-        out, grads = _one_pass(head, grads, inputs, config)
+        out, logp, entropy, grads = _one_pass(head, grads, inputs, config)
     else:
-        out, grads = _two_passes(head, grads, inputs, config)
+        out, logp, entropy, grads = _two_passes(head, grads, inputs, config)
     grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
     loss = attach_grads(out.loss, (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
-    return LossOutput(loss, out.metrics)
+    return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
 
 
 def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
@@ -94,15 +95,22 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
     per_row, params = kernel_inputs(inputs, config)
     need_h = config.entropy_coef != 0
     stats = torch.empty(head.n, NUM_STATS, dtype=inputs.dtype, device=head.hidden.device)
+    logps, entropies = [], []  # the chunks' own outputs, joined once at the end (not a copy per chunk)
     for s, e in head.chunks():
         buf = head.logits(s, e)
-        _, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
+        logp, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
         head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, grad_entropy if need_h else None, grads)
-    return loss_from_stats(stats, inputs), head.finish(grads)
+        logps.append(logp)
+        entropies.append(entropy)
+    return loss_from_stats(stats, inputs), _joined(logps, stats), _joined(entropies, stats), head.finish(grads)
+
+
+def _joined(chunks, like: Tensor) -> Tensor:
+    return torch.cat(chunks) if chunks else like.new_empty(0)
 
 
 def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
     """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
     logp, entropy, lse_parts = head.forward(True)
     out, grad_logp, grad_entropy = row_grads(head.kernels, logp, entropy, inputs, config)
-    return out, head.backward(lse_parts, entropy, grad_logp, grad_entropy, grads)
+    return out, logp, entropy, head.backward(lse_parts, entropy, grad_logp, grad_entropy, grads)

@@ -83,36 +83,37 @@ def fused_policy_loss(
     blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
     flat_targets = targets.reshape(-1).to(torch.int64)
     if in_kernel:
-        out, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+        out, logp, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
     else:
-        out, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
-    if not needs_grad:
-        return LossOutput(out.loss, out.metrics)
-    loss = deferred_logits_grad(out.loss, logits, blocks, flat_targets, rows, temperature, kernels, inplace)
-    return LossOutput(loss, out.metrics)
+        out, logp, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+    loss = out.loss
+    if needs_grad:
+        loss = deferred_logits_grad(loss, logits, blocks, flat_targets, rows, temperature, kernels, inplace)
+    return LossOutput(loss, out.metrics, logp.view(targets.shape), rows[1].view(targets.shape))
 
 
 def _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs):
     """The definition, `policy_loss(token_logprobs(...))`: under torch.compile (the custom ops
     trace; the deferred backward does not) and without a gradient where the kernel lacks the loss."""
     logp, entropy = token_logprobs(logits, targets, temperature=temperature, return_entropy=True, backend=backend)
-    return policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
+    out = policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
+    return LossOutput(out.loss, out.metrics, logp.detach(), entropy.detach())
 
 
 def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Token-level: the loss, its derivatives and the statistics from the forward kernel."""
     per_row, params = kernel_inputs(inputs, config)
-    _, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
+    logp, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
         kernels.policy_token_fwd, blocks, [targets, *per_row], temperature, params)
     rows = (lse_parts, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
-    return loss_from_stats(stats, inputs), rows
+    return loss_from_stats(stats, inputs), logp, rows
 
 
 def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
     """Any ratio: log-probs and entropy from the kernel, then `losses/` and its autograd on (B, T)."""
     logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, blocks, [targets], temperature, True)
     out, grad_logp, grad_entropy = row_grads(kernels, logp, entropy, inputs, config)
-    return out, (lse_parts, entropy, grad_logp, grad_entropy)
+    return out, logp, (lse_parts, entropy, grad_logp, grad_entropy)
 
 
 def _describe(x) -> str:
