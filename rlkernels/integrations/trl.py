@@ -53,8 +53,7 @@ transform, by `check_head` on the first batch (rlkernels' log-probs against `mod
 The head's matmul runs in the dtype TRL's runs in: the autocast dtype under autocast (TRL's
 default `bf16=True`), fp32 with `cast_lm_head_to_fp32`, else the weight's. Small differences:
 rlkernels clamps log-ratios to ±20 in the loss (TRL does not). The metrics are TRL's, by TRL's
-definitions (the clip ratios from the log-probs the fused pass returns), except VESPO's
-`vespo/phi_seq_mean`, which is not logged. (TRL ≥ 1.x also avoids full logits for its log-probs,
+definitions (the clip ratios and VESPO's mean φ from the log-probs the fused pass returns). (TRL ≥ 1.x also avoids full logits for its log-probs,
 with its own chunked head; what this adds is the loss and its gradient in the same pass, and one
 tested definition.)
 """
@@ -73,6 +72,7 @@ _versions.check("trl")
 from trl import GRPOTrainer  # noqa: E402
 
 from ..losses import PolicyLossConfig
+from ..losses.surrogates import vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import backbone_hidden_states, check_head, output_temperature
 
@@ -315,7 +315,7 @@ def compute_loss(self, model, inputs):
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head)
     _log_metrics(self, out["loss"], out["metrics"], mask)
-    _log_clip_ratios(self, out["logp"], inputs, mask)
+    _log_ratio_metrics(self, out["logp"], inputs, mask, cfg, is_weights)
     return out["loss"]
 
 
@@ -345,15 +345,22 @@ def _log_metrics(self, loss, metrics, mask):
 _CLIP_LOGGED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
-def _log_clip_ratios(self, logp, inputs, mask):
-    """TRL's clip metrics by TRL's definitions, from the log-probs the fused pass computed: its ratio of each
-    token (of each row, at sequence level) against ε, means over the tokens (rows) of every process, and the
-    smallest / largest per-row fraction over every process's rows (`low_min`, `high_max`)."""
-    if self.loss_type not in _CLIP_LOGGED + ("cispo",):
+def _log_ratio_metrics(self, logp, inputs, mask, cfg, is_weights):
+    """TRL's metrics of the ratio by TRL's definitions, from the log-probs the fused pass computed: the clip
+    metrics (its ratio of each token, of each row at sequence level, against ε; means over the tokens, or
+    rows, of every process; the smallest / largest per-row fraction over every process's rows) and VESPO's
+    mean φ over the rows."""
+    if self.loss_type not in _CLIP_LOGGED + ("cispo", "vespo"):
         return
     mode = "train" if self.model.training else "eval"
     old = inputs.get("old_per_token_logps")
     log_ratio = torch.where(mask, logp - (logp if old is None else old), 0.0)
+    if self.loss_type == "vespo":  # φ of each row, the spec's (the same as TRL's, tested)
+        c = cfg.log_ratio_clamp
+        phi, _ = vespo_weight(log_ratio.clamp(-c, c).sum(-1), inputs["advantages"], cfg, is_weights, mask)
+        totals = self.accelerator.reduce(torch.stack([phi.sum(), phi.new_tensor(float(phi.numel()))]), reduction="sum")
+        self._metrics[mode]["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return
     sequence = self.importance_sampling_level == "sequence"
     if sequence:
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
