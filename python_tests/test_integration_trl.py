@@ -296,3 +296,51 @@ def test_refuses_a_head_that_transforms_its_logits_unannounced(model_id, dataset
                                    processing_class=_tokenizer(), args=_config(tmp_path, beta=0.0))
     with pytest.raises(ValueError, match="_CappedLlama.*nats away"):
         trainer.train()
+
+
+def test_moe_auxiliary_loss_matches_trl(dataset, tmp_path):
+    """A mixture-of-experts model: the load-balancing loss, formed from the backbone's router logits as the
+    model's own forward forms it, is added as TRL adds it (loss, gradients and the `aux_loss` metric)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = tmp_path / "tiny-mixtral"
+    _tokenizer().save_pretrained(path)
+    cfg = MixtralConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                        output_router_logits=True, router_aux_loss_coef=0.3)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    trainer = RLKernelsGRPOTrainer(model=str(path), reward_funcs=reward_fn, train_dataset=dataset,
+                                   args=_config(tmp_path, loss_type="dapo", max_steps=1))
+    assert trainer.aux_loss_enabled and rk_trl.loss_config(trainer)[0] is not None
+    ours_fn = trainer._compute_loss
+    trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+    seen = []
+
+    def checked(model, inputs):
+        params = [p for p in model.parameters() if p.requires_grad]
+        ours = ours_fn(model, inputs)
+        ours_grads = _grads(ours, params)
+        trainer._get_per_token_logps_and_entropies = trl_logps
+        try:
+            ref = GRPOTrainer._compute_loss(trainer, model, inputs)
+        finally:
+            del trainer._get_per_token_logps_and_entropies
+        torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
+        for p, a, b in zip(params, ours_grads, _grads(ref, params)):
+            if a is None or b is None:
+                assert a is None and b is None
+                continue
+            assert (a - b).abs().max().item() <= 1e-5 * (b.abs().max().item() + 1e-12)
+        aux = trainer._metrics["train"]["aux_loss"]
+        assert aux[-1] > 0 and abs(aux[-2] - aux[-1]) <= 1e-6 * aux[-1]
+        seen.append(1)
+        return ours_fn(model, inputs)
+
+    trainer._compute_loss = checked
+    trainer.train()
+    assert seen

@@ -18,6 +18,7 @@ model's type.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -116,13 +117,33 @@ def _check_tokens(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor
     return ids, torch.ones_like(ids)
 
 
-def backbone_hidden_states(model, *args, **kwargs):
-    """The last hidden states (after the final norm) of a HF causal LM's backbone, without its head."""
+def backbone_outputs(model, *args, **kwargs):
+    """The outputs of a HF causal LM's backbone (its decoder, without the head)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     if decoder is None or decoder is model:
         raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
-    out = decoder(*args, use_cache=False, **kwargs)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return decoder(*args, use_cache=False, **kwargs)
+
+
+def last_hidden_state(outputs):
+    """The last hidden states (after the final norm) in a backbone's outputs."""
+    return outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+
+
+def backbone_hidden_states(model, *args, **kwargs):
+    """The last hidden states (after the final norm) of a HF causal LM's backbone, without its head."""
+    return last_hidden_state(backbone_outputs(model, *args, **kwargs))
+
+
+def moe_aux_loss_function(model) -> Optional[Callable]:
+    """`(router_logits, attention_mask) -> aux_loss`: the load-balancing loss a HF mixture-of-experts causal
+    LM forms in its own forward (its module's `load_balancing_loss_func` with its expert counts), or None
+    when the model has none that way."""
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if fn is None or experts is None or top_k is None:
+        return None
+    return lambda router_logits, attention_mask: fn(router_logits, experts, top_k, attention_mask)
 
 
 def causal_lm_token_logprobs(

@@ -39,9 +39,11 @@ entropy bonus with `grpo`, `dr_grpo`, `sapo` or `luspo`, an adaptive one, or one
 `top_entropy_quantile < 1` (TRL normalises the bonus as a token mean of its own: that is rlkernels'
 per-token entropy term with a rescaled coefficient only where the policy term is a token mean too,
 `bnpo`, `dapo`, `cispo`, `vespo`, which are mapped, with TRL's `policy_loss` and `entropy_coef`
-metrics); MoE auxiliary losses; multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
+metrics); a MoE auxiliary loss of a model that does not form it with its module's
+`load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
+it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
-(`backbone_hidden_states`: `model.model(input_ids, attention_mask)`), but a vision-language model
+(`backbone_outputs`: `model.model(input_ids, attention_mask)`), but a vision-language model
 encodes the images and merges their features into the token embeddings inside its
 `*ForConditionalGeneration.forward`, differently for each family (Qwen2-VL's `image_grid_thw` and
 3-D positions, Gemma 3's token types, ...); calling that forward for its hidden states would also
@@ -74,7 +76,8 @@ from trl import GRPOTrainer  # noqa: E402
 from ..losses import PolicyLossConfig
 from ..losses.surrogates import vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
-from .transformers import backbone_hidden_states, check_head, output_temperature
+from .transformers import (backbone_outputs, check_head, last_hidden_state, moe_aux_loss_function,
+                           output_temperature)
 
 _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
         "cispo": "token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum", "vespo": "token_mean"}
@@ -94,7 +97,8 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (getattr(trainer, "_entropy_bonus_enabled", False) and not _entropy_bonus_mapped(trainer),
          "an entropy bonus (mapped for the token-mean loss types, static coefficient, every token)"),
-        (getattr(trainer, "aux_loss_enabled", False), "a MoE auxiliary loss"),
+        (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
+         "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
     ]
     for hit, why in reasons:
@@ -176,7 +180,8 @@ def _head_params(model):
 
 
 def _install_forward(model) -> None:
-    """`model(..., rlkernels_head=fn)` runs the backbone and returns `fn(model, last_hidden_state)`.
+    """`model(..., rlkernels_head=fn)` runs the backbone and returns `fn(model, last_hidden_state)` (a dict); with
+    `output_router_logits=True` as well, also the model's MoE load-balancing loss under "aux_loss".
 
     Going through `model(...)` keeps DDP / FSDP / accelerate wrappers in the loop; without the
     keyword the forward is the one the model had (TRL's, so generation is unchanged).
@@ -194,7 +199,11 @@ def _install_forward(model) -> None:
         for name in _HEAD_KWARGS:
             kwargs.pop(name, None)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return rlkernels_head(model, backbone_hidden_states(model, *args, **kwargs))
+        outputs = backbone_outputs(model, *args, **kwargs)
+        result = rlkernels_head(model, last_hidden_state(outputs))
+        if kwargs.get("output_router_logits"):  # as the model's own forward forms it
+            result["aux_loss"] = moe_aux_loss_function(model)(outputs.router_logits, kwargs.get("attention_mask"))
+        return result
 
     model.forward = forward
     model._rlkernels_forward = True
@@ -312,11 +321,18 @@ def compute_loss(self, model, inputs):
                 temperature=output_temperature(module.config, self.temperature), **counts)
         return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp}
 
+    moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}
     with self.accelerator.autocast():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head, **moe)
     _log_metrics(self, out["loss"], out["metrics"], mask)
     _log_ratio_metrics(self, out["logp"], inputs, mask, cfg, is_weights)
-    return out["loss"]
+    loss = out["loss"]
+    if moe:  # TRL's MoE auxiliary loss, scaled for gradient accumulation as TRL scales it
+        mode = "train" if self.model.training else "eval"
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss + self.router_aux_loss_coef * out["aux_loss"] / normalizer
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out["aux_loss"]).mean().item())
+    return loss
 
 
 def _log_metrics(self, loss, metrics, mask):
