@@ -47,8 +47,14 @@ class Config:
                                           # less memory for longer sequences, about one more forward of time
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
     prompts: str = ""              # JSONL of {"prompt": str or [{"role", "content"}, ...], "answer": ...}
-    reward: str = "exact"          # exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float,
-                                   # or TRL's (prompts, completions, **columns) -> list[float])
+    # rewards: exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float, or TRL's
+    # (prompts, completions, **columns) -> list[float]; None = not applicable to that completion); several
+    # as --reward A B or --reward A --reward B; none given = exact (none at all with --reward-model)
+    reward: List[str] = dataclasses.field(default_factory=list)
+    reward_model: str = ""         # a local sequence-classification model (one label) scoring prompt + completion
+    # one weight per reward, the --reward functions then --reward-model; [] = all 1.0. A completion's reward
+    # is Σ weight·reward over those that did not return None
+    reward_weights: List[float] = dataclasses.field(default_factory=list)
     digits: int = 2
     eval_size: int = 256           # held-out prompts, greedy exact-match
     # supervised warm-up (demo task only): leaves room for RL to improve
@@ -90,8 +96,16 @@ class Config:
     eval_every: int = 20
     ckpt_every: int = 50
 
+    def __post_init__(self):
+        # a field of several values also takes one (Config(reward="exact"), and checkpoints from before the
+        # list fields), and a list (from JSON)
+        for name in MULTI:
+            v = getattr(self, name)
+            setattr(self, name, list(v) if isinstance(v, (list, tuple)) else [v])
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
 CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split")}
 
 
@@ -100,13 +114,24 @@ def _flag(name: str) -> str:
 
 
 def _base_type(name: str):
+    """(the type of a value, whether it may be None): for a field of several values, that of each."""
     hint = typing.get_type_hints(Config)[name]
+    if name in MULTI:
+        return typing.get_args(hint)[0], False
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return (args[0] if args else hint), hint != (args[0] if args else hint)
 
 
 def convert(name: str, value, source: str = "flag"):
-    """`value` (a string from the command line, or a JSON value) as the field's type."""
+    """`value` (a string from the command line, or a JSON value) as the field's type; for a field of
+    several values, a list of them (or one)."""
+    if name in MULTI:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return [_convert_one(name, v, source) for v in values]
+    return _convert_one(name, value, source)
+
+
+def _convert_one(name: str, value, source: str):
     where = _flag(name) if source == "flag" else f"{source}: key {name!r}"
     typ, optional = _base_type(name)
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
@@ -142,7 +167,8 @@ def _unknown(name: str, where: str) -> ValueError:
 
 
 def parse_flags(argv: List[str]) -> dict:
-    """`--key value` / `--key=value` / bare `--flag` (bools) → {field: value}; `--config` kept as is."""
+    """`--key value` / `--key=value` / bare `--flag` (bools) → {field: value}; `--config` kept as is. A field of
+    several values takes every value up to the next flag, and adds those of a repeated flag."""
     out, i = {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -152,6 +178,13 @@ def parse_flags(argv: List[str]) -> dict:
         name = key.replace("-", "_")
         if name != "config" and name not in FIELDS:
             raise _unknown(name, "flag")
+        if name in MULTI:
+            values = [value] if eq else _values(argv, i + 1)
+            if not values:
+                raise ValueError(f"{_flag(name)}: expected one or more values")
+            out[name] = out.get(name, []) + convert(name, values)
+            i += 1 + (0 if eq else len(values))
+            continue
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if name != "config" and _base_type(name)[0] is bool and (nxt is None or nxt.startswith("--")):
@@ -163,6 +196,14 @@ def parse_flags(argv: List[str]) -> dict:
         out[name] = value if name == "config" else convert(name, value)
         i += 1
     return out
+
+
+def _values(argv: List[str], start: int) -> List[str]:
+    """The arguments from `start` up to the next flag."""
+    end = start
+    while end < len(argv) and not argv[end].startswith("--"):
+        end += 1
+    return argv[start:end]
 
 
 def load_json(path: str) -> dict:
@@ -203,9 +244,10 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"{_flag(name)}: expected one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
     device.check(cfg.device, cfg.dtype)
     for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
-        v = getattr(cfg, name)
-        if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
-            raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
+        values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
+        for v in values:
+            if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
+                raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
     positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
                 "eval_every", "ckpt_every", "tree_roots", "max_gen_batches")
@@ -251,9 +293,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--overlong-buffer: expected < --max-new-tokens ({cfg.max_new_tokens}), got {cfg.overlong_buffer}")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)")
-    kind = cfg.reward.split(":", 1)[0]
-    if cfg.reward != "exact" and kind not in ("regex", "module"):
-        raise ValueError(f"--reward: expected {REWARD_KINDS}, got {cfg.reward!r}")
+    for spec in cfg.reward:
+        if spec != "exact" and spec.split(":", 1)[0] not in ("regex", "module"):
+            raise ValueError(f"--reward: expected {REWARD_KINDS}, got {spec!r}")
+    if cfg.reward_model and not os.path.isdir(cfg.reward_model):
+        raise ValueError(f"--reward-model: expected a local Hugging Face checkpoint folder, got {cfg.reward_model!r}")
     if cfg.prompts and not os.path.isfile(cfg.prompts):
         raise ValueError(f"--prompts: no such file {cfg.prompts!r}")
     if cfg.model and not os.path.isdir(cfg.model):

@@ -4,7 +4,8 @@ Every RL step:
   1. rollout    sample `num_generations` completions per prompt with HF `generate` at `temperature`
   2. score      one no-grad forward of the policy (and of the reference / critic) over the sampled
                 rows: the behaviour log-probs ℓ_old under the same temperature
-  3. reward     a rule-based verifier per completion (exact match, regex, or a Python function)
+  3. reward     Σ weight·reward over the reward functions (exact match, regex, Python functions) and a
+                reward model, per completion (rewards.py)
   4. advantages group-normalised (GRPO family), Tree-GRPO, or GAE on a critic (PPO)
   5. update     μ = `epochs` passes over `minibatches` mini-batches of whole prompt groups, the
                 loss through `loss_head` (the fused rlkernels ops), one optimizer step each
@@ -14,14 +15,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import math
-import numbers
 import os
 import pickle
 import random
 import re
-import reprlib
 import shutil
 import signal
 import tempfile
@@ -36,8 +34,8 @@ import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
-from . import device, export, report, task
-from .config import FLOAT32_MAX, Config, _flag, describe, validate
+from . import device, export, report, rewards as rewards_lib, task
+from .config import Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
@@ -157,49 +155,6 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
     return out, full_attn
 
 
-def checked_reward(reward_fn, name: str):
-    """`rewards(prompts, completions, answers) -> list of floats` from `reward_fn`: per sample,
-    `reward_fn(prompt, completion, answer) -> float`, or TRL's signature `reward_fn(prompts, completions,
-    **columns) -> list[float]` (one call per batch; the JSONL's `answer` column as `answer=`; a
-    conversation's completions as [{"role": "assistant", "content": text}], as TRL gives them). An
-    error names `--reward` and the prompt when it raises or returns anything but a finite number within
-    float32 (a NaN reward would silently train nothing)."""
-    try:
-        params = inspect.signature(reward_fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: per sample
-        params = {}
-    trl_style = "prompts" in params and "completions" in params
-
-    def value(r, prompt):
-        try:
-            v = float(r) if isinstance(r, numbers.Real) else None  # numbers.Real: no None, list, tensor
-        except OverflowError:  # an int beyond float64
-            v = None
-        if v is None or not abs(v) <= FLOAT32_MAX:
-            raise ValueError(f"--reward: {name} returned {reprlib.repr(r)} on prompt {prompt!r}; expected a "
-                             f"finite number within float32 range")
-        return v
-
-    def call(prompt, *args, **kwargs):
-        try:
-            return reward_fn(*args, **kwargs)
-        except Exception as e:
-            raise ValueError(f"--reward: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
-
-    def rewards(prompts, completions, answers):
-        if not trl_style:
-            return [value(call(p, p, c, a), p) for p, c, a in zip(prompts, completions, answers)]
-        completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                       for p, c in zip(prompts, completions)]
-        out = call(prompts[0], prompts=prompts, completions=completions, answer=answers)
-        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
-            raise ValueError(f"--reward: {name} returned {reprlib.repr(out)} for {len(prompts)} completions; expected "
-                             f"a list of {len(prompts)} numbers (TRL's signature)")
-        return [value(r, p) for r, p in zip(out, prompts)]
-
-    return rewards
-
-
 @torch.no_grad()
 def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
     """Mean reward of greedy completions over held-out examples (accuracy for `exact`)."""
@@ -247,7 +202,8 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
     overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
     drop of the groups whose rewards are all equal (their advantages are zero).
-    Returns the chosen rows (a dict of tensors), with P and the verifier's rewards of all rows."""
+    Returns the chosen rows (a dict of tensors), with P, the rewards of all rows (`score`) and each reward
+    function's (`reward_parts`, (rows, functions), NaN where a function returned None)."""
     G = cfg.num_generations
     with place.autocast():
         seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
@@ -256,9 +212,11 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
     answers = [a for _, a in prompts for _ in range(G)]
     texts = [tok.decode(row) for row in targets.tolist()]
-    rewards = torch.tensor(reward_fn([p for p, _ in prompts for _ in range(G)], texts, answers), dtype=torch.float32,
-                           device=seq.device)
-    score = rewards.clone()  # the verifier's reward, reported as reward_mean
+    totals, parts = reward_fn.score([p for p, _ in prompts for _ in range(G)], texts, answers)
+    rewards = torch.tensor(totals, dtype=torch.float32, device=seq.device)
+    reward_parts = torch.tensor([[math.nan if r is None else r for r in fn_rewards] for fn_rewards in parts],
+                                dtype=torch.float64).T
+    score = rewards.clone()  # the weighted reward before the overlong penalty, reported as reward_mean
     lengths = mask.sum(-1)
     if cfg.overlong_buffer:
         rewards = rewards + sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
@@ -270,7 +228,7 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     rows = dict(seq=seq, attn=attn, targets=targets, mask=mask, rewards=rewards, group_ids=group_ids,
                 lengths=lengths, tree_ids=tree_ids)
     rows = {k: v[keep] if v is not None else None for k, v in rows.items()}
-    return dict(rows, P=P, score=score, all_lengths=lengths)
+    return dict(rows, P=P, score=score, all_lengths=lengths, reward_parts=reward_parts)
 
 
 def concat_rows(parts, pad_id):
@@ -379,6 +337,18 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
         return m, True
     optimizer.step()
     return m, False
+
+
+def nan_mean_std(x: torch.Tensor) -> tuple:
+    """(mean, unbiased std) over all ranks of the non-NaN entries of `x`; (None, None) when there are none,
+    std 0 when there is one."""
+    seen = x[~x.isnan()]
+    n = all_sum(len(seen))
+    if n == 0:
+        return None, None
+    mean = all_sum(seen.sum()) / n
+    sq = all_sum(((seen - mean) ** 2).sum())  # two passes: no cancellation of Σx² − n·mean²
+    return mean, math.sqrt(sq / (n - 1)) if n > 1 else 0.0
 
 
 # metrics that are this rank's share of a global sum (Σ_rank / N_global): summed over ranks, not averaged
@@ -506,12 +476,14 @@ def loss_config(cfg: Config, group_size: int):
 def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dict:
     """Run (or `--resume`) an RL fine-tuning job; returns the summary dict (also in summary.json).
 
-    `reward_fn` replaces `--reward` when given: `(prompt, completion, answer) -> float`, or TRL's
-    `(prompts, completions, **columns) -> list[float]`."""
+    `reward_fn` replaces `--reward` when given: a function `(prompt, completion, answer) -> float`, or TRL's
+    `(prompts, completions, **columns) -> list[float]`, or a list of them (weighted by `reward_weights`;
+    `--reward-model` is added after them)."""
     t_start = time.time()
     validate(config)
     saved = load_checkpoint(config.resume) if config.resume else None
     cfg = merge_resume(config, saved["config"], explicit) if saved else config
+    reward_fns, reward_weights = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
     rank, world = dist_info()
     master = rank == 0
     # The demo model is so small that one thread per process is fastest (more threads spin on
@@ -528,14 +500,15 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         f"  running on: device {runs_on['device']}, dtype {runs_on['dtype']} (float32 weights), "
         f"process group {runs_on['backend'] or 'none (one process)'}")
 
+    # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
+    reward_fn = rewards_lib.build(reward_fns, reward_weights, cfg.reward_model, place)
+
     # ---- seeds: model init and data order are identical on every rank; sampling differs per rank
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)  # prompt order, mini-batch order, tree cut depths
 
     # ---- task, tokenizer, policy
-    reward_name = cfg.reward if reward_fn is None else getattr(reward_fn, "__qualname__", repr(reward_fn))
-    reward_fn = checked_reward(reward_fn or task.make_reward(cfg.reward), reward_name)
     if cfg.model and not cfg.prompts:
         raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
     if cfg.prompts:
@@ -704,7 +677,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 if all_sum(float(n_kept < cfg.prompts_per_step)) == 0:
                     break
             b = concat_rows(parts, tok.pad_id)
-            P, score, all_lengths = b["P"], b["score"], b["all_lengths"]
+            P, score, all_lengths, reward_parts = b["P"], b["score"], b["all_lengths"], b["reward_parts"]
             train_rows = torch.arange(len(b["rewards"]), device=b["rewards"].device)
             if cfg.dynamic_sampling:  # the first prompts_per_step groups kept; none when a rank has none
                 first_groups = b["group_ids"].unique()[:cfg.prompts_per_step]
@@ -796,6 +769,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                    "updates": n_updates, "skipped": skipped, "kl_coef": beta, "rollout_kl": kl_obs}
             if cfg.dynamic_sampling:
                 row["gen_batches"] = len(parts)
+            for j, name in enumerate(reward_fn.names):  # over the rows each function scored (TRL's nanmean, nanstd)
+                row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = nan_mean_std(reward_parts[:, j])
             keys = sorted({k for m in collected for k in m})
             for k in keys:
                 mean = sum(m[k] for m in collected if k in m) / len(collected)

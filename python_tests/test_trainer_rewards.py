@@ -1,0 +1,234 @@
+"""The trainer's rewards (rlkernels/trainer/rewards.py, docs/design.md §10): several weighted reward functions
+(None = not applicable, TRL's nansum), their per-function metrics, the flags, and a sequence-classification
+reward model from a local folder.
+
+Runs reuse test_trainer's tiny config: a few seconds each on 2 cores."""
+import json
+import math
+
+import pytest
+import torch
+from test_trainer import TINY, _local_checkpoint, check_run, run
+
+from rlkernels.train import main
+from rlkernels.trainer import Config, device, from_args, loop, rewards, train
+
+CPU = device.Placement(torch.device("cpu"), torch.float32)
+
+
+def length_reward(prompts, completions, **kwargs):  # TRL's signature
+    return [float(len(c)) for c in completions]
+
+
+def first_digit_reward(prompt, completion, answer):  # per sample; None: "not applicable" to odd prompts
+    return None if int(prompt[0]) % 2 else float(completion[:1] == answer[:1])
+
+
+def never_reward(prompts, completions, **kwargs):
+    return [None] * len(prompts)
+
+
+def combined(cfg, reward_fn=None):
+    return rewards.build(*rewards.reward_functions(cfg, reward_fn), cfg.reward_model, CPU)
+
+
+def test_weighted_sum_skips_none_as_trl_does():
+    exact = rewards.task.make_reward("exact")
+    r = combined(Config(reward_weights=[2.0, -0.5, 3.0]), [length_reward, first_digit_reward, exact])
+    prompts, completions, answers = ["1+2=", "2+2=", "4+4=", "3+5="], ["3", "5", "8", "44"], ["3", "4", "8", "8"]
+    totals, parts = r.score(prompts, completions, answers)
+    assert parts == [[1.0, 1.0, 1.0, 2.0], [None, 0.0, 1.0, None], [1.0, 0.0, 1.0, 0.0]]
+    # by hand: 2·len − 0.5·first digit (when it applies) + 3·exact
+    assert totals == [2 + 3, 2 - 0, 2 - 0.5 + 3, 4 + 0]
+    assert r(prompts, completions, answers) == totals
+    assert r.names == ["length_reward", "first_digit_reward", "<lambda>"]
+
+
+def test_a_completion_no_function_scores_is_an_error_naming_them():
+    r = combined(Config(), [first_digit_reward, never_reward])
+    assert r.score(["2+2="], ["4"], ["4"])[0] == [1.0]
+    with pytest.raises(ValueError, match=r"^--reward: .*first_digit_reward and --reward: .*never_reward returned None "
+                                         r"on prompt '1\+2=' \(completion '3'\)"):
+        r.score(["2+2=", "1+2="], ["4", "3"], ["4", "3"])
+
+
+def test_weighted_sum_beyond_float32_is_an_error():
+    r = combined(Config(reward_weights=[1e38, 1e38]), [length_reward, length_reward])
+    assert r.names == ["length_reward", "length_reward_2"]  # a name used twice: distinct metrics
+    with pytest.raises(ValueError, match="^--reward-weights: the weighted reward 1e\\+39 on prompt '1\\+2='"):
+        r.score(["1+2="], ["3" * 5], ["3"])
+
+
+def test_names_and_default():
+    fns, weights = rewards.reward_functions(Config())
+    assert [n for _, n, _, _ in fns] == ["exact"] and weights == [1.0]
+    specs = ["regex:(\\d+)", "module:test_trainer_rewards:length_reward"]
+    fns, weights = rewards.reward_functions(Config(reward=specs))
+    assert [n for _, n, _, _ in fns] == ["regex", "length_reward"] and weights == [1.0, 1.0]
+    fns, _ = rewards.reward_functions(Config(reward_model="/some/rm", reward_weights=[0.5]))
+    assert fns == []  # only the reward model (added by build)
+    with pytest.raises(ValueError, match="^reward_fn: expected a callable or a list of callables"):
+        rewards.reward_functions(Config(), [length_reward, "exact"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--reward", "exact", "regex:(\\d+)"], ["exact", "regex:(\\d+)"]),
+    (["--reward", "exact", "--reward=regex:(\\d+)", "--steps", "2"], ["exact", "regex:(\\d+)"]),
+    (["--reward", "exact", "--reward", "regex:(\\d+)"], ["exact", "regex:(\\d+)"]),
+])
+def test_several_reward_flags(argv, expected):
+    cfg, explicit = from_args(argv + ["--reward-weights", "1", "-0.5"])
+    assert cfg.reward == expected and cfg.reward_weights == [1.0, -0.5] and {"reward", "reward_weights"} <= explicit
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reward-weights"], "--reward-weights: expected one or more values"),
+    (["--reward-weights", "1", "x"], "--reward-weights: expected a number, got 'x'"),
+    (["--reward-weights", "nan"], "--reward-weights: expected a finite number, got nan"),
+    (["--reward", "exact", "fuzzy"], "--reward: expected exact | regex:PATTERN | module:function, got 'fuzzy'"),
+    (["--reward-model", "/nonexistent"], "--reward-model: expected a local Hugging Face checkpoint folder"),
+])
+def test_bad_reward_flags(argv, message, capsys):
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        from_args(argv)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"rlkernels.train: error: {message.split(':')[0]}")
+
+
+def test_wrong_number_of_weights_is_an_error_before_any_work(tmp_path, capsys):
+    argv = ["--reward", "exact", "regex:(\\d+)", "--reward-weights", "1", "2", "3", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == ("rlkernels.train: error: --reward-weights: expected 2 weights (one per reward: 2 reward functions, "
+                   "in that order), got 3\n") and out == ""
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match=r"^--reward-weights: expected 1 weight \(one per reward: 1 reward function\), "
+                                         r"got 2$"):
+        train(Config(**{**TINY, "out": str(tmp_path / "p"), "reward_weights": [1.0, 2.0]}),
+              reward_fn=length_reward)
+
+
+def test_config_file_lists_and_old_checkpoints(tmp_path):
+    assert Config(reward="exact", reward_weights=2).reward == ["exact"]  # one value, as in checkpoints before lists
+    assert Config(reward="exact").reward_weights == []
+    saved = {**vars(Config()), "reward": "regex:(\\d+)"}  # a checkpoint's config from before several rewards
+    assert loop.merge_resume(Config(resume=str(tmp_path)), saved, explicit=set()).reward == ["regex:(\\d+)"]
+
+
+def test_config_file_takes_a_list(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"reward": ["exact", "regex:(\\d)"], "reward_weights": [1, 0.25]}))
+    cfg, _ = from_args(["--config", str(path)])
+    assert cfg.reward == ["exact", "regex:(\\d)"] and cfg.reward_weights == [1.0, 0.25]
+    path.write_text(json.dumps({"reward_weights": [1, "a"]}))
+    with pytest.raises(ValueError, match="key 'reward_weights': expected a number, got 'a'"):
+        from_args(["--config", str(path)])
+
+
+def test_run_with_two_weighted_functions_logs_each(tmp_path):
+    cfg = Config(**{**TINY, "out": str(tmp_path), "steps": 2, "reward_weights": [2.0, -0.5]})
+    summary = train(cfg, reward_fn=[rewards.task.make_reward("exact"), length_reward])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
+    assert math.isfinite(summary["eval_reward_after"])  # greedy completions' weighted rewards
+    for r in rows:
+        # no None here, so the mean of the sums is the weighted sum of the means
+        assert r["reward_mean"] == pytest.approx(2 * r["rewards/<lambda>/mean"] - 0.5 * r["rewards/length_reward/mean"],
+                                                 abs=1e-6)
+        assert 0 <= r["rewards/length_reward/mean"] <= TINY["max_new_tokens"] and r["rewards/<lambda>/std"] >= 0
+
+
+def test_per_function_metrics_over_the_rows_it_scored(tmp_path):
+    summary, rows = run(tmp_path, steps=1, reward=["exact", "module:test_trainer_rewards:first_digit_reward"])
+    r = rows[0]
+    assert set(k for k in r if k.startswith("rewards/")) == {
+        "rewards/exact/mean", "rewards/exact/std", "rewards/first_digit_reward/mean", "rewards/first_digit_reward/std"}
+    assert 0 <= r["rewards/first_digit_reward/mean"] <= 1 and math.isfinite(r["rewards/first_digit_reward/std"])
+
+
+def test_nan_mean_std_matches_torch():
+    x = torch.tensor([1.0, math.nan, 3.0, 0.5, math.nan], dtype=torch.float64)
+    seen = x[~x.isnan()]
+    mean, std = loop.nan_mean_std(x)
+    assert mean == pytest.approx(float(seen.mean())) and std == pytest.approx(float(seen.std()))
+    assert loop.nan_mean_std(x[1:2]) == (None, None) and loop.nan_mean_std(x[:1]) == (1.0, 0.0)
+
+
+# ---- the reward model
+
+def _reward_model(path, chat_template=None):
+    """A tiny random Llama sequence classifier (one label) and the character tokenizer of test_trainer, saved."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    _local_checkpoint(path)  # the tokenizer (and a causal LM, replaced below)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = chat_template
+    tok.save_pretrained(path)
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)).save_pretrained(path)
+    return tok
+
+
+def _direct(path, texts):
+    """Each text scored alone (no padding) by the model as transformers loads it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [float(model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]) for t in texts]
+
+
+def test_reward_model_scores_prompt_and_completion(tmp_path):
+    _reward_model(tmp_path / "rm")
+    rm = rewards.RewardModel(str(tmp_path / "rm"), CPU)
+    prompts, completions = ["1+2=", "22+33=", "4+4="], ["3", "55", "8 "]
+    got = rm(prompts, completions)
+    assert got == pytest.approx(_direct(tmp_path / "rm", [p + c for p, c in zip(prompts, completions)]), abs=1e-5)
+    assert len(set(got)) == 3  # a random head: different texts, different scores
+    rm.batch = 2  # in batches of 2: the same scores
+    assert rm(prompts, completions) == pytest.approx(got, abs=1e-5)
+    # as one more reward: its own weight after the functions, its folder's name in the metrics
+    r = combined(Config(reward_model=str(tmp_path / "rm"), reward_weights=[2.0, 0.5]), length_reward)
+    totals, parts = r.score(prompts, completions, ["3", "55", "8"])
+    assert r.names == ["length_reward", "rm"] and parts[1] == pytest.approx(got, abs=1e-6)
+    assert totals == pytest.approx([2 * len(c) + 0.5 * s for c, s in zip(completions, got)], abs=1e-6)
+
+
+def test_reward_model_on_conversations_uses_its_chat_template(tmp_path):
+    _reward_model(tmp_path / "rm", chat_template="{% for m in messages %}{{ m['content'] }}={% endfor %}")
+    rm = rewards.RewardModel(str(tmp_path / "rm"), CPU)
+    prompts = [[{"role": "user", "content": "1+2"}], [{"role": "user", "content": "12+3"}]]
+    completions = [[{"role": "assistant", "content": "3"}], [{"role": "assistant", "content": "15"}]]
+    assert rm.texts(prompts, completions) == ["1+2=3=", "12+3=15="]
+    assert rm(prompts, completions) == pytest.approx(_direct(tmp_path / "rm", ["1+2=3=", "12+3=15="]), abs=1e-5)
+    rm.tok.chat_template = None
+    with pytest.raises(ValueError, match="^--reward-model: conversational prompts need a reward tokenizer with a chat"):
+        rm.texts(prompts, completions)
+
+
+def test_reward_model_folder_that_is_not_one(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="^--reward-model: cannot load .*empty"):
+        rewards.RewardModel(str(tmp_path / "empty"), CPU)
+
+
+def test_training_with_a_reward_model(tmp_path, capsys):
+    _reward_model(tmp_path / "rm")
+    out = tmp_path / "o"
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + [
+        "--steps", "2", "--out", str(out), "--reward", "exact", "--reward-model", str(tmp_path / "rm"),
+        "--reward-weights", "1", "0.5"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
+    for r in rows:
+        assert r["reward_mean"] == pytest.approx(r["rewards/exact/mean"] + 0.5 * r["rewards/rm/mean"], abs=1e-5)
+        assert r["rewards/rm/std"] > 0
+    # the reward model alone (no --reward): no exact-match reward
+    summary, rows = run(tmp_path / "alone", steps=1, reward_model=str(tmp_path / "rm"))
+    assert [k for k in rows[0] if k.startswith("rewards/")] == ["rewards/rm/mean", "rewards/rm/std"]
+    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["rewards/rm/mean"], abs=1e-5)

@@ -1,0 +1,206 @@
+"""Rewards as TRL users write them: several reward functions, each with a weight, and a reward model.
+
+A completion's reward is Σ_i w_i · r_i over the functions that scored it: a function may return None
+for a completion it does not apply to (TRL's convention), and that term is left out of the sum (TRL's
+nansum). A completion that no function scored is an error here, where TRL drops it from its group's
+baseline and gives it a zero advantage: this trainer's rewards also feed PPO's GAE, SNIS's baseline,
+PODS and dynamic sampling, none of which has a notion of a row without a reward (docs/design.md §10).
+
+Order: the `--reward` functions (or `train(reward_fn=...)`) in the order given, then `--reward-model`;
+`--reward-weights` lists one weight per entry in that order.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+import os
+import reprlib
+from typing import List, Optional
+
+import torch
+
+from . import task
+from .config import FLOAT32_MAX, Config
+
+DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
+
+
+def checked_reward(reward_fn, name: str, flag: str = "--reward"):
+    """`rewards(prompts, completions, answers) -> list of floats or None` from `reward_fn`: per sample,
+    `reward_fn(prompt, completion, answer) -> float`, or TRL's signature `reward_fn(prompts, completions,
+    **columns) -> list[float]` (one call per batch; the JSONL's `answer` column as `answer=`; a
+    conversation's completions as [{"role": "assistant", "content": text}], as TRL gives them). None is
+    "not applicable". An error names `flag`, `name` and the prompt when it raises or returns anything
+    but None or a finite number within float32 (a NaN reward would silently train nothing)."""
+    try:
+        params = inspect.signature(reward_fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: per sample
+        params = {}
+    trl_style = "prompts" in params and "completions" in params
+
+    def value(r, prompt):
+        if r is None:
+            return None
+        try:
+            v = float(r) if isinstance(r, numbers.Real) else None  # numbers.Real: no list, tensor
+        except OverflowError:  # an int beyond float64
+            v = None
+        if v is None or not abs(v) <= FLOAT32_MAX:
+            raise ValueError(f"{flag}: {name} returned {reprlib.repr(r)} on prompt {prompt!r}; expected a "
+                             f"finite number within float32 range (or None: not applicable)")
+        return v
+
+    def call(prompt, *args, **kwargs):
+        try:
+            return reward_fn(*args, **kwargs)
+        except Exception as e:
+            raise ValueError(f"{flag}: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
+
+    def rewards(prompts, completions, answers):
+        if not trl_style:
+            return [value(call(p, p, c, a), p) for p, c, a in zip(prompts, completions, answers)]
+        completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                       for p, c in zip(prompts, completions)]
+        out = call(prompts[0], prompts=prompts, completions=completions, answer=answers)
+        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+            raise ValueError(f"{flag}: {name} returned {reprlib.repr(out)} for {len(prompts)} completions; "
+                             f"expected a list of {len(prompts)} numbers (TRL's signature)")
+        return [value(r, p) for r, p in zip(out, prompts)]
+
+    return rewards
+
+
+class RewardModel:
+    """`--reward-model PATH`: a local sequence-classification model (one label) scoring prompt + completion.
+
+    A plain prompt is scored as the text `prompt + completion`; a conversation as the reward tokenizer's
+    chat template over its messages and an assistant message holding the completion (as TRL scores
+    them). Rows are right-padded and scored in batches, without gradients, on the trainer's device and
+    under its autocast; the reward is logits[:, 0]."""
+
+    batch = 64
+
+    def __init__(self, path: str, place):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, local_files_only=True, torch_dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--reward-model: cannot load {path!r} as a Hugging Face sequence classifier "
+                             f"with one label ({e})") from None
+        if self.tok.pad_token_id is None:  # padding is needed to batch; the model reads the last non-pad token
+            self.tok.pad_token = self.tok.eos_token
+        if self.tok.pad_token_id is None:
+            raise ValueError(f"--reward-model: the tokenizer in {path!r} has neither a pad nor an eos token")
+        self.model.config.pad_token_id = self.tok.pad_token_id
+        self.model.to(place.device).eval().requires_grad_(False)
+        self.place = place
+
+    def texts(self, prompts, completions) -> List[str]:
+        """What the model reads for each row."""
+        if not isinstance(prompts[0], list):
+            return [p + c for p, c in zip(prompts, completions)]
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError("--reward-model: conversational prompts need a reward tokenizer with a chat template, "
+                             "and this one has none")
+        return [self.tok.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **columns) -> List[float]:  # TRL's signature; the columns unused
+        texts = self.texts(prompts, completions)
+        scores = []
+        for i in range(0, len(texts), self.batch):
+            enc = self.tok(texts[i:i + self.batch], return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False).to(self.place.device)
+            with self.place.autocast():
+                scores += self.model(**enc).logits[:, 0].float().tolist()
+        return scores
+
+
+def _name(fn) -> str:
+    """A callable's name as TRL logs it: a partial's function, else `__name__`, else its class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _spec_name(spec: str, fn) -> str:
+    return spec if spec == "exact" else "regex" if spec.startswith("regex:") else _name(fn)
+
+
+def _unique(names: List[str]) -> List[str]:
+    """Metric names: a repeated name gets _2, _3, ... so that no two functions share a metric."""
+    out = []
+    for n in names:
+        k, new = 1, n
+        while new in out:
+            k += 1
+            new = f"{n}_{k}"
+        out.append(new)
+    return out
+
+
+class Rewards:
+    """The reward of a run: callable as `rewards(prompts, completions, answers) -> list[float]` (the weighted
+    sums); `score` also returns each function's values, None where it did not apply."""
+
+    def __init__(self, fns, names: List[str], labels: List[str], weights: List[float]):
+        self.fns, self.names, self.labels, self.weights = fns, _unique(names), labels, weights
+
+    def score(self, prompts, completions, answers):
+        """(weighted sums, one list of values or None per function)."""
+        parts = [fn(prompts, completions, answers) for fn in self.fns]
+        totals = [self._total(row, p, c) for row, p, c in zip(zip(*parts), prompts, completions)]
+        return totals, parts
+
+    def __call__(self, prompts, completions, answers) -> List[float]:
+        return self.score(prompts, completions, answers)[0]
+
+    def _total(self, row, prompt, completion) -> float:
+        terms = [w * r for w, r in zip(self.weights, row) if r is not None]
+        if not terms:
+            raise ValueError(f"{' and '.join(self.labels)} returned None on prompt {prompt!r} (completion "
+                             f"{completion!r}); some reward must score every completion")
+        total = math.fsum(terms)
+        if not abs(total) <= FLOAT32_MAX:
+            raise ValueError(f"--reward-weights: the weighted reward {total} on prompt {prompt!r} is beyond float32 "
+                             f"range (rewards {list(row)}, weights {self.weights})")
+        return total
+
+
+def reward_functions(cfg: Config, reward_fn=None) -> tuple:
+    """([(callable, metric name, flag, what errors call it)], weights) for the run, without loading the reward model
+    (the caller adds it): checks the number of `--reward-weights` now, before any work."""
+    if reward_fn is not None:
+        given = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+        if not given or not all(callable(f) for f in given):
+            raise ValueError(f"reward_fn: expected a callable or a list of callables, got {reprlib.repr(reward_fn)}")
+        fns = [(f, _name(f), "--reward", getattr(f, "__qualname__", repr(f))) for f in given]
+    else:
+        specs = cfg.reward or (() if cfg.reward_model else (DEFAULT_REWARD,))
+        fns = []
+        for spec in specs:
+            f = task.make_reward(spec)
+            fns.append((f, _spec_name(spec, f), "--reward", spec))
+    n = len(fns) + bool(cfg.reward_model)
+    weights = list(cfg.reward_weights) or [1.0] * n
+    if len(weights) != n:
+        what = f"{len(fns)} reward function{'s' if len(fns) != 1 else ''}"
+        what += (" and --reward-model" if cfg.reward_model else "") + (", in that order" if n > 1 else "")
+        raise ValueError(f"--reward-weights: expected {n} weight{'s' if n != 1 else ''} (one per reward: {what}), "
+                         f"got {len(weights)}")
+    return fns, weights
+
+
+def build(fns, weights: List[float], reward_model: Optional[str], place) -> Rewards:
+    """The run's Rewards: the functions of `reward_functions`, then the reward model loaded on `place`."""
+    fns = list(fns)
+    if reward_model:
+        name = os.path.basename(os.path.normpath(reward_model))
+        fns.append((RewardModel(reward_model, place), name, "--reward-model", reward_model))
+    checked = [checked_reward(f, what, flag) for f, _, flag, what in fns]
+    return Rewards(checked, [n for _, n, _, _ in fns], [f"{flag}: {what}" for _, _, flag, what in fns], weights)
