@@ -32,7 +32,8 @@ _check_lock = threading.Lock()
 
 # config attribute → how it enters the logits: "mul"/"div" by a scalar (folded into τ), or rejected.
 _SCALES = {"logit_scale": "mul", "logits_scaling": "div"}
-_REJECTED = ("final_logit_softcapping", "lm_head_multiplier", "output_multiplier", "output_logits_scaling")
+_REJECTED = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "lm_head_multiplier",
+             "output_multiplier", "output_logits_scaling")
 
 
 def _configs(config):
@@ -119,10 +120,18 @@ def _check_tokens(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor
 
 def backbone_outputs(model, *args, **kwargs):
     """The outputs of a HF causal LM's backbone (its decoder, without the head)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if decoder is None or decoder is model:
-        raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
-    return decoder(*args, use_cache=False, **kwargs)
+    return _backbone(model)(*args, use_cache=False, **kwargs)
+
+
+def _backbone(model):
+    """`get_decoder()`, else `.model`: some classes answer get_decoder() with themselves (Llama 4, Mllama) or
+    with their output layer (ModernBERT's decoder), neither of which is the backbone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for decoder in (model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)):
+        if decoder is not None and decoder is not model and decoder is not head and \
+                not isinstance(decoder, torch.nn.Linear):
+            return decoder
+    raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
 
 
 def last_hidden_state(outputs):
@@ -186,6 +195,10 @@ def _hidden_state_logprobs(model, input_ids, attention_mask, keep=None, *, tempe
     keep = T - 1 if keep is None else keep
     head = model.get_output_embeddings()
     hidden = backbone_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
+    if hidden.shape[-1] != head.weight.shape[1]:
+        raise ValueError(f"model: {type(model).__name__}'s backbone gives hidden states of width {hidden.shape[-1]} but "
+                         f"its output embedding takes {head.weight.shape[1]}: its head transforms the hidden states "
+                         "first; use token_logprobs on model(...).logits instead")
     hidden = hidden[:, T - 1 - keep : T - 1].to(head.weight.dtype)  # position t scores token t + 1
     return linear_token_logprobs(hidden, head.weight, input_ids[:, T - keep :], bias=head.bias,
                                  temperature=output_temperature(model.config, temperature),
