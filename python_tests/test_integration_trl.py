@@ -98,6 +98,8 @@ IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]
 VESPO_IS_CASE = ("vespo", "token", 0.03, 0.04)
 OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
 # TRL's entropy bonus is its own token mean: mapped for the loss types whose policy term is a token mean too
+# ragged completions, where TRL's metrics count rows at sequence level and tokens at token level
+RAGGED_CASES = [("grpo", "sequence", 0.03, 0.04), ("dapo", "token", 0.03, 0.04), ("cispo", "sequence", 1.02, 0.0)]
 ENTROPY_CASES = [("dapo", "token", 0.03, 0.04), ("bnpo", "sequence", 0.03, 0.0), ("cispo", "token", 1.02, 0.04),
                  ("vespo", "token", 0.03, 0.04)]
 
@@ -200,6 +202,15 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
                 trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
                 inputs.pop("importance_sampling_ratio", None)
         if not bf16:
+            full = inputs["completion_mask"]
+            ragged = full.clone()
+            ragged[::2, -3:] = 0
+            inputs["completion_mask"] = ragged
+            try:
+                for case in RAGGED_CASES:
+                    compare(model, inputs, params, *case, what=" ragged completions")
+            finally:
+                inputs["completion_mask"] = full
             trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.05, True
             try:
                 for case in ENTROPY_CASES:
@@ -212,7 +223,8 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) \
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) + \
+        len(RAGGED_CASES) \
         if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
