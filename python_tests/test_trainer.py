@@ -4,6 +4,7 @@ checkpoints (kills and signals: test_trainer_faults.py; several processes and gr
 checkpointing: test_trainer_parallel.py).
 
 Runs use a 1-layer, 32-wide Llama on 1-digit addition: a few seconds each on 2 cores."""
+import contextlib
 import json
 import math
 import os
@@ -592,3 +593,50 @@ def test_rewards_with_trl_signature(tmp_path):
     with pytest.raises(ValueError, match=r"^--reward: module:test_trainer:trl_style_short_reward returned \[1.0\] "
                                          r"for \d+ completions"):
         run(tmp_path / "c", steps=1, warmup_steps=0, reward="module:test_trainer:trl_style_short_reward")
+
+
+class _Place:
+    device = torch.device("cpu")
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+
+class _CappedLlama(__import__("transformers").LlamaForCausalLM):
+    """A forward that changes its logits with no config attribute saying so."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 2 * torch.tanh(out.logits / 2)
+        return out
+
+
+def test_the_trainer_reads_a_model_head_as_generate_samples_it():
+    """`generate` samples through the model's forward; the trainer reads trunk and lm_head: a logit scale is folded
+    into the temperature (Granite divides its logits by logits_scaling), anything else is refused before training."""
+    import transformers
+
+    from rlkernels.trainer.loop import head_temperature, token_logp
+
+    small = dict(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**small, logits_scaling=4.0)).eval()
+    with torch.no_grad():
+        granite.lm_head.weight.mul_(30)
+    tau = head_temperature(granite, 0.7, _Place())
+    assert tau == pytest.approx(0.7 * 4.0)
+    ids = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = torch.log_softmax(granite(input_ids=ids).logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])
+    torch.testing.assert_close(token_logp(granite, ids, mask, 1, tau)[0], expected.squeeze(-1), rtol=1e-5, atol=1e-5)
+
+    capped = _CappedLlama(transformers.LlamaConfig(**small))
+    with torch.no_grad():
+        capped.lm_head.weight.mul_(30)
+    with pytest.raises(ValueError, match="_CappedLlama.*nats away"):
+        head_temperature(capped, 1.0, _Place())
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, head_dim=8, final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        head_temperature(gemma, 1.0, _Place())

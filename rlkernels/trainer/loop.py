@@ -34,6 +34,7 @@ import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
+from ..integrations.transformers import check_head, output_temperature
 from . import device, export, report, rewards as rewards_lib, task
 from .config import Config, _flag, describe, validate
 
@@ -124,6 +125,20 @@ class Critic(nn.Module):
     def forward(self, actor_hidden, seq, attn, P):
         h = actor_hidden if self.trunk is None else hidden_states(self.trunk, seq, attn)[:, P - 1:-1]
         return self.head(h).squeeze(-1).float()
+
+
+def head_temperature(model, temperature: float, place) -> float:
+    """The temperature at which `lm_head(trunk(...))` gives the log-probs `generate` samples from at `temperature`.
+
+    The trainer reads the trunk and the head directly while `generate` samples through the model's forward:
+    a scale the config announces (Cohere's `logit_scale`, Granite's `logits_scaling`) is folded in, an
+    announced cap is refused by name, and anything else the forward does to its logits is caught by the
+    integration's head check (a few tokens both ways) before any training. Draws no random numbers."""
+    tau = output_temperature(model.config, temperature)
+    ids = (torch.arange(16, device=place.device) % model.config.vocab_size)[None]
+    with place.autocast():
+        check_head(model, ids, torch.ones_like(ids), lambda i, m: token_logp(model, i, m, 1, tau)[0], temperature)
+    return tau
 
 
 @torch.no_grad()
@@ -534,6 +549,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if not cfg.model:
         policy = task.tiny_model(cfg, tok, prompt_len)
     policy.to(place.device)  # built on the CPU, so a seed gives the same weights on every device
+    head_tau = head_temperature(policy, cfg.temperature, place)
     if cfg.gradient_checkpointing:
         enable_checkpointing(policy)
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
@@ -601,7 +617,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
-    engine = update_engine(UpdateForward(policy, critic, loss_cfg, cfg.temperature, cfg.loss_path), place,
+    engine = update_engine(UpdateForward(policy, critic, loss_cfg, head_tau, cfg.loss_path), place,
                            find_unused=cfg.dynamic_sampling)
     if eval_before is None:
         eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
@@ -695,8 +711,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             # (not generate's scores: the same forward as the update, so the first ratio is 1 up
             # to rounding; test_trainer checks it equals generate's own τ-softmax of the logits.)
             with place.autocast():
-                old_logp, h = token_logp(policy, seq, attn, P, cfg.temperature)
-                ref_logp = token_logp(ref, seq, attn, P, cfg.temperature)[0] if ref is not None else None
+                old_logp, h = token_logp(policy, seq, attn, P, head_tau)
+                ref_logp = token_logp(ref, seq, attn, P, head_tau)[0] if ref is not None else None
 
             # ==== 4. advantages ===============================================================
             if algo_ppo:
