@@ -139,6 +139,11 @@ TOKEN_CONFIGS = {
                                 clip_high=0.3, kl_estimator="k3", kl_coef=0.1, entropy_coef=0.02),
     "kl_cov+k2": dict(ratio="token", objective="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.3, kl_estimator="k2",
                       kl_coef=0.1, agg="seq_mean_token_mean"),
+    # the entropy bonus as the call's own token mean, apart from the loss's aggregation (TRL's)
+    "entropy_token_mean": dict(ratio="token", kl_estimator="k3", kl_coef=0.05, entropy_coef=0.05,
+                               entropy_agg="token_mean", agg="seq_mean_token_mean"),
+    "kl_cov+entropy_token_mean": dict(ratio="token", objective="kl_cov", kl_cov_ratio=0.2, entropy_coef=0.05,
+                                      entropy_agg="token_mean", agg="constant", norm_length=9),
 }
 
 
@@ -188,6 +193,8 @@ SEQUENCE_CONFIGS = {
                              kl_bias_correction=True, kl_bias_ratio="sequence"),
     "grpo_kl_bias_row": dict(ratio="token", kl_estimator="k3", kl_coef=0.1, kl_bias_correction=True,
                              kl_bias_ratio="sequence", agg="seq_mean_token_mean"),
+    "gspo_entropy_token_mean": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, entropy_coef=0.05,
+                                    entropy_agg="token_mean", agg="seq_mean_token_sum"),
     # a log-ratio clamp that binds on some rows (FSPO: the summed log-ratio; GMPO: tokens), asymmetric bands
     "fspo_clamped": dict(ratio="sequence_sum", fspo_c_low=0.05, fspo_c_high=0.2, log_ratio_clamp=0.3,
                          kl_estimator="k3", kl_coef=0.05),

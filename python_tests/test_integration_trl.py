@@ -97,11 +97,12 @@ IS_CASES = [c for c in CASES[::3] if c[0] != "vespo"]
 # TRL's vespo folds vLLM IS into its sequence ratio, and takes the token-level modes only
 VESPO_IS_CASE = ("vespo", "token", 0.03, 0.04)
 OPSM_CASES = [("dapo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("cispo", "token", 1.02, 0.04)]
-# TRL's entropy bonus is its own token mean: mapped for the loss types whose policy term is a token mean too
 # ragged completions, where TRL's metrics count rows at sequence level and tokens at token level
 RAGGED_CASES = [("grpo", "sequence", 0.03, 0.04), ("dapo", "token", 0.03, 0.04), ("cispo", "sequence", 1.02, 0.0)]
+# TRL's entropy bonus is its own token mean, apart from every loss type's aggregation
 ENTROPY_CASES = [("dapo", "token", 0.03, 0.04), ("bnpo", "sequence", 0.03, 0.0), ("cispo", "token", 1.02, 0.04),
-                 ("vespo", "token", 0.03, 0.04)]
+                 ("vespo", "token", 0.03, 0.04), ("grpo", "sequence", 0.03, 0.04), ("dr_grpo", "token", 0.03, 0.0),
+                 ("sapo", "token", 0.03, 0.04), ("luspo", "sequence", 0.03, 0.04)]
 
 
 def _grads(loss, params):
@@ -263,7 +264,7 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
     assert rk_trl.loss_config(trainer)[0].kl_bias_ratio == "sequence"  # mapped
-    trainer._entropy_bonus_enabled = True  # a token mean of its own, unlike grpo's per-row means
+    trainer._entropy_bonus_enabled, trainer.use_adaptive_entropy = True, True  # TRL's controller stays TRL's
     cfg, why = rk_trl.loss_config(trainer)
     assert cfg is None and "entropy bonus" in why
     with warnings.catch_warnings(record=True) as caught:

@@ -206,11 +206,12 @@ def _kwargs(inputs, config, on_policy=False):
     return kw
 
 
-def _compare_with_logits_path(name, backend, dtype, bias, chunk_size, on_policy=False, scale=2.5, **extra):
+def _compare_with_logits_path(name, backend, dtype, bias, chunk_size, on_policy=False, scale=2.5, fields=None,
+                              **extra):
     per_token_adv = name in ("ppo", "dapo", "cispo", "gspo_token")
     hidden, weight, b, targets, inputs = _loss_case(dtype=dtype, bias=bias, seed=zlib.crc32(name.encode()) % 1000,
                                                     per_token_adv=per_token_adv)
-    config = preset(name, entropy_coef=0.01)
+    config = preset(name, **{"entropy_coef": 0.01, **(fields or {})})
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     kw = dict(_kwargs(inputs, config, on_policy), **extra)
 
@@ -243,6 +244,13 @@ def _compare_with_logits_path(name, backend, dtype, bias, chunk_size, on_policy=
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_preset_equals_the_logits_path(backend, name, bias):
     _compare_with_logits_path(name, backend, torch.float32, bias, chunk_size=5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["grpo", "gspo", "kl_cov"])  # one pass, the sequence and the covariance steps
+def test_entropy_bonus_as_its_own_token_mean(backend, name):
+    _compare_with_logits_path(name, backend, torch.float32, True, chunk_size=5,
+                              fields=dict(entropy_coef=0.05, entropy_agg="token_mean"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

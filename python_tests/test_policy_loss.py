@@ -51,6 +51,8 @@ OPTIONS = [
     ("luspo", dict(clip_low=0.1, clip_high=0.1)),
     ("vespo", dict(vespo_k_pos=0.5, vespo_lambda_pos=0.0, vespo_k_neg=1.0, vespo_lambda_neg=5.0)),
     ("vespo", dict(agg="seq_mean_token_mean")),
+    ("grpo", dict(entropy_coef=0.05, entropy_agg="token_mean")),  # the bonus as its own token mean
+    ("gspo", dict(entropy_coef=0.03, entropy_agg="token_mean", agg="seq_mean_token_sum")),
 ]
 
 

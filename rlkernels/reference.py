@@ -12,7 +12,7 @@ import torch
 _CONFIG_DEFAULTS = dict(
     ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, delta=None, dual_clip=None,
     fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
-    kl_bias_correction=False, kl_bias_ratio="token", entropy_coef=0.0, agg="token_mean", norm_length=None,
+    kl_bias_correction=False, kl_bias_ratio="token", entropy_coef=0.0, entropy_agg=None, agg="token_mean", norm_length=None,
     log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
     clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_draw="device", kl_cov_ratio=2e-4,
     kl_cov_coef=0.1, dro_beta=None,
@@ -374,7 +374,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         # §7 entropy bonus (gradient flows into H)
         if entropy is not None:
             H = tok(entropy.to(dt), i)
-            if _cfg(config, "entropy_coef") != 0:
+            if _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") is None:
                 loss_tok = loss_tok - _cfg(config, "entropy_coef") * H
             m_ent.append(H)
         row_losses.append(loss_tok)
@@ -389,6 +389,9 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     zero = logp[valid].sum() * 0                    # keeps the graph when there are no rows
     loss = _aggregate(row_losses, _cfg(config, "agg"), T, zero, num_items, num_seqs,
                       _cfg(config, "norm_length"))
+    if entropy is not None and _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") == "token_mean":
+        every_h = torch.cat([h.reshape(-1) for h in m_ent] + [zero.reshape(1)])   # §7: its own token mean
+        loss = loss - _cfg(config, "entropy_coef") * every_h.sum() / max(every_h.numel() - 1, 1)
     low_frac, high_frac = _masked_metric(m_low, dt), _masked_metric(m_high, dt)
     metrics = dict(
         kl=_masked_metric(m_kl, dt), clip_frac=low_frac + high_frac, clip_frac_low=low_frac,

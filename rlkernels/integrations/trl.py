@@ -35,11 +35,9 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
-entropy bonus with `grpo`, `dr_grpo`, `sapo` or `luspo`, an adaptive one, or one with
-`top_entropy_quantile < 1` (TRL normalises the bonus as a token mean of its own: that is rlkernels'
-per-token entropy term with a rescaled coefficient only where the policy term is a token mean too,
-`bnpo`, `dapo`, `cispo`, `vespo`, which are mapped, with TRL's `policy_loss` and `entropy_coef`
-metrics); a MoE auxiliary loss of a model that does not form it with its module's
+adaptive entropy bonus, or one with `top_entropy_quantile < 1` (a static bonus is mapped, for every
+loss type: TRL normalises it as a token mean of its own, `entropy_agg="token_mean"` with
+c_H = coef / G, with TRL's `policy_loss` and `entropy_coef` metrics); a MoE auxiliary loss of a model that does not form it with its module's
 `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
 it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
@@ -96,7 +94,7 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (getattr(trainer, "_entropy_bonus_enabled", False) and not _entropy_bonus_mapped(trainer),
-         "an entropy bonus (mapped for the token-mean loss types, static coefficient, every token)"),
+         "an adaptive entropy bonus, or one on the high-entropy tokens only"),
         (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
          "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -134,19 +132,18 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
 
 
 def _entropy_bonus_mapped(trainer) -> bool:
-    """TRL's entropy bonus −coef·Σ m H / (max(Σ m, 1)·G) is its own token mean, whatever the loss type. It is
-    rlkernels' per-token term −c_H·w_agg·H with a scalar c_H only where w_agg is a token mean too; TRL's
-    adaptive coefficient and its bonus on the high-entropy tokens alone stay with TRL."""
-    return (_AGG.get(trainer.loss_type) == "token_mean" and not getattr(trainer, "use_adaptive_entropy", False)
-            and trainer.top_entropy_quantile >= 1.0)
+    """TRL's entropy bonus −coef·Σ m H / (max(Σ m, 1)·G) is its own token mean, whatever the loss type:
+    `entropy_agg="token_mean"` with c_H = coef / G. TRL's adaptive coefficient and its bonus on the
+    high-entropy tokens alone stay with TRL."""
+    return not getattr(trainer, "use_adaptive_entropy", False) and trainer.top_entropy_quantile >= 1.0
 
 
-def _entropy_coef(trainer, mask, counts) -> float:
-    """c_H with c_H·w_agg = TRL's coef / (max(Σ m, 1)·G) per token (w_agg = m / num_items); 0 without a bonus."""
+def _entropy_coef(trainer) -> float:
+    """c_H of TRL's bonus as rlkernels' separately aggregated entropy term; 0 without a bonus."""
     if not getattr(trainer, "_entropy_bonus_enabled", False):
         return 0.0
     accum = trainer.current_gradient_accumulation_steps if trainer.model.training else 1.0
-    return float(trainer.entropy_coef) * counts["num_items"] / (max(float(mask.sum()), 1.0) * accum)
+    return float(trainer.entropy_coef) / accum
 
 
 def _counts(trainer, loss_type, mask, inputs) -> dict:
@@ -304,9 +301,9 @@ def compute_loss(self, model, inputs):
     mask = mask.bool()
     keep = completion_ids.size(1)
     counts = _counts(self, self.loss_type, mask, inputs)
-    entropy_coef = _entropy_coef(self, mask, counts)
+    entropy_coef = _entropy_coef(self)
     if entropy_coef:
-        cfg = cfg.replace(entropy_coef=entropy_coef)
+        cfg = cfg.replace(entropy_coef=entropy_coef, entropy_agg="token_mean")
     # TRL's vLLM importance sampling correction: its truncated or masked ratio times the policy term.
     vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
     is_weights = inputs["importance_sampling_ratio"] if vllm_is else None

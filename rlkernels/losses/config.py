@@ -51,6 +51,9 @@ class PolicyLossConfig:
     # ratio exp(mean_t (ℓ − ℓ_old)) (TRL's use_bias_correction_kl with importance_sampling_level="sequence")
     kl_bias_ratio: str = "token"
     entropy_coef: float = 0.0
+    # how the entropy bonus is aggregated: None, as the loss (c_H·H in each token's loss); "token_mean", the
+    # mean of H over the call's masked tokens whatever the loss's aggregation and counts (TRL's bonus)
+    entropy_agg: Optional[str] = None
     agg: str = "token_mean"
     norm_length: Optional[int] = None
     log_ratio_clamp: float = 20.0
@@ -133,6 +136,8 @@ class PolicyLossConfig:
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
         check_choice("kl_bias_ratio", self.kl_bias_ratio, ("token", "sequence"))
         check_real("entropy_coef", self.entropy_coef)
+        if self.entropy_agg is not None:
+            check_choice("entropy_agg", self.entropy_agg, ("token_mean",))
         check_int("norm_length", self.norm_length, 1, optional=True)
         if self.agg == "constant" and self.norm_length is None:
             raise ValueError(

@@ -8,7 +8,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor
 from . import surrogates
-from .aggregation import aggregate
+from .aggregation import aggregate, masked_mean
 from .config import PolicyLossConfig
 from .inputs import LossInputs
 from .kl import kl_estimate
@@ -69,6 +69,8 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                      norm_length=config.norm_length)
+    if separate_entropy_bonus(config):  # the call's own token mean, apart from the loss's aggregation
+        loss = loss - config.entropy_coef * masked_mean(entropy, b.mask)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     with torch.no_grad():
         approx_kl = kl_estimate(b.old_logp, b.logp, "k3", config.log_ratio_clamp)
@@ -156,6 +158,11 @@ def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy
             per_token = per_token + cfg.kl_coef * k
         else:  # the metric reports k3 when no KL enters the loss
             k = kl_estimate(ref_logp, b.logp, "k3", cfg.log_ratio_clamp)
-    if entropy is not None and cfg.entropy_coef != 0:
+    if entropy is not None and cfg.entropy_coef != 0 and not separate_entropy_bonus(cfg):
         per_token = per_token - cfg.entropy_coef * entropy
     return per_token, sur, k
+
+
+def separate_entropy_bonus(cfg: PolicyLossConfig) -> bool:
+    """An entropy bonus aggregated apart from the loss (`entropy_agg="token_mean"`), not in each token's loss."""
+    return cfg.entropy_coef != 0 and cfg.entropy_agg is not None

@@ -8,13 +8,15 @@ takes the ratio, by `_covariance_step` for Clip-Cov and KL-Cov, else by the `(B,
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import evaluate
+from ..losses.policy_loss import evaluate, separate_entropy_bonus
 from ._covariance_step import covariance_step, evaluates as covariance_step_evaluates
 from ._sequence_step import evaluates as sequence_step_evaluates, sequence_step
 from .token_loss_params import token_loss_params
@@ -41,14 +43,33 @@ def loss_from_stats(stats: torch.Tensor, inputs: LossInputs) -> LossOutput:
     return LossOutput(sums[0], metrics)
 
 
+def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype) -> Optional[torch.Tensor]:
+    """∂/∂H flat `(N,)` of an entropy bonus aggregated apart from the loss (`entropy_agg="token_mean"`: −c_H
+    over the call's masked-token count), or None when the bonus is in each token's loss (the kernels' term)."""
+    if not separate_entropy_bonus(config):
+        return None
+    mask = inputs.mask.reshape(-1)
+    return torch.where(mask, -config.entropy_coef / mask.sum().clamp(min=1).to(dtype), 0.0)
+
+
+def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
+    """(out, ∂loss/∂H) with an entropy bonus aggregated apart from the loss added, which the kernels left out."""
+    bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype)
+    if bonus_grad is None:
+        return out, grad_h
+    value = (bonus_grad * torch.where(inputs.mask.reshape(-1), entropy, 0.0)).sum()  # padding may hold NaN
+    return LossOutput(out.loss + value, out.metrics), bonus_grad
+
+
 def row_grads(kernels, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
     """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values:
     by the backend's `policy_token_loss` where `_sequence_step` or `_covariance_step` takes the config, else by
     autograd of `losses/`."""
-    if sequence_step_evaluates(kernels, config):
-        return sequence_step(kernels, logp, entropy, inputs, config)
-    if covariance_step_evaluates(kernels, config):
-        return covariance_step(kernels, logp, entropy, inputs, config)
+    for evaluates, step in ((sequence_step_evaluates, sequence_step), (covariance_step_evaluates, covariance_step)):
+        if evaluates(kernels, config):
+            out, grad, grad_h = step(kernels, logp, entropy, inputs, config)
+            out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config)
+            return out, grad, grad_h
     need_h = config.entropy_coef != 0
     with torch.enable_grad():
         logp_leaf = logp.detach().view(inputs.mask.shape).requires_grad_(True)

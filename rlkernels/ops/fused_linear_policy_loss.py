@@ -25,7 +25,7 @@ from torch import Tensor
 from ..kernels.token_loss_params import NUM_STATS
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ..losses.inputs import LossInputs
-from ._loss_step import kernel_inputs, loss_from_stats, row_grads
+from ._loss_step import entropy_bonus_grad, kernel_inputs, loss_from_stats, row_grads, with_entropy_bonus
 from ._precomputed_grad import attach_grads
 from .._dtypes import acc_dtype
 from ._linear_head import LinearHead, head_spec
@@ -94,15 +94,20 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
     """Token-level: per chunk, the fused forward kernel, then the backward kernel in place."""
     per_row, params = kernel_inputs(inputs, config)
     need_h = config.entropy_coef != 0
+    bonus_grad = entropy_bonus_grad(inputs, config, inputs.dtype)  # a bonus apart from the loss: known up front
     stats = torch.empty(head.n, NUM_STATS, dtype=inputs.dtype, device=head.hidden.device)
     logps, entropies = [], []  # the chunks' own outputs, joined once at the end (not a copy per chunk)
     for s, e in head.chunks():
         buf = head.logits(s, e)
         logp, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
+        if bonus_grad is not None:
+            grad_entropy = bonus_grad[s:e]
         head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, grad_entropy if need_h else None, grads)
         logps.append(logp)
         entropies.append(entropy)
-    return loss_from_stats(stats, inputs), _joined(logps, stats), _joined(entropies, stats), head.finish(grads)
+    entropy = _joined(entropies, stats)
+    out, _ = with_entropy_bonus(loss_from_stats(stats, inputs), None, entropy, inputs, config)
+    return out, _joined(logps, stats), entropy, head.finish(grads)
 
 
 def _joined(chunks, like: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ..losses.inputs import LossInputs
 from ._logits_grad import deferred_logits_grad
-from ._loss_step import kernel_inputs, loss_from_stats, row_grads
+from ._loss_step import kernel_inputs, loss_from_stats, row_grads, with_entropy_bonus
 from .._dtypes import acc_dtype
 from ._rows import check_logits_args, row_blocks, run_blocks
 from .token_logprobs import token_logprobs
@@ -105,8 +105,9 @@ def _kernel_loss(kernels, blocks, targets, inputs: LossInputs, config, temperatu
     per_row, params = kernel_inputs(inputs, config)
     logp, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
         kernels.policy_token_fwd, blocks, [targets, *per_row], temperature, params)
+    out, grad_entropy = with_entropy_bonus(loss_from_stats(stats, inputs), grad_entropy, entropy, inputs, config)
     rows = (lse_parts, entropy, grad_logp, grad_entropy if config.entropy_coef != 0 else None)
-    return loss_from_stats(stats, inputs), logp, rows
+    return out, logp, rows
 
 
 def _general_loss(kernels, blocks, targets, inputs: LossInputs, config, temperature):
