@@ -2,7 +2,8 @@
 
 With no arguments: the offline demo (a tiny Llama learns 2-digit addition: a supervised
 warm-up, then GRPO raises held-out greedy accuracy). `--algo ppo|grpo|gspo|...`, `--config
-FILE.json`, `--resume DIR`; every field of `rlkernels.trainer.Config` is a flag (`--help`).
+FILE.json|FILE.yaml` (flags override it), `--resume DIR`; every field of `rlkernels.trainer.Config` is a
+flag (transformers.HfArgumentParser; `--help` lists them).
 `--device auto|cpu|cuda|cuda:N` (auto: cuda when available), `--dtype auto|float32|bfloat16` (auto:
 bfloat16 on a GPU that has it, else float32): float32 weights and optimizer state, the forward
 passes under autocast. Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data
@@ -19,10 +20,9 @@ def main(argv=None) -> int:
     from .trainer import config as C
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
+    if "-h" in argv or "--help" in argv:  # anywhere on the command line, before any other check
         print(__doc__)
-        print("flags (default):")
-        print(C.describe(C.Config()).replace("  ", "  --", 1).replace("\n  ", "\n  --"))
+        print(C.help_text())
         return 0
     try:
         cfg, explicit = C.from_args(argv)

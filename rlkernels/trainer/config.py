@@ -1,16 +1,19 @@
-"""The trainer's flat config: one dataclass, overridden by a JSON file and by `--key value` flags.
+"""The trainer's flat config: one dataclass, overridden by a JSON or YAML file and by `--key value` flags
+(parsed by transformers.HfArgumentParser, with a small adapter: see `build_parser`).
 
-Precedence: defaults < `--config FILE.json` < flags. On `--resume DIR` the checkpoint's config
+Precedence: defaults < `--config FILE.json|FILE.yaml` < flags. On `--resume DIR` the checkpoint's config
 replaces the defaults (flags still win, e.g. `--steps` to train further).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import importlib.util
 import json
 import math
 import os
+import re
 import typing
 from typing import List, Optional
 
@@ -22,79 +25,95 @@ FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and reward
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
 
 
+def _field(default, help: str, **metadata):
+    """A Config field with its `--help` line (HfArgumentParser reads `metadata["help"]`)."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclasses.dataclass
 class Config:
     # run
-    out: str = ""                  # output folder; "" = runs/<timestamp>
-    seed: int = 0
-    threads: int = 0               # torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks
-    resume: str = ""               # a run folder (or checkpoint file) to continue exactly
-    progress: bool = True          # tqdm bar
-    device: str = "auto"           # auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun
-                                   # cuda is cuda:LOCAL_RANK. A resumed run takes this from its own flags
-    dtype: str = "auto"            # forward passes under autocast: auto (bfloat16 on a GPU that has it,
-                                   # else float32) | float32 | bfloat16; weights stay float32
+    out: str = _field("", "output folder; \"\" = runs/<timestamp>")
+    seed: int = _field(0, "random seed (0 to 2**32 - 1)")
+    threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks")
+    resume: str = _field("", "a run folder (or checkpoint file) to continue exactly")
+    progress: bool = _field(True, "show a tqdm progress bar (--progress false to hide it)")
+    device: str = _field("auto", "auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun cuda is "
+                                 "cuda:LOCAL_RANK. A resumed run takes this from its own flags")
+    dtype: str = _field("auto", "forward passes under autocast: auto (bfloat16 on a GPU that has it, else float32) | "
+                                "float32 | bfloat16; weights stay float32")
     # model; "" = the built-in tiny Llama with a character tokenizer (offline demo)
-    model: str = ""
-    n_layer: int = 2
-    n_embd: int = 128
-    n_head: int = 4
-    lora_rank: int = 0             # > 0: train LoRA adapters through peft
-    lora_alpha: float = 16.0
-    lora_target: str = "all-linear"  # LoRA modules: all-linear (every linear layer but the head) or name,name,...
-    merge_lora: bool = False       # save the merged weights, not the adapter (the demo model is always merged)
-    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward (HF's, non-reentrant):
-                                          # less memory for longer sequences, about one more forward of time
+    model: str = _field("", "a local Hugging Face causal-LM folder; \"\" = the built-in tiny Llama with a character "
+                            "tokenizer (the offline demo)")
+    n_layer: int = _field(2, "demo model only: layers")
+    n_embd: int = _field(128, "demo model only: hidden size (a multiple of --n-head)")
+    n_head: int = _field(4, "demo model only: attention heads")
+    lora_rank: int = _field(0, "> 0: train LoRA adapters of this rank through peft")
+    lora_alpha: float = _field(16.0, "LoRA alpha")
+    lora_target: str = _field("all-linear", "LoRA modules: all-linear (every linear layer but the head) or name,name,...")
+    merge_lora: bool = _field(False, "save the merged weights, not the adapter (the demo model is always merged)")
+    gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
+                                                 "non-reentrant): less memory for longer sequences, about one more "
+                                                 "forward of time")
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
-    prompts: str = ""              # JSONL of {"prompt": str or [{"role", "content"}, ...], "answer": ...}
+    prompts: str = _field("", "JSONL of {\"prompt\": str or [{\"role\", \"content\"}, ...], \"answer\": ...}; \"\" = the "
+                              "demo's synthetic addition \"a+b=\" (required with --model)")
     # rewards: exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float, or TRL's
     # (prompts, completions, **columns) -> list[float]; None = not applicable to that completion); several
     # as --reward A B or --reward A --reward B; none given = exact (none at all with --reward-model)
-    reward: List[str] = dataclasses.field(default_factory=list)
-    reward_model: str = ""         # a local sequence-classification model (one label) scoring prompt + completion
+    reward: List[str] = _field([], "exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float, "
+                                   "or TRL's (prompts, completions, **columns) -> list[float]; None = not applicable "
+                                   "to that completion); several as --reward A B or --reward A --reward B; none "
+                                   "given = exact (none at all with --reward-model)", action="extend")
+    reward_model: str = _field("", "a local sequence-classification model folder (one label) scoring prompt + "
+                                   "completion")
     # one weight per reward, the --reward functions then --reward-model; [] = all 1.0. A completion's reward
     # is Σ weight·reward over those that did not return None
-    reward_weights: List[float] = dataclasses.field(default_factory=list)
-    digits: int = 2
-    eval_size: int = 256           # held-out prompts, greedy exact-match
+    reward_weights: List[float] = _field([], "one weight per reward, the --reward functions then --reward-model; "
+                                             "none = all 1.0. A completion's reward is the sum of weight·reward over "
+                                             "those that did not return None", action="extend")
+    digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
+    eval_size: int = _field(256, "held-out prompts, greedy exact-match")
     # supervised warm-up (demo task only): leaves room for RL to improve
-    warmup_steps: int = 250
-    warmup_batch: int = 64
-    warmup_lr: float = 1e-3
+    warmup_steps: int = _field(250, "demo model only: supervised warm-up steps before RL (leaves room for RL to improve)")
+    warmup_batch: int = _field(64, "demo model only: warm-up batch size")
+    warmup_lr: float = _field(1e-3, "demo model only: warm-up learning rate")
     # RL
-    algo: str = "grpo"             # a preset of rlkernels.presets (ppo, grpo, gspo, ...)
-    steps: int = 150
-    prompts_per_step: int = 32
-    num_generations: int = 8       # completions per prompt (the GRPO group)
-    max_new_tokens: int = 4
-    temperature: float = 0.7       # < 1: samples nearer the greedy policy that eval measures
-    lr: float = 1e-4
-    lr_warmup_steps: int = 5       # RL learning rate ramps linearly from lr/N to lr over the first N steps
-    epochs: int = 1                # μ: optimisation passes over each rollout batch
-    minibatches: int = 2           # optimizer steps per epoch (split by prompt groups)
-    max_grad_norm: float = 1.0
-    kl_coef: Optional[float] = None       # None = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)
-    kl_target: Optional[float] = None     # PPO: adaptive β towards this KL; None = fixed β
-    clip_low: Optional[float] = None      # None = the preset's
-    clip_high: Optional[float] = None
-    entropy_coef: float = 0.0
-    loss_path: str = "linear"      # linear (from hidden states, no logits) | fused (fused_policy_loss) | split
+    algo: str = _field("grpo", "a preset of rlkernels.presets: " + ", ".join(ALGOS))
+    steps: int = _field(150, "RL steps")
+    prompts_per_step: int = _field(32, "prompts per RL step (per rank)")
+    num_generations: int = _field(8, "completions per prompt (the GRPO group)")
+    max_new_tokens: int = _field(4, "completion length at most")
+    temperature: float = _field(0.7, "sampling temperature; < 1: samples nearer the greedy policy that eval measures")
+    lr: float = _field(1e-4, "RL learning rate")
+    lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
+    epochs: int = _field(1, "μ: optimisation passes over each rollout batch")
+    minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
+    max_grad_norm: float = _field(1.0, "gradient clipping norm")
+    kl_coef: Optional[float] = _field(None, "none = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)")
+    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL; none = fixed β")
+    clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
+    clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
+    entropy_coef: float = _field(0.0, "entropy bonus coefficient")
+    loss_path: str = _field("linear", "linear (from hidden states, no logits) | fused (fused_policy_loss) | split")
     # PPO critic
-    critic: str = "shared"         # shared (value head on the actor trunk) | separate (own trunk)
-    vf_coef: float = 0.5
-    vf_clip: Optional[float] = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
+    critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)")
+    vf_coef: float = _field(0.5, "PPO value-loss coefficient")
+    vf_clip: Optional[float] = _field(0.2, "PPO value clip; none = unclipped")
+    gamma: float = _field(1.0, "PPO discount, in [0, 1]")
+    lam: float = _field(0.95, "PPO GAE λ, in [0, 1]")
     # options
-    pods_keep: int = 0             # > 0: PODS, keep m of the num_generations rollouts per prompt
-    dynamic_sampling: bool = False # DAPO: drop groups whose rewards are all equal, sample more to refill
-    max_gen_batches: int = 4       # dynamic sampling: rollout batches per step at most (then train on what is kept)
-    overlong_buffer: int = 0       # > 0: DAPO overlong penalty over the last `buffer` tokens
-    tree: bool = False             # Tree-GRPO: branch continuations from sampled prefixes
-    tree_roots: int = 2            # trees per prompt (num_generations = roots × branches)
+    pods_keep: int = _field(0, "> 0: PODS, keep m of the num_generations rollouts per prompt")
+    dynamic_sampling: bool = _field(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
+    max_gen_batches: int = _field(4, "dynamic sampling: rollout batches per step at most (then train on what is kept)")
+    overlong_buffer: int = _field(0, "> 0: DAPO overlong penalty over the last `buffer` tokens")
+    tree: bool = _field(False, "Tree-GRPO: branch continuations from sampled prefixes")
+    tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
     # logging / checkpoints
-    eval_every: int = 20
-    ckpt_every: int = 50
+    eval_every: int = _field(20, "evaluate every N steps")
+    ckpt_every: int = _field(50, "checkpoint every N steps")
 
     def __post_init__(self):
         # a field of several values also takes one (Config(reward="exact"), and checkpoints from before the
@@ -166,72 +185,161 @@ def _unknown(name: str, where: str) -> ValueError:
     return ValueError(what + hint)
 
 
+# ---- the command line: transformers.HfArgumentParser on Config ----------------------------------------------
+# Every field is a flag, `--reward-model` (HfArgumentParser also accepts `--reward_model`; `--help` shows the
+# hyphenated spelling), with its help line from the field's metadata. A small adapter on top of it keeps the
+# trainer's own semantics, which plain argparse lacks:
+#   * values are converted by `convert` (the same code as for --config files): `none` for Optional fields,
+#     bools as true/false/yes/no/on/off/1/0, a bare bool flag is true, and the messages name the flag;
+#   * a list field takes every value up to the next flag, and a repeated flag adds to it (action="extend");
+#   * a value that starts with one dash is a value (`--kl-coef -1e-3`, `--warmup-lr -inf`), never an option;
+#   * defaults are suppressed while parsing, so what was set explicitly is known (a resumed run keeps the
+#     rest from its checkpoint), and a --config file's values fill in under the flags;
+#   * parse errors are ValueErrors naming the flag (`main` prints them as one line and exits 2).
+DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_steps", "warmup_batch", "warmup_lr")  # the built-in model/task
+USAGE = "python -m rlkernels.train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
+
+
+class _FlagError(Exception):
+    """A value a flag cannot take; not a ValueError, so that argparse lets it through with its own message."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Lists each flag by its hyphenated spelling only (`--reward-model`, not also `--reward_model`)."""
+
+    def _format_action_invocation(self, action):
+        shown = [s for s in action.option_strings if "_" not in s] or action.option_strings
+        if not action.option_strings or action.nargs == 0:
+            return ", ".join(shown)
+        return ", ".join(f"{s} {self._format_args(action, action.metavar or action.dest.upper())}" for s in shown)
+
+    def _get_help_string(self, action):
+        if action.default == "" and isinstance(action.default, str):
+            return (action.help or "") + ' (default: "")'
+        return super()._get_help_string(action)
+
+
+def _converter(name: str):
+    def conv(value):
+        try:
+            return _convert_one(name, value, "flag")
+        except ValueError as e:
+            raise _FlagError(str(e)) from None
+    conv.__name__ = name
+    return conv
+
+
+def build_parser(suppress_defaults: bool = False):
+    """The `transformers.HfArgumentParser` of Config, with `--config` and the adapter above."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(Config, prog="python -m rlkernels.train", usage=USAGE, allow_abbrev=False,
+                              formatter_class=_HelpFormatter)
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="a JSON or YAML (.yaml/.yml) file of config keys; flags override its values")
+    parser._negative_number_matcher = re.compile(r"^-(?!-)")  # `-x` is a value (see above); argparse's own attribute
+    for action in parser._actions:
+        if action.dest not in FIELDS:
+            continue
+        action.option_strings.sort(key=lambda s: "_" in s)  # the hyphenated spelling first (usage, messages)
+        if action.option_strings[0].startswith("--no-"):  # HfArgumentParser's complement of a bool that defaults to true
+            action.help, action.default = f"the same as {_flag(action.dest)} false", argparse.SUPPRESS
+            continue
+        if action.type is not None:
+            action.type = _converter(action.dest)
+        if _base_type(action.dest)[0] is bool:
+            action.metavar = "true|false"
+        if action.dest in MULTI:
+            action.metavar = action.dest.upper()[:-1] if action.dest.endswith("s") else action.dest.upper()
+        if suppress_defaults:
+            action.default = argparse.SUPPRESS
+    return parser
+
+
+def _parse_error(message: str) -> ValueError:
+    m = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected (one argument|at least one argument)", message)
+    if m:
+        flag = _flag(m.group(1)[2:].replace("-", "_"))
+        return ValueError(f"{flag}: expected {'a value' if m.group(2) == 'one argument' else 'one or more values'}")
+    m = re.match(r"argument (--[\w-]+)(?:/\S+)?: (.*)", message)
+    if m:
+        return ValueError(f"{_flag(m.group(1)[2:].replace('-', '_'))}: {m.group(2)}")
+    return ValueError(message)
+
+
 def parse_flags(argv: List[str]) -> dict:
-    """`--key value` / `--key=value` / bare `--flag` (bools) → {field: value}; `--config` kept as is. A field of
-    several values takes every value up to the next flag, and adds those of a repeated flag."""
-    out, i = {}, 0
-    while i < len(argv):
-        arg = argv[i]
+    """The flags given on the command line → {field: value} (converted); `--config` kept as is."""
+    parser = build_parser(suppress_defaults=True)
+
+    def error(message):
+        raise _parse_error(message)
+    parser.error = error
+    try:
+        namespace, extra = parser.parse_known_args(list(argv))
+    except _FlagError as e:
+        raise ValueError(str(e)) from None
+    if extra:
+        arg = extra[0]
         if not arg.startswith("--") or arg == "--":
             raise ValueError(f"unexpected argument {arg!r}: flags look like --key value")
-        key, eq, value = arg[2:].partition("=")
-        name = key.replace("-", "_")
-        if name != "config" and name not in FIELDS:
-            raise _unknown(name, "flag")
-        if name in MULTI:
-            values = [value] if eq else _values(argv, i + 1)
-            if not values:
-                raise ValueError(f"{_flag(name)}: expected one or more values")
-            out[name] = out.get(name, []) + convert(name, values)
-            i += 1 + (0 if eq else len(values))
-            continue
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if name != "config" and _base_type(name)[0] is bool and (nxt is None or nxt.startswith("--")):
-                value = "true"
-            elif nxt is None:
-                raise ValueError(f"{_flag(name)}: expected a value")
-            else:
-                value, i = nxt, i + 1
-        out[name] = value if name == "config" else convert(name, value)
-        i += 1
-    return out
+        raise _unknown(arg[2:].partition("=")[0].replace("-", "_"), "flag")
+    return vars(namespace)
 
 
-def _values(argv: List[str], start: int) -> List[str]:
-    """The arguments from `start` up to the next flag."""
-    end = start
-    while end < len(argv) and not argv[end].startswith("--"):
-        end += 1
-    return argv[start:end]
+def help_text() -> str:
+    """`--help`: every flag, hyphenated, with its help line and default."""
+    return build_parser().format_help()
 
 
-def load_json(path: str) -> dict:
-    """A JSON object of config keys, converted and checked."""
+def load_config_file(path: str) -> dict:
+    """A JSON or YAML (.yaml/.yml) object of config keys, converted and checked."""
+    yaml_file = path.lower().endswith((".yaml", ".yml"))
+    kind = "YAML" if yaml_file else "JSON"
     if not os.path.isfile(path):
         raise ValueError(f"--config: no such file {path!r}")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"--config: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
+    if yaml_file:
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"--config: reading {path} (YAML) needs the package pyyaml (pip install pyyaml); "
+                             f"or write the config as JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config: {path} is not valid YAML ({' '.join(str(e).split())})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config: {path} must hold a JSON object of config keys")
+        raise ValueError(f"--config: {path} must hold a {kind} object of config keys")
     out = {}
     for name, value in data.items():
         if name not in FIELDS:
-            raise _unknown(name, f"--config {path}")
+            raise _unknown(str(name), f"--config {path}")
         out[name] = convert(name, value, f"--config {path}")
     return out
 
 
+load_json = load_config_file  # the name before YAML
+
+
 def from_args(argv: List[str]) -> tuple:
-    """(Config, the names set explicitly) from command-line arguments."""
+    """(Config, the names set explicitly) from command-line arguments: defaults < `--config FILE` < flags."""
     flags = parse_flags(argv)
-    values = load_json(flags.pop("config")) if "config" in flags else {}
+    values = load_config_file(flags.pop("config")) if "config" in flags else {}
     values.update(flags)
+    if values.get("model"):
+        for name in DEMO_ONLY:
+            if name in values:
+                raise ValueError(f"{_flag(name)}: applies only to the built-in demo model and task, not to "
+                                 f"--model {values['model']}")
     cfg = Config(**values)
     validate(cfg)
     return cfg, set(values)
@@ -302,6 +410,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--prompts: no such file {cfg.prompts!r}")
     if cfg.model and not os.path.isdir(cfg.model):
         raise ValueError(f"--model: expected a local Hugging Face checkpoint folder, got {cfg.model!r}")
+    if cfg.model and not cfg.prompts:
+        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
     if cfg.resume and not (os.path.isdir(cfg.resume) or os.path.isfile(cfg.resume)):
         raise ValueError(f"--resume: no such run folder or checkpoint {cfg.resume!r}")
 
