@@ -118,7 +118,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
     seen, clipped = [], 0.0
 
-    def compare(model, inputs, params, loss_type, level, eps_high, beta, what=""):
+    def compare(model, inputs, params, loss_type, level, eps_high, beta, what="", between=None):
         nonlocal clipped
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high = loss_type, level, eps_high
         trainer.beta = beta
@@ -128,6 +128,8 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
         ours = ours_fn(model, inputs)
         ours_logged = {k: len(v) for k, v in logged.items()}
         ours_grads = _grads(ours, params)
+        if between is not None:
+            between()
         trainer._get_per_token_logps_and_entropies = trl_logps  # TRL all the way down
         try:
             ref = GRPOTrainer._compute_loss(trainer, model, inputs)
@@ -216,8 +218,25 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
             try:
                 for case in ENTROPY_CASES:
                     compare(model, inputs, params, *case, what=" entropy bonus")
+                # the adaptive coefficient: applied while the last window's entropy is at or below the target,
+                # moved at each optimizer step; our call and TRL's start from the same controller state
+                trainer.use_adaptive_entropy, trainer.args.entropy_target = True, 10.0
+                for last_entropy in (0.5, float("inf")):
+                    state = (trainer.entropy_coef, last_entropy, None)
+                    trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = state
+                    moved = []
+
+                    def between():
+                        moved.append((trainer.entropy_coef, trainer._last_world_entropy))
+                        trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = state
+
+                    compare(model, inputs, params, *ENTROPY_CASES[4], what=f" adaptive bonus {last_entropy}",
+                            between=between)
+                    moved.append((trainer.entropy_coef, trainer._last_world_entropy))
+                    assert moved[0][0] == pytest.approx(moved[1][0]) and moved[0][1] == pytest.approx(moved[1][1])
             finally:
                 trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.0, False
+                trainer.use_adaptive_entropy = False
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high, trainer.beta = "dapo", "token", 0.03, 0.04
         return ours_fn(model, inputs)
 
@@ -225,7 +244,7 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if beta != 0)
     expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) + \
-        len(RAGGED_CASES) \
+        len(RAGGED_CASES) + 2 \
         if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
     assert any(old for _, _, old in seen), "some micro-batches are off-policy"
@@ -264,7 +283,7 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
     args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
     assert rk_trl.loss_config(trainer)[0].kl_bias_ratio == "sequence"  # mapped
-    trainer._entropy_bonus_enabled, trainer.use_adaptive_entropy = True, True  # TRL's controller stays TRL's
+    trainer._entropy_bonus_enabled, trainer.top_entropy_quantile = True, 0.5  # the bonus on the top tokens only
     cfg, why = rk_trl.loss_config(trainer)
     assert cfg is None and "entropy bonus" in why
     with warnings.catch_warnings(record=True) as caught:

@@ -35,9 +35,9 @@ accumulation steps in training (1 in evaluation):
 
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
 says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
-adaptive entropy bonus, or one with `top_entropy_quantile < 1` (a static bonus is mapped, for every
-loss type: TRL normalises it as a token mean of its own, `entropy_agg="token_mean"` with
-c_H = coef / G, with TRL's `policy_loss` and `entropy_coef` metrics); a MoE auxiliary loss of a model that does not form it with its module's
+entropy bonus with `top_entropy_quantile < 1` (the bonus is mapped for every loss type: TRL
+normalises it as a token mean of its own, `entropy_agg="token_mean"` with c_H = coef / G; its
+adaptive coefficient is moved as TRL moves it; TRL's `policy_loss` and `entropy_coef` metrics); a MoE auxiliary loss of a model that does not form it with its module's
 `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
 it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
@@ -94,7 +94,7 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (getattr(trainer, "_entropy_bonus_enabled", False) and not _entropy_bonus_mapped(trainer),
-         "an adaptive entropy bonus, or one on the high-entropy tokens only"),
+         "an entropy bonus on the high-entropy tokens only (top_entropy_quantile < 1)"),
         (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
          "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -133,17 +133,39 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
 
 def _entropy_bonus_mapped(trainer) -> bool:
     """TRL's entropy bonus −coef·Σ m H / (max(Σ m, 1)·G) is its own token mean, whatever the loss type:
-    `entropy_agg="token_mean"` with c_H = coef / G. TRL's adaptive coefficient and its bonus on the
-    high-entropy tokens alone stay with TRL."""
-    return not getattr(trainer, "use_adaptive_entropy", False) and trainer.top_entropy_quantile >= 1.0
+    `entropy_agg="token_mean"` with c_H = coef / G (the adaptive coefficient as TRL moves it, `_adapt_entropy_coef`).
+    A bonus on the high-entropy tokens alone stays with TRL."""
+    return trainer.top_entropy_quantile >= 1.0
 
 
 def _entropy_coef(trainer) -> float:
-    """c_H of TRL's bonus as rlkernels' separately aggregated entropy term; 0 without a bonus."""
+    """c_H of the coefficient TRL applies now, as rlkernels' separately aggregated entropy term; 0 without a bonus
+    (TRL's adaptive bonus is off while the last window's entropy is above its target)."""
     if not getattr(trainer, "_entropy_bonus_enabled", False):
+        return 0.0
+    if getattr(trainer, "use_adaptive_entropy", False) and trainer._last_world_entropy > trainer.args.entropy_target:
         return 0.0
     accum = trainer.current_gradient_accumulation_steps if trainer.model.training else 1.0
     return float(trainer.entropy_coef) / accum
+
+
+def _adapt_entropy_coef(trainer, entropy_sum, count) -> None:
+    """TRL's adaptive entropy coefficient: the micro-batches' entropy sums and token counts add up over the
+    accumulation window; at its optimizer step the window's mean over every process moves the coefficient one
+    `entropy_coef_delta` up (entropy at or below `entropy_target`) or down, within its bounds."""
+    stats = torch.stack([entropy_sum, count]).detach()
+    window = trainer._entropy_window_stats
+    trainer._entropy_window_stats = stats if window is None else window + stats
+    if not trainer.accelerator.sync_gradients:
+        return
+    totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+    world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+    args = trainer.args
+    if world_entropy <= args.entropy_target:
+        trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+    else:
+        trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+    trainer._last_world_entropy, trainer._entropy_window_stats = world_entropy, None
 
 
 def _counts(trainer, loss_type, mask, inputs) -> dict:
@@ -321,7 +343,7 @@ def compute_loss(self, model, inputs):
     moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head, **moe)
-    _log_metrics(self, out["loss"], out["metrics"], mask)
+    _log_metrics(self, out["loss"], out["metrics"], mask, cfg)
     _log_ratio_metrics(self, out["logp"], inputs, mask, cfg, is_weights)
     loss = out["loss"]
     if moe:  # TRL's MoE auxiliary loss, scaled for gradient accumulation as TRL scales it
@@ -332,16 +354,19 @@ def compute_loss(self, model, inputs):
     return loss
 
 
-def _log_metrics(self, loss, metrics, mask):
-    """TRL's KL, entropy and entropy-bonus metrics, as token-weighted means over all processes."""
+def _log_metrics(self, loss, metrics, mask, cfg):
+    """TRL's KL, entropy and entropy-bonus metrics, as token-weighted means over all processes (and TRL's
+    adaptive entropy coefficient moved as TRL moves it)."""
     mode = "train" if self.model.training else "eval"
     count = mask.sum().to(torch.float32)
     if getattr(self, "_entropy_bonus_enabled", False):  # TRL's loss without its bonus, and the coefficient
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        policy_loss = loss.detach() + self.entropy_coef * metrics["entropy"] / accum
+        policy_loss = loss.detach() + cfg.entropy_coef * metrics["entropy"]  # cfg's c_H: the applied coef / G
         if self.loss_type not in ("cispo", "dapo", "vespo"):  # TRL logs these before its accumulation divisor
             policy_loss = policy_loss * accum
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if getattr(self, "use_adaptive_entropy", False) and mode == "train":
+            _adapt_entropy_coef(self, metrics["entropy"] * count, count)
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
