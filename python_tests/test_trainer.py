@@ -640,3 +640,17 @@ def test_the_trainer_reads_a_model_head_as_generate_samples_it():
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, head_dim=8, final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         head_temperature(gemma, 1.0, _Place())
+
+
+def test_a_malformed_prompts_file_fails_before_any_model_loads(tmp_path, monkeypatch):
+    from rlkernels.trainer import rewards, task
+
+    _local_checkpoint(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+2=", "answer": 3}) + "\n{not json\n")
+    loaded = []
+    monkeypatch.setattr(task, "load_model", lambda *a: loaded.append("policy"))
+    monkeypatch.setattr(rewards, "build", lambda *a: loaded.append("rewards"))
+    with pytest.raises(ValueError, match=r"--prompts: .* line 2 is not valid JSON"):
+        run(tmp_path / "o", model=str(tmp_path / "m"), prompts=str(prompts))
+    assert not loaded

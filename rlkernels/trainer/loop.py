@@ -515,6 +515,13 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         f"  running on: device {runs_on['device']}, dtype {runs_on['dtype']} (float32 weights), "
         f"process group {runs_on['backend'] or 'none (one process)'}")
 
+    # the task (its file's errors) before any model loads; its own seeded shuffle draws no global random numbers
+    if cfg.model and not cfg.prompts:
+        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
+    if cfg.prompts:
+        train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed)
+    else:
+        train_set, eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
     # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
     reward_fn = rewards_lib.build(reward_fns, reward_weights, cfg.reward_model, place)
 
@@ -523,13 +530,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)  # prompt order, mini-batch order, tree cut depths
 
-    # ---- task, tokenizer, policy
-    if cfg.model and not cfg.prompts:
-        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
-    if cfg.prompts:
-        train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed)
-    else:
-        train_set, eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
+    # ---- tokenizer, policy
     if cfg.model:
         policy, tok = task.load_model(cfg.model)
     else:
