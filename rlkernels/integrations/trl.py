@@ -258,6 +258,16 @@ def _no_autocast(device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def _logprobs_head(self, targets, return_entropy=False):
+    """The head that `model(..., rlkernels_head=)` runs to score `targets`, the last tokens of its input."""
+    def head(module, hidden):
+        hidden, weight, bias = _head_inputs(self, module, hidden, targets.size(1))
+        with _no_autocast(hidden.device):
+            return linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=return_entropy,
+                                         temperature=output_temperature(module.config, self.temperature))
+    return head
+
+
 def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                       compute_entropy=False, compute_aux_loss=False, **multimodal):
     """TRL's `_get_per_token_logps_and_entropies` from hidden states (masked positions are 0, as TRL's)."""
@@ -270,14 +280,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
         ids, am = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-        targets = ids[:, -logits_to_keep:]
-
-        def head(module, hidden):
-            hidden, weight, bias = _head_inputs(self, module, hidden, logits_to_keep)
-            with _no_autocast(hidden.device):
-                return linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
-                                             temperature=output_temperature(module.config, self.temperature))
-
+        head = _logprobs_head(self, ids[:, -logits_to_keep:], return_entropy=True)
         with self.accelerator.autocast():
             lp, ent = model(input_ids=ids, attention_mask=am, rlkernels_head=head)
         pad = am[:, -logits_to_keep:] == 0
@@ -292,12 +295,7 @@ def _check_head(self, model, input_ids, attention_mask) -> None:
     module = module.get_base_model() if hasattr(module, "get_base_model") else module
 
     def ours(ids, mask):
-        def head(module, hidden):
-            hidden, weight, bias = _head_inputs(self, module, hidden, ids.size(1) - 1)
-            with _no_autocast(hidden.device):
-                return linear_token_logprobs(hidden, weight, ids[:, 1:], bias=bias,
-                                             temperature=output_temperature(module.config, self.temperature))
-        return model(input_ids=ids, attention_mask=mask, rlkernels_head=head)
+        return model(input_ids=ids, attention_mask=mask, rlkernels_head=_logprobs_head(self, ids[:, 1:]))
 
     with self.accelerator.autocast():
         check_head(module, input_ids, attention_mask, ours, self.temperature,

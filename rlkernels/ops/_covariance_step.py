@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..losses import LossOutput, PolicyLossConfig
+from ..losses import PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
 from ..losses.surrogates import clip_cov_tokens, kl_cov_tokens
+from ._token_stats import loss_from_stats
 from .token_loss_params import covariance_params, covariance_supports
 
 
@@ -63,7 +63,5 @@ def covariance_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, 
         # torch.where, not a product: the padding's log-ratio may be NaN or inf
         grad = grad + torch.where(chosen, scale * torch.sign(log_ratio), 0.0).reshape(-1)
         sums = torch.cat([sums[:1] + torch.where(chosen, scale * log_ratio.abs(), 0.0).sum(), sums[1:]])
-    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]  # every ratio is ≥ 0, masked ones are 0
-    metrics = metrics_from_sums(sums[1:], mask.sum().clamp(min=1), ratio_max, has_entropy=True)
     grad_h = grad_h if config.entropy_coef != 0 else None
-    return LossOutput(sums[0], metrics), grad, grad_h
+    return loss_from_stats(stats, inputs, sums), grad, grad_h

@@ -1,7 +1,7 @@
 """The loss around the kernels, shared by the logits path and the hidden-state path.
 
-Token-level (`kernel_inputs`, `loss_from_stats`): the flat per-token inputs and parameters of
-`policy_token_fwd`, and the loss and metrics from its statistics. Any ratio (`row_grads`): the
+Token-level (`kernel_inputs`, and `loss_from_stats` of `_token_stats`): the flat per-token inputs and
+parameters of `policy_token_fwd`, and the loss and metrics from its statistics. Any ratio (`row_grads`): the
 loss at the kernel's log-probs and entropy and its derivatives, by `_sequence_step` where it
 takes the ratio, by `_covariance_step` for Clip-Cov and KL-Cov, else by the `(B, T)` loss of
 `losses/` and its autograd.
@@ -15,7 +15,6 @@ import torch
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import evaluate, separate_entropy_bonus
 from ._covariance_step import covariance_step, evaluates as covariance_step_evaluates
 from ._sequence_step import evaluates as sequence_step_evaluates, sequence_step
@@ -35,14 +34,6 @@ def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
     return per_row, token_loss_params(config)
 
 
-def loss_from_stats(stats: torch.Tensor, inputs: LossInputs) -> LossOutput:
-    """The loss and metrics from the kernel's `(N, 7)` statistics (column 0 the weighted loss)."""
-    sums = stats.sum(0)
-    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]  # every ratio is ≥ 0, masked ones are 0
-    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
-    return LossOutput(sums[0], metrics)
-
-
 def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype) -> Optional[torch.Tensor]:
     """∂/∂H flat `(N,)` of an entropy bonus aggregated apart from the loss (`entropy_agg="token_mean"`: −c_H
     over the call's masked-token count), or None when the bonus is in each token's loss (the kernels' term)."""
@@ -52,13 +43,18 @@ def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype) -> O
     return torch.where(mask, -config.entropy_coef / mask.sum().clamp(min=1).to(dtype), 0.0)
 
 
+def add_entropy_bonus(out: LossOutput, bonus_grad: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs):
+    """`out` with the value Σ (∂/∂H)·H of an entropy bonus aggregated apart from the loss added."""
+    value = (bonus_grad * torch.where(inputs.mask.reshape(-1), entropy, 0.0)).sum()  # padding may hold NaN
+    return LossOutput(out.loss + value, out.metrics)
+
+
 def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
     """(out, ∂loss/∂H) with an entropy bonus aggregated apart from the loss added, which the kernels left out."""
     bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype)
     if bonus_grad is None:
         return out, grad_h
-    value = (bonus_grad * torch.where(inputs.mask.reshape(-1), entropy, 0.0)).sum()  # padding may hold NaN
-    return LossOutput(out.loss + value, out.metrics), bonus_grad
+    return add_entropy_bonus(out, bonus_grad, entropy, inputs), bonus_grad
 
 
 def row_grads(kernels, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):

@@ -25,7 +25,8 @@ from torch import Tensor
 from ..kernels.token_loss_params import NUM_STATS
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ..losses.inputs import LossInputs
-from ._loss_step import entropy_bonus_grad, kernel_inputs, loss_from_stats, row_grads, with_entropy_bonus
+from ._loss_step import add_entropy_bonus, entropy_bonus_grad, kernel_inputs, row_grads
+from ._token_stats import loss_from_stats
 from ._precomputed_grad import attach_grads
 from .._dtypes import acc_dtype
 from ._linear_head import LinearHead, head_spec
@@ -106,7 +107,9 @@ def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
         logps.append(logp)
         entropies.append(entropy)
     entropy = _joined(entropies, stats)
-    out, _ = with_entropy_bonus(loss_from_stats(stats, inputs), None, entropy, inputs, config)
+    out = loss_from_stats(stats, inputs)
+    if bonus_grad is not None:
+        out = add_entropy_bonus(out, bonus_grad, entropy, inputs)
     return out, _joined(logps, stats), entropy, head.finish(grads)
 
 

@@ -25,7 +25,8 @@ from .. import _backend
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
 from ..losses.inputs import LossInputs
 from ._logits_grad import deferred_logits_grad
-from ._loss_step import kernel_inputs, loss_from_stats, row_grads, with_entropy_bonus
+from ._loss_step import kernel_inputs, row_grads, with_entropy_bonus
+from ._token_stats import loss_from_stats
 from .._dtypes import acc_dtype
 from ._rows import check_logits_args, row_blocks, run_blocks
 from .token_logprobs import token_logprobs

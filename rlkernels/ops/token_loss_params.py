@@ -120,7 +120,7 @@ def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) ->
         kl_coef=float(config.kl_coef) if kl_in_loss else 0.0,
         kl_clamp=_bound(config.kl_clamp),
         kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
-        # an entropy bonus aggregated apart from the loss is added outside the kernels (`_loss_step.entropy_bonus`)
+        # an entropy bonus aggregated apart from the loss is added outside the kernels (`_loss_step.with_entropy_bonus`)
         entropy_coef=float(config.entropy_coef) if with_token_terms and not separate_entropy_bonus(config) else 0.0,
         log_ratio_clamp=float(config.log_ratio_clamp),
         sapo_tau_pos=float(config.sapo_tau_pos),

@@ -1,0 +1,19 @@
+"""The loss and metrics of a call from the kernels' per-token statistics (`kernels.token_loss_params.STATS`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..losses import LossOutput
+from ..losses.inputs import LossInputs
+from ..losses.metrics import metrics_from_sums
+
+
+def loss_from_stats(stats: torch.Tensor, inputs: LossInputs, sums: Optional[torch.Tensor] = None) -> LossOutput:
+    """The loss and metrics from the kernel's `(N, 7)` statistics (column 0 the weighted loss); `sums`: their
+    column sums when the caller has added terms of its own to them (default `stats.sum(0)`)."""
+    sums = stats.sum(0) if sums is None else sums
+    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]  # every ratio is ≥ 0, masked ones are 0
+    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[0], metrics)
