@@ -27,8 +27,8 @@ give one file several sets of flags, and doing so would double the build, so we 
 The extension checks the CPU when imported and raises ImportError naming the ISA it needs;
 rlkernels then reports that reason and falls back to the `torch` backend. Never -ffast-math:
 logits may be -inf (masked vocabulary entries) and the kernels rely on IEEE inf semantics.
--ffp-contract=off: x = z·(1/τ) must round the same in the vector loops and in the scalar code
-(the max, the target), so that the max element gives e^0 = 1 exactly and logp ≤ 0 holds.
+-ffp-contract=off: d = (z − m)·(1/τ) must round the same in the vector loops and in the scalar code
+(the target), never contracted into the − log s that follows, so that forward and backward agree.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Vocabulary-parallel hidden-state path: 2 gloo processes on CPU, each holding half the rows of
 the head (uneven halves), give the unsharded log-probs, entropy, loss and gradients, also for logits
-near 1e4, where merging the ranks' rows through a rounded logsumexp would cost 5e-4."""
+near 1e4, where merging the ranks' rows through a rounded logsumexp would cost 5e-4, and at a
+temperature (the ranks' raw row maxima are merged in units of 1/τ)."""
 from __future__ import annotations
 
 import os
@@ -36,26 +37,27 @@ def _data(shift=0.0):
     return hidden, weight, bias, targets, inputs
 
 
-def _run(hidden, weight, bias, targets, inputs, name, backend, group=None):
+def _run(hidden, weight, bias, targets, inputs, name, backend, tau, group=None):
     """(logp, entropy, loss, metrics, grads of linear_token_logprobs, grads of the loss)."""
     config = presets.get(name, entropy_coef=0.01)
     kw = dict(old_logp=inputs["old_logp"], ref_logp=inputs["ref_logp"], group_ids=inputs["group_ids"],
               rewards=inputs["rewards"])
     leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
     logp, ent = rlkernels.linear_token_logprobs(*leaves[:2], targets, bias=leaves[2], return_entropy=True,
-                                                backend=backend, chunk_size=3, process_group=group)
+                                                temperature=tau, backend=backend, chunk_size=3, process_group=group)
     (logp.sum() + 0.3 * ent.sum()).backward()
     grads_lp = [x.grad for x in leaves]
     leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
     out = rlkernels.fused_linear_policy_loss(leaves[0], leaves[1], targets, inputs["advantages"], inputs["mask"], config,
-                                             bias=leaves[2], backend=backend, chunk_size=3, process_group=group, **kw)
+                                             bias=leaves[2], temperature=tau, backend=backend, chunk_size=3, process_group=group, **kw)
     (2.0 * out.loss).backward()
     return logp.detach(), ent.detach(), out.loss.detach(), out.metrics, grads_lp, [x.grad for x in leaves]
 
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
-# one pass / two passes unsharded, and large logits
-CASES = [(name, backend, shift) for name, shift in (("grpo", 0.0), ("gspo", 0.0), ("grpo", 1e4))
+# one pass / two passes unsharded, large logits, a temperature
+CASES = [(name, backend, shift, tau) for name, shift, tau in (("grpo", 0.0, 1.0), ("gspo", 0.0, 1.0), ("grpo", 1e4, 1.0),
+                                                              ("grpo", 0.0, 0.6))
          for backend in BACKENDS]
 
 
@@ -66,10 +68,10 @@ def _worker(rank, path, result_path):
         lo = sum(SPLIT[:rank])
         rows = slice(lo, lo + SPLIT[rank])
         res = {}
-        for name, backend, shift in CASES:
+        for name, backend, shift, tau in CASES:
             hidden, weight, bias, targets, inputs = _data(shift)
-            res[name, backend, shift] = _run(hidden, weight[rows], bias[rows], targets, inputs, name, backend,
-                                             group=dist.group.WORLD)
+            res[name, backend, shift, tau] = _run(hidden, weight[rows], bias[rows], targets, inputs, name, backend, tau,
+                                                  group=dist.group.WORLD)
         torch.save(res, f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -84,12 +86,12 @@ def sharded_results():
         return [torch.load(f"{result}.{r}", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name,backend,shift", CASES)
-def test_two_ranks_equal_the_unsharded_head(sharded_results, name, backend, shift):
+@pytest.mark.parametrize("name,backend,shift,tau", CASES)
+def test_two_ranks_equal_the_unsharded_head(sharded_results, name, backend, shift, tau):
     hidden, weight, bias, targets, inputs = _data(shift)
-    logp, ent, loss, metrics, grads_lp, grads_loss = _run(hidden, weight, bias, targets, inputs, name, backend)
+    logp, ent, loss, metrics, grads_lp, grads_loss = _run(hidden, weight, bias, targets, inputs, name, backend, tau)
     for r in range(WORLD):
-        lp_r, ent_r, loss_r, metrics_r, g_lp, g_loss = sharded_results[r][(name, backend, shift)]
+        lp_r, ent_r, loss_r, metrics_r, g_lp, g_loss = sharded_results[r][(name, backend, shift, tau)]
         rows = slice(sum(SPLIT[:r]), sum(SPLIT[: r + 1]))
         torch.testing.assert_close(lp_r, logp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent_r, ent, rtol=1e-5, atol=1e-5)

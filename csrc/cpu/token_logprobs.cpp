@@ -143,8 +143,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     const int64_t len = std::min(kBlock, V - start);
     const int64_t full = len - len % kStep;
 
-    // Sweep 1: the block's max, on the raw logits (τ > 0 and rounding is monotone, so
-    // max(z)·(1/τ) equals max(z·(1/τ))).
+    // Sweep 1: the block's max, on the raw logits (τ is applied to differences only).
     Vec mx0 = v_neg_inf, mx1 = v_neg_inf;
     for (int64_t i = 0; i < full; i += kStep) {
       IO::load(zb + i, a, b);
@@ -156,7 +155,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       mx0 = at::vec::maximum(mx0, a);
       mx1 = at::vec::maximum(mx1, b);
     }
-    const acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1)) * inv_tau;
+    const acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1));
     if (!(block_max < std::numeric_limits<acc_t>::infinity())) {
       // A NaN or +inf logit: the row's results are NaN, as log_softmax's would be. (Without
       // this, exp_u20, which clamps its argument, would turn NaN into finite garbage.)
@@ -165,28 +164,28 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     }
     if (block_max > m) {
       acc_t alpha, delta;
-      rlk::rescale_factors(m, block_max, alpha, delta);
+      rlk::rescale_factors(m, block_max, inv_tau, alpha, delta);
       rlk::softmax_rescale<Vec, Vec, kEntropy>(s0, u0, Vec(alpha), Vec(delta));
       rlk::softmax_rescale<Vec, Vec, kEntropy>(s1, u1, Vec(alpha), Vec(delta));
       m = block_max;
     }
     if (m == rlk::neg_inf<acc_t>()) continue;  // every element so far is −inf
 
-    // Sweep 2 (from L1): d = max(x − m, floor), e = e^d, summed into block-local sums that are
+    // Sweep 2 (from L1): d = max((z − m)/τ, floor), e = e^d, summed into block-local sums that are
     // then added to the running ones: fp32 chains of ~V/2048 + 128 additions, not V/16.
     const Vec v_m(m);
     Vec bs0(0), bs1(0), bu0(0), bu1(0);
     for (int64_t i = 0; i < full; i += kStep) {
       IO::load(zb + i, a, b);
-      const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
-      const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
+      const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
+      const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
       rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
       rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
     }
     if (full < len) {
       load_tail(zb + full, len - full, a, b);
-      const Vec da = at::vec::maximum(a * v_inv_tau - v_m, v_floor);
-      const Vec db = at::vec::maximum(b * v_inv_tau - v_m, v_floor);
+      const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
+      const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
       rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
       rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
     }
@@ -198,7 +197,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     }
   }
   rlk::SoftmaxState<acc_t> st{m, reduce_sum(s0 + s1), kEntropy ? reduce_sum(u0 + u1) : acc_t(0)};
-  return rlk::softmax_finalize(st, static_cast<acc_t>(z[target]) * inv_tau);
+  return rlk::softmax_finalize(st, static_cast<acc_t>(z[target]), inv_tau);
 }
 
 template <typename scalar_t>
@@ -212,11 +211,11 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_m(m), v_log_s(log_s), v_A(c.A), v_B(c.B);
   const int64_t full = V - V % kStep;
   // Read before the loop: `grad` may be `z` itself (in place), and the loop overwrites z[target].
-  const acc_t x_target = static_cast<acc_t>(z[target]) * inv_tau;
+  const acc_t z_target = static_cast<acc_t>(z[target]);
   Vec a, b;
   auto grad2 = [&](Vec& lo, Vec& hi) {  // logits in, gradient out
-    const Vec l_lo = at::vec::maximum(rlk::log_prob(lo * v_inv_tau, v_m, v_log_s), v_floor);  // log p, clamped
-    const Vec l_hi = at::vec::maximum(rlk::log_prob(hi * v_inv_tau, v_m, v_log_s), v_floor);
+    const Vec l_lo = at::vec::maximum(rlk::log_prob(lo, v_m, v_log_s, v_inv_tau), v_floor);  // log p, clamped
+    const Vec l_hi = at::vec::maximum(rlk::log_prob(hi, v_m, v_log_s, v_inv_tau), v_floor);
     lo = rlk::grad_element(vexp(l_lo), l_lo, v_A, v_B);
     hi = rlk::grad_element(vexp(l_hi), l_hi, v_A, v_B);
   };
@@ -232,7 +231,7 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   }
   // The target element again, with its 1[v=y] term, so that it is rounded once. Each step
   // above loads its elements before it stores the same elements, so in place is safe there too.
-  grad[target] = static_cast<scalar_t>(rlk::grad_logit(x_target, m, log_s, true, c));
+  grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
 }
 
 // The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new

@@ -144,16 +144,17 @@ RLK_HOST_DEVICE __forceinline__ float fast_exp(float d) {
 // One thread's share of a row: the online softmax state over the elements it has seen.
 template <bool kEntropy>
 struct Online {
+  float inv_tau;
   State st{rlk::neg_inf<float>(), 0.0f, 0.0f};
 
   template <int kCount>
   RLK_HOST_DEVICE __forceinline__ void add(const float (&x)[kCount]) {
     float mx = rlk::neg_inf<float>();
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) mx = fmaxf(mx, x[i]);  // ignores NaN; x − m below does not
+    for (int i = 0; i < kCount; ++i) mx = fmaxf(mx, x[i]);  // ignores NaN; z − m below does not
     if (mx > st.m) {
       float alpha, delta;
-      rlk::rescale_factors(st.m, mx, alpha, delta);
+      rlk::rescale_factors(st.m, mx, inv_tau, alpha, delta);
       rlk::softmax_rescale<float, float, kEntropy>(st.s, st.u, alpha, delta);
       st.m = mx;
     }
@@ -166,7 +167,7 @@ struct Online {
     }
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
-      const float d = clamp_floor(x[i] - st.m);
+      const float d = clamp_floor(rlk::scaled_diff(x[i], st.m, inv_tau));
       rlk::softmax_accumulate<float, kEntropy>(st.s, st.u, fast_exp(d), d);
     }
   }
@@ -196,10 +197,10 @@ template <typename T, int kThreads, bool kEntropy>
 RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int64_t V, float inv_tau, int lane) {
   using P = Pack<T>;
   constexpr int K = P::kElems, kUnroll = kStep / K;
-  Online<kEntropy> acc;
+  Online<kEntropy> acc{inv_tau};
   const int64_t head = min64(V, lead_elems(z));
   if (lane < head) {
-    const float x[1] = {rlk::mul_rn(P::to_float(z[lane]), inv_tau)};
+    const float x[1] = {P::to_float(z[lane])};
     acc.add(x);
   }
   const T* body = z + head;
@@ -208,31 +209,27 @@ RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int6
   int64_t i = lane;
   for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
     load_step<T, kThreads, true>(body, i, packs, x);
-#pragma unroll
-    for (int e = 0; e < kStep; ++e) x[e] = rlk::mul_rn(x[e], inv_tau);
     acc.add(x);
   }
   if (i < packs) {  // the last step, partial
     load_step<T, kThreads, false>(body, i, packs, x);
-#pragma unroll
-    for (int e = 0; e < kStep; ++e) x[e] = rlk::mul_rn(x[e], inv_tau);
     acc.add(x);
   }
   const int64_t done = head + packs * K;
   if (lane < V - done) {
-    const float x1[1] = {rlk::mul_rn(P::to_float(z[done + lane]), inv_tau)};
+    const float x1[1] = {P::to_float(z[done + lane])};
     acc.add(x1);
   }
   return acc.st;
 }
 
-// ∂L/∂z of one element, from the clamped log p = (x − m) − log s (rlk::grad_logit with a fast exp).
+// ∂L/∂z of one element, from the clamped log p = (z − m)/τ − log s (rlk::grad_logit with a fast exp).
 struct GradOf {
   float m, log_s, inv_tau;
   rlk::GradCoeffs<float> c;
   int64_t target;
   RLK_HOST_DEVICE __forceinline__ float no_target(float z) const {  // the term every element has
-    const float l = clamp_floor(rlk::log_prob(rlk::mul_rn(z, inv_tau), m, log_s));
+    const float l = clamp_floor(rlk::log_prob(z, m, log_s, inv_tau));
     return rlk::grad_element(fast_exp(l), l, c.A, c.B);
   }
   RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const {

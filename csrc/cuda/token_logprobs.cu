@@ -7,13 +7,15 @@
 // 256-thread block), else a whole block of 256 or 512. Each thread walks its share of the row in
 // 16-byte packs (the first elements, up to the row's first 16-byte boundary, and the last partial
 // pack one element per thread), kStep elements per iteration with the loads issued together.
-// Forward: per thread an online softmax state (running max m, Σ e^{x−m}, Σ e^{x−m}(x−m)) in fp32,
+// Forward: per thread an online softmax state (running max m of the raw logits, Σ e^d, Σ e^d·d with
+// d = (z − m)/τ) in fp32,
 // merged across the group with cub's warp/block reduction and rlk::softmax_merge. One read of
 // the logits. Backward: elementwise from the saved (m, log s) (and H); one read, one write, and each
 // thread reads every element it owns before writing it, so `out` may be the logits themselves.
 //
-// x = z·(1/τ) is rounded on its own (__fmul_rn, never contracted into the x − m that follows), as
-// on the CPU: the max element then gives x − m = 0 exactly, e^0 = 1, so log Σ ≥ 0 and logp ≤ 0.
+// The max is of the raw logits and τ scales differences only (z/τ overflows near 3e38 at τ < 1): the
+// max element gives d = 0 exactly, e^0 = 1, so log Σ ≥ 0 and logp ≤ 0. d is rounded on its own
+// (__fmul_rn, never contracted into the − log s that follows), as on the CPU.
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_reduce.cuh>
 #include <cuda_bf16.h>
@@ -38,7 +40,10 @@ constexpr int kWarpBlock = 256;   // threads per block when a warp serves a row
 constexpr int64_t kMaxGrid = int64_t(1) << 30;  // blocks per launch (gridDim.x < 2^31)
 
 struct Merge {
-  __device__ __forceinline__ State operator()(const State& a, const State& b) const { return rlk::softmax_merge(a, b); }
+  float inv_tau;
+  __device__ __forceinline__ State operator()(const State& a, const State& b) const {
+    return rlk::softmax_merge(a, b, inv_tau);
+  }
 };
 
 template <int kThreads> struct Group {  // kThreads threads per row, kRows rows per block
@@ -61,16 +66,16 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   if constexpr (kRows == 1) {
     using Reduce = cub::BlockReduce<State, kThreads>;
     __shared__ typename Reduce::TempStorage tmp;
-    st = Reduce(tmp).Reduce(st, Merge());
+    st = Reduce(tmp).Reduce(st, Merge{inv_tau});
   } else {
     using Reduce = cub::WarpReduce<State, kThreads>;
     __shared__ typename Reduce::TempStorage tmp[kRows];
-    st = Reduce(tmp[group]).Reduce(st, Merge());
+    st = Reduce(tmp[group]).Reduce(st, Merge{inv_tau});
   }
   if (lane == 0) {
     const int64_t y = targets[row];
-    const float x_y = (y >= 0 && y < V) ? rlk::mul_rn(Pack<T>::to_float(z[y]), inv_tau) : __int_as_float(0x7fc00000);
-    out(row, rlk::softmax_finalize(st, x_y));
+    const float z_y = (y >= 0 && y < V) ? Pack<T>::to_float(z[y]) : __int_as_float(0x7fc00000);
+    out(row, rlk::softmax_finalize(st, z_y, inv_tau));
   }
 }
 

@@ -23,8 +23,9 @@ struct Rows {
   Dtype dtype;
 };
 
-// Forward: logp[n], lse_parts[2n], lse_parts[2n + 1] (the row max m and log s, s = Σ e^{x − m}) and,
-// when `entropy` is not null, entropy[n] (fp32, device memory) of the rows of x = logits · inv_tau. targets[n] are int64 in [0, v); a row whose target is outside gets
+// Forward: logp[n], lse_parts[2n], lse_parts[2n + 1] (the row max m of the raw logits and log s,
+// s = Σ e^{(z − m)·inv_tau}) and, when `entropy` is not null, entropy[n] (fp32, device memory) of
+// softmax(logits · inv_tau). targets[n] are int64 in [0, v); a row whose target is outside gets
 // a NaN logp (the callers check the range). Returns the launch error, if any.
 cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
                                float* entropy, float* lse_parts, cudaStream_t stream);

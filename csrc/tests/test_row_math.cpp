@@ -1,7 +1,8 @@
 // Checks rlkernels/row_math.h against a direct two-pass computation, in float and double:
 // the online state built element by element, and built from chunks merged in any order, must
 // give the same (m, log s) / logp / entropy; the factored gradient must equal the textbook formula,
-// also for logits offset by 1e5 and near the largest float (where m + log s would round to m).
+// also for logits offset by 1e5 and near the largest float (where m + log s would round to m, and
+// z/τ overflows at the τ = 0.5 of every check).
 // Exit status 0 on success, 1 on any failure (ctest, or run the binary).
 #include <algorithm>
 #include <cmath>
@@ -28,17 +29,20 @@ struct Direct {  // two passes, in long double, relative to the max (exact for a
   double m, log_s, logp, entropy;
 };
 
+constexpr double kInvTau = 2.0;  // τ = 0.5
+
 Direct two_pass(const std::vector<double>& x, int target) {
   long double m = -INFINITY;
   for (double v : x) m = std::max<long double>(m, v);
+  auto d = [&](double v) { return (static_cast<long double>(v) - m) * kInvTau; };
   long double s = 0, sd = 0;
   for (double v : x) {
-    const long double e = std::exp(static_cast<long double>(v) - m);
+    const long double e = std::exp(d(v));
     s += e;
-    if (e > 0) sd += e * (v - m);
+    if (e > 0) sd += e * d(v);
   }
   const long double log_s = std::log(s);
-  return {static_cast<double>(m), static_cast<double>(log_s), static_cast<double>((x[target] - m) - log_s),
+  return {static_cast<double>(m), static_cast<double>(log_s), static_cast<double>(d(x[target]) - log_s),
           static_cast<double>(log_s - sd / s)};
 }
 
@@ -49,12 +53,12 @@ rlk::SoftmaxState<T> online(const std::vector<double>& x, size_t begin, size_t e
     const T v = static_cast<T>(x[i]);
     if (v > st.m) {
       T alpha, delta;
-      rlk::rescale_factors(st.m, v, alpha, delta);
+      rlk::rescale_factors(st.m, v, T(kInvTau), alpha, delta);
       rlk::softmax_rescale(st.s, st.u, alpha, delta);
       st.m = v;
     }
     if (st.m == rlk::neg_inf<T>()) continue;
-    T d = v - st.m;
+    T d = rlk::scaled_diff(v, st.m, T(kInvTau));
     d = d < rlk::exp_floor<T>() ? rlk::exp_floor<T>() : d;
     rlk::softmax_accumulate(st.s, st.u, rlk::exp_(d), d);
   }
@@ -68,7 +72,7 @@ void check_row(std::vector<double> x, int target, int row, double tol, std::mt19
   const T x_target = static_cast<T>(x[target]);
 
   // Element by element.
-  auto r = rlk::softmax_finalize(online<T>(x, 0, x.size()), x_target);
+  auto r = rlk::softmax_finalize(online<T>(x, 0, x.size()), x_target, T(kInvTau));
   expect_close("m (online)", row, r.m, want.m, 0);
   expect_close("log s (online)", row, r.log_s, want.log_s, tol);
   expect_close("logp (online)", row, r.logp, want.logp, tol);
@@ -81,30 +85,30 @@ void check_row(std::vector<double> x, int target, int row, double tol, std::mt19
   std::vector<rlk::SoftmaxState<T>> parts;
   for (size_t k = 0; k + 1 < cuts.size(); ++k) parts.push_back(online<T>(x, cuts[k], cuts[k + 1]));
   rlk::SoftmaxState<T> left = rlk::softmax_init<T>();
-  for (const auto& p : parts) left = rlk::softmax_merge(left, p);
+  for (const auto& p : parts) left = rlk::softmax_merge(left, p, T(kInvTau));
   while (parts.size() > 1) {
     std::vector<rlk::SoftmaxState<T>> next;
-    for (size_t k = 0; k + 1 < parts.size(); k += 2) next.push_back(rlk::softmax_merge(parts[k + 1], parts[k]));
+    for (size_t k = 0; k + 1 < parts.size(); k += 2) next.push_back(rlk::softmax_merge(parts[k + 1], parts[k], T(kInvTau)));
     if (parts.size() % 2) next.push_back(parts.back());
     parts = next;
   }
   for (const auto* st : {&left, &parts[0]}) {
-    r = rlk::softmax_finalize(*st, x_target);
+    r = rlk::softmax_finalize(*st, x_target, T(kInvTau));
     expect_close("m (merged)", row, r.m, want.m, 0);
     expect_close("log s (merged)", row, r.log_s, want.log_s, tol);
     expect_close("logp (merged)", row, r.logp, want.logp, tol);
     expect_close("entropy (merged)", row, r.entropy, want.entropy, tol);
   }
 
-  // Gradient: (1/τ)[g(1[v=y] − p) − h p (log p + H)] with τ folded into x, checked at τ = 0.5.
-  const double g = 0.7, h = -1.3, inv_tau = 2.0;
+  // Gradient: (1/τ)[g(1[v=y] − p) − h p (log p + H)].
+  const double g = 0.7, h = -1.3, inv_tau = kInvTau;
   const auto c = rlk::grad_coeffs<T>(T(g), T(h), T(want.entropy), T(inv_tau));
   for (size_t v = 0; v < x.size(); ++v) {
-    const double logp = (x[v] - want.m) - want.log_s;
+    const double logp = (x[v] - want.m) * inv_tau - want.log_s;
     const double p = std::exp(logp);
     const double textbook = p > 0 ? inv_tau * (g * ((int(v) == target) - p) - h * p * (logp + want.entropy))
                                   : inv_tau * g * (int(v) == target);
-    const T got = rlk::grad_logit(static_cast<T>(x[v]), T(want.m), T(want.log_s), int(v) == target, c);
+    const T got = rlk::grad_logit(static_cast<T>(x[v]), T(want.m), T(want.log_s), T(inv_tau), int(v) == target, c);
     expect_close("grad", row, got, textbook, tol * 10);
   }
 }

@@ -71,39 +71,39 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   std::vector<float> zf(V);  // the values as stored in T
   const long target = static_cast<long>(rng() % V);
   // Pattern 3 shifts the logits to where ulp(m) ≫ the precision log p needs (1e3: bf16 and fp16 hold
-  // no more). Pattern 4 puts them near the largest float (not fp16's): 1e38, with a few ties at 2e38
+  // no more). Pattern 4 puts them near the largest float (not fp16's): 2e38, with a few ties at 3e38
   // in the second half of the row, each raising some lane's max after many smaller terms (δ·s would
-  // overflow there). In both, x = z·(1/τ) itself rounds by up to ulp(m)/2, so the reference starts
-  // from the kernel's fp32 x rather than from z/τ.
+  // overflow there), and z/τ itself overflows: only differences may be scaled.
   const float shift = pattern == 3 ? (sizeof(T) == 4 ? 1e5f : 1e3f) : 0.0f;
-  std::vector<double> xs(V);  // the reference's x
+  std::vector<double> zs(V);  // the reference's logits
   for (long v = 0; v < V; ++v) {
     float x = normal(rng) + shift;
     if (pattern == 1 && v != target && rng() % 2 == 0) x = -INFINITY;  // masked vocabulary entries
     if (pattern == 2 && v != target) x = -INFINITY;                     // only the target is left
-    if (pattern == 4) x = v == V - 1 || (2 * v >= V && rng() % 16 == 0) ? 2e38f : 1e38f;
+    if (pattern == 4) x = v == V - 1 || (2 * v >= V && rng() % 16 == 0) ? 3e38f : 2e38f;
     z[v] = Pack<T>::from_float(x);
     zf[v] = Pack<T>::to_float(z[v]);
-    xs[v] = pattern >= 3 ? double(rlk::mul_rn(zf[v], inv_tau)) : double(zf[v]) / tau;
+    zs[v] = zf[v];
   }
 
   // Forward: every lane's state, merged.
   State st = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, inv_tau, lane));
-  const rlk::RowResult<float> r = rlk::softmax_finalize(st, rlk::mul_rn(zf[target], inv_tau));
+  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, inv_tau, lane), inv_tau);
+  const rlk::RowResult<float> r = rlk::softmax_finalize(st, zf[target], inv_tau);
   State st0 = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, inv_tau, lane));
-  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, rlk::mul_rn(zf[target], inv_tau));
+  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, inv_tau, lane), inv_tau);
+  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, zf[target], inv_tau);
 
   double m = -INFINITY;
-  for (long v = 0; v < V; ++v) m = std::fmax(m, xs[v]);
+  for (long v = 0; v < V; ++v) m = std::fmax(m, zs[v]);
+  auto d = [&](long v) { return (zs[v] - m) * double(inv_tau); };
   double s = 0, sx = 0;
   for (long v = 0; v < V; ++v) {
-    const double e = std::exp(xs[v] - m);
+    const double e = std::exp(d(v));
     s += e;
-    if (e > 0) sx += e * (xs[v] - m);
+    if (e > 0) sx += e * d(v);
   }
-  const double log_s = std::log(s), H = log_s - sx / s, logp = (xs[target] - m) - log_s;
+  const double log_s = std::log(s), H = log_s - sx / s, logp = d(target) - log_s;
   const char* dt = name<T>();
   auto close = [](double got, double want) { return std::fabs(got - want) <= 1e-5 * std::fmax(1.0, std::fabs(want)); };
   if (!close(r.m, m)) fail("m", dt, kThreads, V, offset, -1, r.m, m);
@@ -136,7 +136,7 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
     }
     static const char* what[] = {"grad (packs)", "grad (element by element)", "grad (in place)"};
     for (long v = 0; v < V; ++v) {
-      const double lp = (xs[v] - double(r.m)) - double(r.log_s), p = std::exp(lp);
+      const double lp = (zs[v] - double(r.m)) * double(inv_tau) - double(r.log_s), p = std::exp(lp);
       const double plogp = p > 0 ? p * (lp + double(r.entropy)) : 0.0;
       const double want = (g * ((v == target) - p) - h * plogp) / tau;
       const double scale = (std::fabs(g) * ((v == target) + p) + std::fabs(h) * (p > 0 ? p * (std::fabs(lp) + r.entropy) : 0)) / tau;
@@ -178,8 +178,8 @@ void nan_rows() {
     for (long v = 0; v < 300; ++v) buf.row[v] = Pack<T>::from_float(which % 2 == 1 ? -INFINITY : float(v % 7));
     if (which < 3) buf.row[123] = Pack<T>::from_float(which == 2 ? INFINITY : NAN);
     State st = rlk::softmax_init<float>();
-    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, 1.0f, lane));
-    const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]));
+    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, 1.0f, lane), 1.0f);
+    const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]), 1.0f);
     if (!std::isnan(r.logp) || !std::isnan(r.entropy)) fail("NaN row", name<T>(), 32, 300, 1, which, r.logp, NAN);
   }
 }

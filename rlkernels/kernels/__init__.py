@@ -5,19 +5,21 @@ Every backend module exposes the same two functions over flattened rows
 
 ``token_logprobs_fwd(logits, targets, temperature, need_entropy) -> (logp, entropy, lse_parts)``
     logits ``(N, V)`` fp16/bf16/fp32 (fp64 where the backend supports it), targets ``(N,)``
-    int64 in ``[0, V)``. With ``x = logits / temperature``, ``m = max_v x_v`` and
-    ``s = sum_v e^{x_v - m}``, returns in the accumulation dtype (fp32; fp64 for fp64 logits):
-    ``logp (N,) = (x_y - m) - log s``, the entropy ``H (N,) = log s - sum_v p_v (x_v - m)`` (an
-    empty tensor when ``need_entropy`` is False) and ``lse_parts (N, 2) = [m, log s]``, what the
-    backward needs of the row. logsumexp(x) is ``m + log s``, but no backend forms that sum: it
-    rounds to ulp(m), which at ``|m| ≈ 1e3`` already costs more precision than all else and near
-    ±3e38 all of ``log s``; every log-probability is ``(x_v - m) - log s``, as in log_softmax.
+    int64 in ``[0, V)``. With ``m = max_v logits_v`` (raw, not divided by τ),
+    ``d_v = (logits_v - m) / temperature`` and ``s = sum_v e^{d_v}``, returns in the accumulation
+    dtype (fp32; fp64 for fp64 logits): ``logp (N,) = d_y - log s``, the entropy
+    ``H (N,) = log s - sum_v p_v d_v`` (an empty tensor when ``need_entropy`` is False) and
+    ``lse_parts (N, 2) = [m, log s]``, what the backward needs of the row. τ scales differences
+    only: ``logits / τ`` overflows near ±3e38 at τ < 1. logsumexp(logits/τ) is ``m/τ + log s``,
+    but no backend forms that sum: it rounds to ulp(m/τ), which at ``|m| ≈ 1e3`` already costs
+    more precision than all else and near ±3e38 all of ``log s``; every log-probability is
+    ``d_v - log s``, as in log_softmax.
     A row that is all −inf, or holds a NaN or +inf, has NaN ``logp`` and ``H`` (log_softmax's
     NaN), on every backend.
 
 ``token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None) -> grad_logits``
     ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with
-    ``log p_v = (x_v − m) − log s`` from the forward's ``lse_parts``, ``g = grad_logp`` and
+    ``log p_v = (logits_v − m)/τ − log s`` from the forward's ``lse_parts``, ``g = grad_logp`` and
     ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
     ``logits``, shape ``(N, V)``. ``out``: an ``(N, V)`` tensor with unit stride over V to
     write into instead of a new one; it may be ``logits`` itself (every element is read before

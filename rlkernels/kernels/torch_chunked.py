@@ -36,18 +36,19 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
     for s, e in _chunks(n, vocab):
-        x = logits[s:e].to(acc) / temperature
-        # Relative to the row max, as log_softmax: log p = (x − m) − log s, never x − (m + log s),
-        # which rounds to ulp(m). A row of −inf (m = −inf) gives x − m = NaN, so NaN results.
-        m = x.amax(-1, keepdim=True)
-        d = x.sub_(m)
+        z = logits[s:e].to(acc)
+        # Relative to the row max, as log_softmax: log p = d − log s with d = (z − m)/τ, never
+        # z/τ − (m/τ + log s), which rounds to ulp(m/τ); τ scales differences only (z/τ overflows
+        # near 3e38 at τ < 1). A row of −inf (m = −inf) gives z − m = NaN, so NaN results.
+        m = z.amax(-1, keepdim=True)
+        d = (z - m).div_(temperature)
         e_d = torch.exp(d)
         total = e_d.sum(-1)
         log_s = total.log()
         lse_parts[s:e] = torch.stack((m[:, 0], log_s), 1)
         logp[s:e] = d.gather(1, targets[s:e, None]).squeeze(1) - log_s
         if need_entropy:
-            # H = log s − Σ e^{x−m}(x−m) / s: terms relative to m, no cancellation of large numbers.
+            # H = log s − Σ e^d·d / s: terms relative to m, no cancellation of large numbers.
             entropy[s:e] = log_s - _p_times(e_d, d).sum(-1) / total
     return logp, entropy, lse_parts
 
@@ -57,7 +58,7 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
     for s, e in _chunks(n, vocab):
-        log_p = (logits[s:e].to(acc) / temperature - lse_parts[s:e, :1]) - lse_parts[s:e, 1:]
+        log_p = (logits[s:e].to(acc) - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
         p = torch.exp(log_p)
         g = grad_logp[s:e, None].to(acc)
         chunk = -g * p

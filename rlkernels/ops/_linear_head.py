@@ -101,16 +101,16 @@ class LinearHead:
     def merge_shards(self, logp, entropy, lse_parts, need_entropy):
         """Per-rank (logp, H, [m, log s]) of the local slices → those of the whole vocabulary.
 
-        With x = logits/τ, rank r's slice has max m_r, s_r = Σ e^{x − m_r}, Σ e^{x − m_r}(x − m_r) =
-        s_r (log s_r − H_r), and on the rank that holds y, x_y − m_r = logp_r + log s_r. Relative to
-        M = max_r m_r (δ_r = m_r − M): s = Σ_r e^{δ_r + log s_r}, Σ e^{x − M}(x − M) =
-        Σ_r e^{δ_r + log s_r}(log s_r − H_r + δ_r) and x_y − M = logp_r + log s_r + δ_r. Every term is
-        relative to a max, so no large m_r + log s_r is ever rounded."""
+        Rank r's slice has raw max m_r and, with d = (z − m_r)/τ, s_r = Σ e^d, Σ e^d·d = s_r (log s_r −
+        H_r), and on the rank that holds y, d_y = logp_r + log s_r. Relative to M = max_r m_r
+        (δ_r = (m_r − M)/τ): s = Σ_r e^{δ_r + log s_r}, Σ e^{d'}d' = Σ_r e^{δ_r + log s_r}(log s_r − H_r
+        + δ_r) and d'_y = logp_r + log s_r + δ_r. Every term is relative to a max, so no large
+        m_r/τ + log s_r is ever rounded."""
         group = self.spec.group
         m, log_s = lse_parts.unbind(1)
         top = m.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shift = m - top
+        shift = (m - top) / self.spec.temperature
         scale = torch.exp(shift + log_s)
         zero = torch.zeros_like(scale)
         parts = [torch.where(self.owned, (logp + log_s) + shift, zero), scale]

@@ -2,10 +2,13 @@
 // compiled backend: CPU (T = float, double, or at::vec::Vectorized<float/double> for the
 // per-lane accumulators) and, later, the CUDA kernels (T = float). No torch includes.
 //
-// A row is summarised by the online-softmax state (m, s, u), all relative to a running max m:
-//     s = Σ_v e^{x_v − m},        u = Σ_v e^{x_v − m} (x_v − m)
-// We keep Σ e^{x−m}(x−m) rather than Σ e^{x−m}·x: then H = log s − u/s has no cancellation
-// between two large numbers (lse and Σ p x), and shifting every logit by c changes nothing.
+// A row of logits z at temperature τ is summarised by the online-softmax state (m, s, u), with m
+// the running max of the raw logits and d_v = (z_v − m)/τ the scaled distance to it:
+//     s = Σ_v e^{d_v},        u = Σ_v e^{d_v} d_v
+// We keep Σ e^{d}·d rather than Σ e^{x−m}·x: then H = log s − u/s has no cancellation between
+// two large numbers (lse and Σ p x), and shifting every logit by c changes nothing. The max is
+// taken in raw units and τ applied to differences only, never to a logit: z/τ overflows fp32 for
+// |z| near 3e38 at τ < 1, (z − m)/τ only where it is below −e^{104}, where e^d is 0 anyway.
 #pragma once
 
 #include <cmath>
@@ -19,7 +22,7 @@
 namespace rlk {
 
 // a·b rounded on its own. nvcc contracts a product and the add or subtract that follows into one
-// FMA by default, and where two values must cancel exactly (x − m at the row max; the target term
+// FMA by default, and where two values must cancel exactly ((z − m)/τ against log s; the target term
 // against A at p = 1) that leaves the product's rounding error instead of 0. The CPU build is
 // compiled with -ffp-contract=off, so there a plain product is already rounded.
 template <typename T>
@@ -45,8 +48,8 @@ template <> RLK_HOST_DEVICE inline float neg_inf<float>() { return -HUGE_VALF; }
 template <> RLK_HOST_DEVICE inline double neg_inf<double>() { return -HUGE_VAL; }
 
 // exp(x) is exactly 0 for every x below this (fp32 underflows below −103.97, fp64 below
-// −745.1). Differences x − m are clamped to it, so a −inf logit (a masked vocabulary entry)
-// gives e = 0 and e·(x − m) = 0 instead of 0·(−inf) = NaN, and no value changes. Small enough in
+// −745.1). Scaled differences d are clamped to it, so a −inf logit (a masked vocabulary entry)
+// gives e = 0 and e·d = 0 instead of 0·(−inf) = NaN, and no value changes. Small enough in
 // magnitude that h·log p stays finite in the gradient for any sane h.
 template <typename T> RLK_HOST_DEVICE inline T exp_floor();
 template <> RLK_HOST_DEVICE inline float exp_floor<float>() { return -128.0f; }
@@ -55,8 +58,8 @@ template <> RLK_HOST_DEVICE inline double exp_floor<double>() { return -1024.0; 
 template <typename T>
 struct SoftmaxState {
   T m;  // running max (−inf while every element seen so far is −inf)
-  T s;  // Σ e^{x − m}
-  T u;  // Σ e^{x − m} (x − m)
+  T s;  // Σ e^{d},  d = (z − m)/τ
+  T u;  // Σ e^{d} d
 };
 
 template <typename T>
@@ -64,7 +67,13 @@ RLK_HOST_DEVICE inline SoftmaxState<T> softmax_init() {
   return SoftmaxState<T>{neg_inf<T>(), T(0), T(0)};
 }
 
-// Accumulate one element: d = max(x − m, exp_floor) with m ≥ x, e = exp(d). Only +, * so that
+// d = (z − m)/τ of one element, the product rounded on its own (see mul_rn).
+template <typename T>
+RLK_HOST_DEVICE inline T scaled_diff(const T& z, const T& m, const T& inv_tau) {
+  return mul_rn(z - m, inv_tau);
+}
+
+// Accumulate one element: d = max((z − m)/τ, exp_floor) with m ≥ z, e = exp(d). Only +, * so that
 // T may also be a SIMD vector type (the CPU backend calls it per lane).
 template <typename T, bool kEntropy = true>
 RLK_HOST_DEVICE inline void softmax_accumulate(T& s, T& u, const T& e, const T& d) {
@@ -73,17 +82,17 @@ RLK_HOST_DEVICE inline void softmax_accumulate(T& s, T& u, const T& e, const T& 
 }
 
 // Moving the reference point of (s, u) from m_old to m_new ≥ m_old:
-//     s' = α s,   u' = α (u + δ s),   α = e^{δ},  δ = m_old − m_new.
+//     s' = α s,   u' = α (u + δ s),   α = e^{δ},  δ = (m_old − m_new)/τ.
 // `rescale_factors` gives (α, δ); when m_old = −inf the sums are empty and α = δ = 0. δ is
-// clamped to exp_floor, as the elements' x − m are: α is then exactly 0 all the same, and δ·s
+// clamped to exp_floor, as the elements' d are: α is then exactly 0 all the same, and δ·s
 // stays finite (for logits near ±3e38, δ·s would overflow and 0·inf make u NaN).
 template <typename T>
-RLK_HOST_DEVICE inline void rescale_factors(T m_old, T m_new, T& alpha, T& delta) {
+RLK_HOST_DEVICE inline void rescale_factors(T m_old, T m_new, T inv_tau, T& alpha, T& delta) {
   if (m_old == neg_inf<T>()) {
     alpha = T(0);
     delta = T(0);
   } else {
-    delta = m_old - m_new;
+    delta = scaled_diff(m_old, m_new, inv_tau);
     delta = delta < exp_floor<T>() ? exp_floor<T>() : delta;
     alpha = exp_(delta);
   }
@@ -97,11 +106,11 @@ RLK_HOST_DEVICE inline void softmax_rescale(T& s, T& u, const S& alpha, const S&
 
 // Merge two states (different rows' chunks, lanes, threads or warps).
 template <typename T>
-RLK_HOST_DEVICE inline SoftmaxState<T> softmax_merge(const SoftmaxState<T>& a, const SoftmaxState<T>& b) {
+RLK_HOST_DEVICE inline SoftmaxState<T> softmax_merge(const SoftmaxState<T>& a, const SoftmaxState<T>& b, T inv_tau) {
   const T m = a.m > b.m ? a.m : b.m;
   T alpha_a, delta_a, alpha_b, delta_b;
-  rescale_factors(a.m, m, alpha_a, delta_a);
-  rescale_factors(b.m, m, alpha_b, delta_b);
+  rescale_factors(a.m, m, inv_tau, alpha_a, delta_a);
+  rescale_factors(b.m, m, inv_tau, alpha_b, delta_b);
   SoftmaxState<T> out{m, a.s, a.u};
   softmax_rescale(out.s, out.u, alpha_a, delta_a);
   T sb = b.s, ub = b.u;
@@ -111,15 +120,15 @@ RLK_HOST_DEVICE inline SoftmaxState<T> softmax_merge(const SoftmaxState<T>& a, c
   return out;
 }
 
-// log p = (x − m) − log s, never x − lse: lse = m + log s rounds to ulp(m), which for large
-// logits (|m| ≳ 1e3) costs more than every other rounding together, and at |m| ~ 1e38 all of
-// log s. The row is therefore summarised by the pair (m, log s), never by lse.
+// log p = (z − m)/τ − log s, never z/τ − lse: lse = m/τ + log s rounds to ulp(m/τ), which for
+// large logits (|m| ≳ 1e3) costs more than every other rounding together, and at |m| ~ 1e38 all
+// of log s. The row is therefore summarised by the pair (m, log s), never by lse.
 template <typename T>
-RLK_HOST_DEVICE inline T log_prob(const T& x, const T& m, const T& log_s) {
-  return (x - m) - log_s;
+RLK_HOST_DEVICE inline T log_prob(const T& z, const T& m, const T& log_s, const T& inv_tau) {
+  return scaled_diff(z, m, inv_tau) - log_s;
 }
 
-// Finalisation: log s, logp = (x_y − m) − log s, H = log s − u/s (= lse − Σ p x). A row of
+// Finalisation: log s, logp = (z_y − m)/τ − log s, H = log s − u/s (= lse − Σ p x). A row of
 // −inf logits (m = −inf, s = 0) gives NaN logp and H, as log_softmax would.
 template <typename T>
 struct RowResult {
@@ -130,11 +139,11 @@ struct RowResult {
 };
 
 template <typename T>
-RLK_HOST_DEVICE inline RowResult<T> softmax_finalize(const SoftmaxState<T>& st, T x_target) {
+RLK_HOST_DEVICE inline RowResult<T> softmax_finalize(const SoftmaxState<T>& st, T z_target, T inv_tau) {
   RowResult<T> r;
   r.m = st.m;
   r.log_s = log_(st.s);
-  r.logp = log_prob(x_target, st.m, r.log_s);
+  r.logp = log_prob(z_target, st.m, r.log_s, inv_tau);
   r.entropy = r.log_s - st.u / st.s;
   return r;
 }
@@ -142,7 +151,7 @@ RLK_HOST_DEVICE inline RowResult<T> softmax_finalize(const SoftmaxState<T>& st, 
 // Gradient w.r.t. the logits z (x = z/τ), with g = ∂L/∂logp, h = ∂L/∂H, p = softmax(x):
 //     ∂L/∂z_v = (1/τ) [ g (1[v=y] − p_v) − h p_v (log p_v + H) ]
 //             = (1/τ) g 1[v=y] + p_v (A + B log p_v),   A = −(g + h H)/τ,  B = −h/τ.
-// log p_v = log_prob(x_v, m, log s) is clamped to exp_floor (p_v is then exactly 0 and so is its term).
+// log p_v = log_prob(z_v, m, log s, 1/τ) is clamped to exp_floor (p_v is then exactly 0 and so is its term).
 template <typename T>
 struct GradCoeffs {
   T A;
@@ -168,8 +177,8 @@ RLK_HOST_DEVICE inline T grad_element(const T& p, const T& logp, const T& A, con
 
 // Any element, scalar: the direct formula above.
 template <typename T>
-RLK_HOST_DEVICE inline T grad_logit(T x, T m, T log_s, bool is_target, const GradCoeffs<T>& c) {
-  T logp = log_prob(x, m, log_s);
+RLK_HOST_DEVICE inline T grad_logit(T z, T m, T log_s, T inv_tau, bool is_target, const GradCoeffs<T>& c) {
+  T logp = log_prob(z, m, log_s, inv_tau);
   logp = logp < exp_floor<T>() ? exp_floor<T>() : logp;  // NaN stays NaN
   const T p = exp_(logp);
   const T g = grad_element(p, logp, c.A, c.B);

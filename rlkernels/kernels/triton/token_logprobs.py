@@ -1,8 +1,8 @@
 """Triton kernels for per-token log-probs and entropy (docs/design.md §2).
 
 Forward: one program per row streams the row once in BLOCK_V tiles (`row_forward`, also the
-pass of policy_token.py), keeping an online max, the rescaled Σ e^{x−m} and (for the entropy)
-Σ e^{x−m}·(x−m) in fp32; the target logit is one scalar load, masked to the row (a target
+pass of policy_token.py), keeping an online max of the raw logits, the rescaled Σ e^d and (for the
+entropy) Σ e^d·d in fp32, d = (z − m)/τ; the target logit is one scalar load, masked to the row (a target
 outside [0, V) gives NaN). Backward: one program per row reads the row once and writes
 ∂logits once, from the saved (m, log s) (and entropy). The math per tile lives in ``row_math.py``.
 
@@ -17,7 +17,7 @@ import triton.language as tl
 
 # Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
 # by their global names (a module attribute such as row_math.f is not followed).
-from .row_math import dlogits, log_prob, row_entropy, scaled, tile_update, tile_update_entropy
+from .row_math import dlogits, log_prob, row_entropy, tile_update, tile_update_entropy
 
 # Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
 # before this module was first imported.
@@ -36,21 +36,21 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
     t = 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        x = scaled(tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32), inv_temp)
+        z = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         if NEED_ENTROPY:
-            m, s, t = tile_update_entropy(m, s, t, x)
+            m, s, t = tile_update_entropy(m, s, t, z, inv_temp)
         else:
-            m, s = tile_update(m, s, x)
+            m, s = tile_update(m, s, z, inv_temp)
 
     log_s = tl.log(s)
     # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
     in_row = (target >= 0) & (target < V)
-    # Same fp32 product as in the loop, so x_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
-    x_y = scaled(tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32), inv_temp)
+    # The same fp32 d as in the loop, so z_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
+    z_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32)
     entropy = 0.0
     if NEED_ENTROPY:
         entropy = row_entropy(log_s, s, t)
-    return log_prob(x_y, m, log_s), entropy, m, log_s
+    return log_prob(z_y, m, log_s, inv_temp), entropy, m, log_s
 
 
 @triton.jit
@@ -95,8 +95,8 @@ def _token_logprobs_bwd_kernel(
         offs = start + cols
         mask = offs < V
         # Each tile is read before it is written, so `out` may be the logits themselves.
-        x = scaled(tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32), inv_temp)
-        grad = dlogits(x, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
+        z = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        grad = dlogits(z, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
         tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
