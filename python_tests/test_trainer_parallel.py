@@ -1,9 +1,10 @@
 """The trainer across processes and with gradient checkpointing (docs/design.md §10).
 
 Data parallel: two gloo processes, each with half of a global batch, take the update step of one
-process on the whole batch (DistributedDataParallel sums the gradients; averaging them would halve
-every gradient, which AdamW or clipping would hide: so the gradients are compared, and the steps are
-plain SGD without clipping)."""
+process on the whole batch, through DistributedDataParallel and through FSDP2 (both sum the gradients;
+averaging them would halve every gradient, which AdamW or clipping would hide: so the gradients are
+compared, and the steps are plain SGD, clipped only where clipping is the point)."""
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from rlkernels.trainer import Config, device, loop, task, train
 
@@ -58,10 +60,16 @@ CASES = {  # name: (_setup arguments, find_unused)
 }
 
 
-def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison=False):
+def _whole(t):
+    """A tensor as one process holds it: FSDP's shards gathered (every rank calls this)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison=False, fsdp=False):
     """Optimizer steps on `rows_per_step` (this rank's rows of each step's mini-batch); per step the
     (globally reduced) metrics, gradients, and parameters after it."""
-    engine = loop.update_engine(forward, CPU32, find_unused)
+    engine = loop.update_engine(forward, CPU32, find_unused, fsdp)
+    params = [p for p in engine.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     optimizer = torch.optim.SGD(params, lr=0.1)
     out = []
     for i, rows in enumerate(rows_per_step):
@@ -73,8 +81,8 @@ def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison
         m, skipped = loop.minibatch_update(engine, optimizer, params, mb, P, cfg, CPU32,
                                            num_items=num_items, num_seqs=num_seqs)
         summed = {k: loop.all_sum(m[k]) for k in loop.SUMMED_METRICS if k in m}
-        grads = [p.grad.clone() if p.grad is not None else None for p in params]
-        out.append((skipped, summed, m.get("grad_norm"), grads, [p.detach().clone() for p in params]))
+        grads = [_whole(p.grad).clone() if p.grad is not None else None for p in params]
+        out.append((skipped, summed, m.get("grad_norm"), grads, [_whole(p.detach()).clone() for p in params]))
     return out
 
 
@@ -90,16 +98,24 @@ def _global_rows(name):
     return [HALVES[0]] * 2 if name == "empty" else [torch.arange(B)] * 2
 
 
-def _run(name, rows_per_step):
+def _run(name, rows_per_step, fsdp=False):
     if name == "empty":
-        return _steps(*_setup("grpo"), rows_per_step, find_unused=True)
+        return _steps(*_setup("grpo"), rows_per_step, find_unused=True, fsdp=fsdp)
     if name == "skip":
-        return _steps(*_setup("grpo"), rows_per_step, poison=True)
+        return _steps(*_setup("grpo"), rows_per_step, poison=True, fsdp=fsdp)
+    if name == "clip":  # the norm over every rank's gradients (FSDP: over the shards), each scaled by it
+        forward, params, batch, cfg = _setup("grpo")
+        return _steps(forward, params, batch, dataclasses.replace(cfg, max_grad_norm=0.1), rows_per_step, fsdp=fsdp)
+    if name == "checkpointing":  # FSDP gathers each layer again for the recomputation in the backward
+        forward, params, batch, cfg = _setup("grpo")
+        loop.enable_checkpointing(forward.policy)
+        return _steps(forward.train(), params, batch, cfg, rows_per_step, fsdp=fsdp)
     setup, find_unused = CASES[name]
-    return _steps(*_setup(*setup), rows_per_step, find_unused)
+    return _steps(*_setup(*setup), rows_per_step, find_unused, fsdp=fsdp)
 
 
-NAMES = (*CASES, "empty", "skip")
+NAMES = (*CASES, "empty", "skip", "clip", "checkpointing")
+ENGINES = ("ddp", "fsdp")
 
 
 def _ddp_worker(rank, world, init_file, result_file):
@@ -108,22 +124,23 @@ def _ddp_worker(rank, world, init_file, result_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = {name: _run(name, _rank_rows(rank, name)) for name in NAMES}
+        results = {(engine, name): _run(name, _rank_rows(rank, name), engine == "fsdp")
+                   for engine in ENGINES for name in NAMES}
         if rank == 0:
             torch.save(results, result_file)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two spawned processes import torch and transformers: ~20-40 s on 2 cores
+@pytest.mark.slow  # two spawned processes import torch and transformers: ~40-60 s on 2 cores
 def test_two_gloo_processes_take_the_step_of_one(tmp_path):
     torch.set_num_threads(1)
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "r.pt")), nprocs=2, join=True)
     got = torch.load(tmp_path / "r.pt")
-    for name in NAMES:
-        expected = _run(name, _global_rows(name))
-        for step, (one, two) in enumerate(zip(expected, got[name])):
-            where = f"{name}, step {step + 1}"
+    expected = {name: _run(name, _global_rows(name)) for name in NAMES}
+    for engine, name in got:
+        for step, (one, two) in enumerate(zip(expected[name], got[engine, name])):
+            where = f"{engine}: {name}, step {step + 1}"
             assert one[0] == two[0] == (name == "skip" and step == 0), where
             if not one[0]:
                 for k, v in one[1].items():
@@ -135,26 +152,78 @@ def test_two_gloo_processes_take_the_step_of_one(tmp_path):
                 torch.testing.assert_close(p2, p1, atol=1e-6, rtol=1e-4, msg=where)
 
 
-def _train_worker(rank, world, init_file, out):
+def _train_worker(rank, world, init_file, configs):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        train(Config(**{**TINY, "out": out, "algo": "ppo", "critic": "separate"}))
+        for cfg in configs:
+            train(cfg)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_a_two_process_run_trains_through_ddp(tmp_path):
-    out = str(tmp_path / "run")
-    mp.spawn(_train_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+def _metrics(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in ("time_s", "tokens_per_s")} for r in rows]
+
+
+# PPO with its critic on its own trunk and a reference model: under FSDP all three are sharded
+RUN = {**TINY, "algo": "ppo", "critic": "separate", "ckpt_every": 1, "eval_every": 1}
+
+
+@pytest.mark.slow  # five short runs in two spawned processes: ~60-90 s on 2 cores
+def test_two_process_runs_through_ddp_and_fsdp(tmp_path):
+    """A DDP run; an FSDP2 run of the same config logs the same metrics and saves the same checkpoint (whole
+    tensors, numbered as without FSDP), resumes exactly, and its folder loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    out = {name: str(tmp_path / name) for name in ("ddp", "fsdp", "half", "lora")}
+    configs = [Config(**RUN, out=out["ddp"]), Config(**RUN, out=out["fsdp"], fsdp=True),
+               Config(**{**RUN, "steps": 1}, out=out["half"], fsdp=True),
+               Config(resume=out["half"], steps=2, progress=False),
+               Config(**{**TINY, "steps": 1}, out=out["lora"], fsdp=True, lora_rank=4)]
+    mp.spawn(_train_worker, args=(2, str(tmp_path / "init"), configs), nprocs=2, join=True)
+    rows = _metrics(out["ddp"])
     assert [r["step"] for r in rows] == [1, 2] and all(r["updates"] == 2 and r["skipped"] == 0 for r in rows)
     assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "value_loss", "grad_norm"))
     assert rows[0]["groups"] == 8  # 4 prompts per step on each of the 2 ranks
-    summary = json.load(open(os.path.join(out, "summary.json")))
-    assert summary["backend"] == "gloo"
+    assert json.load(open(os.path.join(out["ddp"], "summary.json")))["backend"] == "gloo"
+
+    sharded = _metrics(out["fsdp"])
+    for r1, r2 in zip(rows, sharded, strict=True):
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6), k
+    assert _metrics(out["half"]) == sharded  # resumed from its checkpoint at step 1
+    ckpt = {name: torch.load(os.path.join(out[name], "checkpoint.pt"), weights_only=True) for name in ("ddp", "fsdp")}
+    for part in ("model", "critic", "ref"):
+        assert ckpt["fsdp"][part].keys() == ckpt["ddp"][part].keys()
+        for k, v in ckpt["ddp"][part].items():
+            torch.testing.assert_close(ckpt["fsdp"][part][k], v.cpu(), atol=1e-6, rtol=1e-5, msg=f"{part} {k}")
+    state = {name: ckpt[name]["optimizer"]["state"] for name in ckpt}
+    assert state["fsdp"].keys() == state["ddp"].keys() and len(state["ddp"]) == len(list(ckpt["ddp"]["model"])) + len(
+        ckpt["ddp"]["critic"])
+    for i, s in state["ddp"].items():
+        for k, v in s.items():
+            torch.testing.assert_close(state["fsdp"][i][k], v.cpu(), atol=1e-6, rtol=1e-4, msg=f"optimizer {i} {k}")
+    assert ckpt["fsdp"]["optimizer"]["param_groups"] == ckpt["ddp"]["optimizer"]["param_groups"]
+
+    exported = AutoModelForCausalLM.from_pretrained(out["fsdp"])
+    assert exported.config.architectures == ["LlamaForCausalLM"]
+    assert exported.state_dict().keys() == ckpt["fsdp"]["model"].keys()
+    for k, v in exported.state_dict().items():
+        assert torch.equal(v, ckpt["fsdp"]["model"][k]), k
+    # the demo's LoRA run exports the merged weights: the adapters of its checkpoint merged into its base
+    from rlkernels.trainer.task import add_lora
+
+    merged = AutoModelForCausalLM.from_pretrained(out["lora"])
+    expected = add_lora(AutoModelForCausalLM.from_config(merged.config), 4, 16.0)
+    expected.load_state_dict(torch.load(os.path.join(out["lora"], "checkpoint.pt"), weights_only=True)["model"])
+    expected = expected.merge_and_unload().state_dict()
+    assert merged.state_dict().keys() == expected.keys()
+    for k, v in merged.state_dict().items():
+        torch.testing.assert_close(v, expected[k], atol=1e-7, rtol=1e-6, msg=k)
 
 
 # ---- gradient checkpointing: the same loss and gradients, the layers run twice

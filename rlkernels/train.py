@@ -7,8 +7,9 @@ flag (transformers.HfArgumentParser; `--help` lists them).
 `--device auto|cpu|cuda|cuda:N` (auto: cuda when available), `--dtype auto|float32|bfloat16` (auto:
 bfloat16 on a GPU that has it, else float32): float32 weights and optimizer state, the forward
 passes under autocast. Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data
-parallel through DistributedDataParallel: each rank on cuda:LOCAL_RANK over nccl, or on the CPU
-over gloo. `--gradient-checkpointing` trades a second forward pass for activation memory.
+parallel through DistributedDataParallel, or with `--fsdp` sharded by FSDP2 (`fully_shard`): each
+rank on cuda:LOCAL_RANK over nccl, or on the CPU over gloo. `--gradient-checkpointing` trades a
+second forward pass for activation memory.
 """
 from __future__ import annotations
 

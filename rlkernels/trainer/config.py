@@ -57,6 +57,9 @@ class Config:
     gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
                                                  "non-reentrant): less memory for longer sequences, about one more "
                                                  "forward of time")
+    fsdp: bool = _field(False, "under torchrun: shard the policy, critic and reference model over the ranks with "
+                               "FSDP2 (fully_shard per decoder layer) instead of replicating them with DDP, for "
+                               "models that do not fit one device")
     # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
     prompts: str = _field("", "JSONL of {\"prompt\": str or [{\"role\", \"content\"}, ...], \"answer\": ...}; \"\" = the "
                               "demo's synthetic addition \"a+b=\" (required with --model)")

@@ -35,7 +35,7 @@ from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
 from ..integrations.transformers import check_head, output_temperature
-from . import device, export, report, rewards as rewards_lib, task
+from . import device, export, report, rewards as rewards_lib, sharding, task
 from .config import Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
@@ -97,8 +97,9 @@ def _parts(model):
 
 def hidden_states(trunk, seq, attn):
     """Last hidden states (B, S, H); positions count only attended tokens (as `generate` does)."""
-    if not len(seq):  # no rows (dynamic sampling kept no group): HF attention cannot reshape an empty batch
-        return seq.new_zeros(*seq.shape, trunk.config.hidden_size, dtype=next(trunk.parameters()).dtype)
+    if not len(seq):  # no rows (dynamic sampling kept no group): HF attention cannot reshape an empty batch, so
+        # one padding row runs and is dropped; every layer still runs, as FSDP's per-layer collectives need on every rank
+        return hidden_states(trunk, seq.new_zeros(1, seq.shape[1]), attn.new_ones(1, attn.shape[1]))[:0]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return trunk(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
 
@@ -291,7 +292,8 @@ class UpdateForward(nn.Module):
 
     DistributedDataParallel reduces the gradients of the parameters its module's forward uses, and
     the loss head reads the trunk and the lm_head weight directly, not through the model's forward:
-    so all of it runs inside this forward. Returns (loss, metrics, values or None)."""
+    so all of it runs inside this forward (under FSDP, the root's forward, which gathers that weight).
+    Returns (loss, metrics, values or None)."""
 
     def __init__(self, policy, critic, loss_cfg, temperature, path):
         super().__init__()
@@ -313,12 +315,14 @@ def _summed(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def update_engine(forward: UpdateForward, place, find_unused: bool):
+def update_engine(forward: UpdateForward, place, find_unused: bool, fsdp: bool = False):
     """`forward` as it runs the update: itself in one process, wrapped in DistributedDataParallel under
-    torchrun. `find_unused`: some rank may train on an empty mini-batch (dynamic sampling keeps
-    unequal numbers of groups per rank), where the trunk takes no part in its forward."""
+    torchrun, or with `fsdp` sharded by FSDP2 (in place; sharding.py). `find_unused`: some rank may train
+    on an empty mini-batch (dynamic sampling keeps unequal numbers of groups per rank)."""
     if dist_info()[1] == 1:
         return forward
+    if fsdp:
+        return sharding.shard(forward, place.device)
     ids = [place.device.index] if place.device.type == "cuda" else None
     # no buffer broadcast per forward: the models' buffers (rotary tables) are constants
     ddp = nn.parallel.DistributedDataParallel(forward, device_ids=ids, forward_sync_buffers=False,
@@ -595,18 +599,23 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         policy = task.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target).to(place.device)
     trunk, _ = _parts(policy)
     critic = Critic(trunk, policy.config.hidden_size, cfg.critic == "separate").to(place.device) if algo_ppo else None
-    params = [p for p in policy.parameters() if p.requires_grad]
-    if critic is not None:
-        params += [p for p in critic.parameters() if p.requires_grad]
+    # under FSDP the export writes a plain copy of the policy, taken here (sharded modules cannot be copied)
+    meta_policy = sharding.meta_copy(policy) if cfg.fsdp and world > 1 and master else None
+    # the engine before the optimizer: under FSDP it shards the parameters the optimizer and a checkpoint load into
+    engine = update_engine(UpdateForward(policy, critic, loss_cfg, head_tau, cfg.loss_path), place,
+                           find_unused=cfg.dynamic_sampling, fsdp=cfg.fsdp)
+    if ref is not None and sharding.is_sharded(policy):
+        sharding.shard(ref, place.device)  # else every rank holds a whole copy of it
+    params = [p for p in engine.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
 
     start = 0
     if saved:
         try:
-            policy.load_state_dict(saved["model"])
+            sharding.load_state_dict(policy, saved["model"])
             if critic is not None:
-                critic.load_state_dict(saved["critic"])
-            optimizer.load_state_dict(saved["optimizer"])
+                sharding.load_state_dict(critic, saved["critic"])
+            sharding.load_optimizer_state_dict(engine, optimizer, saved["optimizer"])
             start, beta = saved["step"], saved["kl_coef"]
             rng.setstate(saved["rng"]["python"])
             random.setstate(saved["rng"]["python_global"])
@@ -618,10 +627,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
-    engine = update_engine(UpdateForward(policy, critic, loss_cfg, head_tau, cfg.loss_path), place,
-                           find_unused=cfg.dynamic_sampling)
     if eval_before is None:
-        eval_before = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
+        eval_before = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
 
     # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
@@ -639,16 +646,20 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             rngs = [None] * world
             dist.all_gather_object(rngs, device.rng_state(place.device))
         cpu_rngs, cuda_rngs = zip(*rngs)
+        # whole tensors (under FSDP gathered onto rank 0: every rank takes part)
+        model_state, optimizer_state = sharding.full_state_dict(policy), sharding.optimizer_state_dict(engine, optimizer)
+        critic_state = sharding.full_state_dict(critic) if critic is not None else None
+        ref_state = sharding.full_state_dict(ref) if ref is not None and not cfg.model else None
         if master:
             save_checkpoint(os.path.join(out_dir, CHECKPOINT), {
                 "config": dataclasses.asdict(cfg), "step": step, "kl_coef": beta,
-                "model": policy.state_dict(), "critic": critic.state_dict() if critic is not None else None,
-                "ref": ref.state_dict() if ref is not None and not cfg.model else None,
-                "optimizer": optimizer.state_dict(), "eval_reward_before": eval_before,
+                "model": model_state, "critic": critic_state, "ref": ref_state,
+                "optimizer": optimizer_state, "eval_reward_before": eval_before,
                 "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
                         "python": rng.getstate(), "python_global": random.getstate()},
             })
-            export.save_pretrained(policy, tok, out_dir, merge_lora=cfg.merge_lora)
+            plain = policy if meta_policy is None else sharding.with_weights(meta_policy, model_state)
+            export.save_pretrained(plain, tok, out_dir, merge_lora=cfg.merge_lora)
 
     # Ctrl-C, or SIGTERM (what batch schedulers send): finish the current step, checkpoint, stop.
     # A second one interrupts at once.
@@ -687,7 +698,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 chosen = rng.sample(train_set, cfg.prompts_per_step * world)
                 prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
                 first_group = (len(parts) * world + rank) * cfg.prompts_per_step
-                parts.append(sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place))
+                parts.append(sharding.gathered(engine, sample_groups, policy, tok, prompts, cfg, rng, reward_fn,
+                                               first_group, place))
                 if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
                     break
                 n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
@@ -712,15 +724,15 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             # (not generate's scores: the same forward as the update, so the first ratio is 1 up
             # to rounding; test_trainer checks it equals generate's own τ-softmax of the logits.)
             with place.autocast():
-                old_logp, h = token_logp(policy, seq, attn, P, head_tau)
-                ref_logp = token_logp(ref, seq, attn, P, head_tau)[0] if ref is not None else None
+                old_logp, h = sharding.gathered(engine, token_logp, policy, seq, attn, P, head_tau)
+                ref_logp = sharding.gathered(ref, token_logp, ref, seq, attn, P, head_tau)[0] if ref is not None else None
 
             # ==== 4. advantages ===============================================================
             if algo_ppo:
                 # PPO: per-token reward = −β·k1(π_old ‖ π_ref) at every token, + R at the last
                 # token; GAE(γ, λ) on the critic's values; returns are the value targets.
                 with torch.no_grad(), place.autocast():
-                    values = critic(h, seq, attn, P)
+                    values = sharding.gathered(engine, critic, h, seq, attn, P)
                 kl_tok = (old_logp - ref_logp) if ref is not None else torch.zeros_like(old_logp)
                 tok_reward = -beta * kl_tok * mask
                 last_tok = (lengths - 1).clamp(min=0)
@@ -795,7 +807,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             for k in ("loss", "kl", "entropy", "clip_frac"):
                 row.setdefault(k, None)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                row["eval_reward"] = evaluate(policy, tok, eval_set, reward_fn, cfg, place)
+                row["eval_reward"] = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
@@ -819,7 +831,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
-    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate(policy, tok, eval_set, reward_fn, cfg, place)
+    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else sharding.gathered(
+        engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
     summary = {"algo": cfg.algo, "steps": done, "eval_reward_before": eval_before, "eval_reward_after": eval_after,
                "final_reward_mean": last.get("reward_mean"), "final_kl": last.get("kl"),
                "final_entropy": last.get("entropy"), "skipped_steps": skipped_total,
