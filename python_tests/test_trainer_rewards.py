@@ -232,3 +232,91 @@ def test_training_with_a_reward_model(tmp_path, capsys):
     summary, rows = run(tmp_path / "alone", steps=1, reward_model=str(tmp_path / "rm"))
     assert [k for k in rows[0] if k.startswith("rewards/")] == ["rewards/rm/mean", "rewards/rm/std"]
     assert rows[0]["reward_mean"] == pytest.approx(rows[0]["rewards/rm/mean"], abs=1e-5)
+
+
+# ---- multi_objective_aggregation="normalize_then_sum" (GDPO, as TRL computes it)
+
+def gdpo_by_hand(rows, groups, weights, eps=1e-4):
+    """TRL's normalize_then_sum written out with the statistics module: per function and group, (r − mean)/(stdev + ε)
+    over the rows it scored (stdev undefined below two: the term is dropped; a group of one row: 0), the weighted sum,
+    then (s − mean)/(stdev + ε) over the batch."""
+    import statistics
+
+    sums = []
+    for i, row in enumerate(rows):
+        total = 0.0
+        for k, r in enumerate(row):
+            members = [j for j in range(len(rows)) if groups[j] == groups[i]]
+            scored = [rows[j][k] for j in members if rows[j][k] is not None]
+            if r is None or (len(members) > 1 and len(scored) < 2):
+                continue
+            z = 0.0 if len(members) == 1 else (r - statistics.mean(scored)) / (statistics.stdev(scored) + eps)
+            total += weights[k] * z
+        sums.append(total)
+    mean, stdev = statistics.mean(sums), statistics.stdev(sums)
+    return [(s - mean) / (stdev + eps) for s in sums]
+
+
+def test_normalize_then_sum_equals_the_calculation_by_hand():
+    rows = [[1.0, 3.0, None], [0.0, 7.0, 2.0], [1.0, None, 5.0], [0.0, 4.0, -1.0],  # group 7
+            [1.0, 9.0, None], [1.0, 2.0, 4.0], [0.0, 0.5, None],                    # group -3: one score of the third
+            [0.0, 1.0, 2.0],                                                        # group 5: one row
+            [1.0, 1.0, None], [1.0, 1.0, None]]                                     # group 0: all equal
+    groups = [7, 7, 7, 7, -3, -3, -3, 5, 0, 0]
+    weights = [2.0, -0.5, 1.0]
+    parts = torch.tensor([[math.nan if r is None else r for r in row] for row in rows], dtype=torch.float64)
+    got = rewards.normalize_then_sum(parts, weights, torch.tensor(groups), loop.nan_mean_std)
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(gdpo_by_hand(rows, groups, weights), rel=1e-12, abs=1e-12)
+
+
+def test_normalize_then_sum_weighs_rewards_by_weight_not_scale():
+    """A reward's scale drops out of normalize_then_sum (up to ε): the second reward ×1000 leaves the advantages as
+    they were, while the weighted sum normalised in its group follows the large reward (row 0 turns negative)."""
+    from rlkernels.advantages import group_normalized
+
+    ids = torch.tensor([0, 0, 0])
+    small = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    large = small * torch.tensor([1.0, 1000.0], dtype=torch.float64)
+    gdpo_small, gdpo_large = (rewards.normalize_then_sum(p, [1.0, 1.0], ids, loop.nan_mean_std) for p in (small, large))
+    assert gdpo_large.tolist() == pytest.approx(gdpo_small.tolist(), rel=1e-3) and gdpo_small[0] > 0
+    assert group_normalized(small.sum(1), ids)[0] > 0 > group_normalized(large.sum(1), ids)[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"algo": "ppo"}, "--algo ppo"), ({"algo": "snis"}, "--algo snis"), ({"tree": True}, "--tree")])
+def test_normalize_then_sum_is_for_the_grpo_family(extra, message):
+    with pytest.raises(ValueError, match=f"^--multi-objective-aggregation normalize_then_sum: .*{message}"):
+        from_args(["--multi-objective-aggregation", "normalize_then_sum"] + [
+            a for k, v in extra.items() for a in ([f"--{k}", str(v)] if v is not True else [f"--{k}"])])
+    with pytest.raises(ValueError, match="^--multi-objective-aggregation: expected one of sum_then_normalize, "
+                                         "normalize_then_sum, got 'sum'"):
+        from_args(["--multi-objective-aggregation", "sum"])
+
+
+def test_training_with_normalize_then_sum(tmp_path, monkeypatch):
+    """The update trains on normalize_then_sum's advantages, DAPO's overlong penalty one more reward of weight 1."""
+    from rlkernels import sampling
+
+    seen, trained = [], []
+    real_gdpo, real_head = rewards.normalize_then_sum, loop.loss_head
+
+    def gdpo(parts, weights, group_ids, batch_mean_std):
+        out = real_gdpo(parts, weights, group_ids, batch_mean_std)
+        seen.append((parts.clone(), list(weights), out))
+        return out
+
+    def head(model, hidden, batch, *args, **kw):
+        trained.append(batch["advantages"].clone())
+        return real_head(model, hidden, batch, *args, **kw)
+
+    monkeypatch.setattr(rewards, "normalize_then_sum", gdpo)
+    monkeypatch.setattr(loop, "loss_head", head)
+    summary, rows = run(tmp_path, steps=1, algo="dapo", overlong_buffer=1, reward_weights=[1.0, 0.5],
+                        multi_objective_aggregation="normalize_then_sum",
+                        reward=["exact", "module:test_trainer_rewards:first_digit_reward"])
+    check_run(tmp_path, summary, rows, 1)
+    (parts, weights, advantages), = seen
+    assert weights == [1.0, 0.5, 1.0] and parts.shape[1] == 3 and parts[:, 1].isnan().any()
+    assert set(parts[:, 2].tolist()) <= {0.0, -1.0}  # max_new_tokens 3, buffer 1: −1 at length 3, else 0
+    assert sorted(torch.cat(trained).tolist()) == pytest.approx(sorted(advantages.float().tolist()))

@@ -17,6 +17,7 @@ import re
 import typing
 from typing import List, Optional
 
+from ..losses import presets
 from ..losses.presets import NAMES as ALGOS
 from . import device
 
@@ -77,6 +78,10 @@ class Config:
     reward_weights: List[float] = _field([], "one weight per reward, the --reward functions then --reward-model; "
                                              "none = all 1.0. A completion's reward is the sum of weight·reward over "
                                              "those that did not return None", action="extend")
+    multi_objective_aggregation: str = _field(
+        "sum_then_normalize", "several rewards, as TRL's option of that name: sum_then_normalize (the weighted sum, "
+        "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
+        "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
     eval_size: int = _field(256, "held-out prompts, greedy exact-match")
     # supervised warm-up (demo task only): leaves room for RL to improve
@@ -128,7 +133,8 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
-CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split")}
+CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
+           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum")}
 
 
 def _flag(name: str) -> str:
@@ -400,6 +406,12 @@ def validate(cfg: Config) -> None:
                              f"of --tree-roots with at least 2 branches per tree, got {cfg.tree_roots}")
         if cfg.max_new_tokens < 2:
             raise ValueError("--max-new-tokens: --tree needs at least 2 (a prefix and a continuation)")
+    if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO forms GRPO-style advantages from rewards
+        own = ("--algo ppo (GAE on a critic)" if cfg.algo == "ppo" else "--tree (Tree-GRPO)" if cfg.tree else
+               f"--algo {cfg.algo} (a baseline of its own)" if presets.fields(cfg.algo).get("ratio") == "snis" else None)
+        if own:
+            raise ValueError(f"--multi-objective-aggregation normalize_then_sum: GDPO's advantages replace the group "
+                             f"normalisation of the GRPO family; {own} forms its advantages otherwise")
     if cfg.overlong_buffer and cfg.overlong_buffer >= cfg.max_new_tokens:
         raise ValueError(f"--overlong-buffer: expected < --max-new-tokens ({cfg.max_new_tokens}), got {cfg.overlong_buffer}")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:

@@ -218,8 +218,9 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
     overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
     drop of the groups whose rewards are all equal (their advantages are zero).
-    Returns the chosen rows (a dict of tensors), with P, the rewards of all rows (`score`) and each reward
-    function's (`reward_parts`, (rows, functions), NaN where a function returned None)."""
+    Returns the chosen rows (a dict of tensors; `parts`: each reward function's rewards), with P, the rewards of all
+    rows (`score`) and each reward function's (`reward_parts`, (rows, functions), NaN where a function
+    returned None)."""
     G = cfg.num_generations
     with place.autocast():
         seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
@@ -242,7 +243,7 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     if cfg.dynamic_sampling:
         keep = keep[sampling.filter_uniform_groups(rewards[keep], group_ids[keep])]
     rows = dict(seq=seq, attn=attn, targets=targets, mask=mask, rewards=rewards, group_ids=group_ids,
-                lengths=lengths, tree_ids=tree_ids)
+                lengths=lengths, tree_ids=tree_ids, parts=reward_parts.to(seq.device))
     rows = {k: v[keep] if v is not None else None for k, v in rows.items()}
     return dict(rows, P=P, score=score, all_lengths=lengths, reward_parts=reward_parts)
 
@@ -716,8 +717,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                     if master:
                         bar.write(f"step {step}: no group with unequal rewards{' on some rank' if world > 1 else ''} "
                                   f"in {len(parts)} rollout batches (--dynamic-sampling); update skipped")
-            seq, attn, targets, mask, rewards, group_ids, lengths = (
-                b[k][train_rows] for k in ("seq", "attn", "targets", "mask", "rewards", "group_ids", "lengths"))
+            seq, attn, targets, mask, rewards, group_ids, lengths, fn_rewards = (b[k][train_rows] for k in (
+                "seq", "attn", "targets", "mask", "rewards", "group_ids", "lengths", "parts"))
             tree_ids = b["tree_ids"][train_rows] if b["tree_ids"] is not None else None
 
             # ==== 3. behaviour log-probs ℓ_old: a forward pass at the sampling temperature ====
@@ -743,6 +744,15 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 advantages = adv_lib.tree_grpo(rewards, group_ids, tree_ids)
             elif loss_cfg.ratio == "snis":
                 advantages = None  # SNIS takes the rewards and builds its own baseline
+            elif cfg.multi_objective_aggregation == "normalize_then_sum":
+                # GDPO: each reward normalised in its group, their weighted sum over the batch. DAPO's overlong
+                # penalty is one more reward of weight 1 here (in TRL it is a reward function)
+                weights = reward_fn.weights
+                if cfg.overlong_buffer:
+                    penalty = sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
+                    fn_rewards = torch.cat([fn_rewards, penalty[:, None].to(fn_rewards.dtype)], 1)
+                    weights = weights + [1.0]
+                advantages = rewards_lib.normalize_then_sum(fn_rewards, weights, group_ids, nan_mean_std).float()
             else:
                 # GRPO family: each reward against its prompt group (Dr. GRPO: not scaled)
                 scale = None if cfg.algo == "dr_grpo" else "group"

@@ -25,6 +25,7 @@ from . import task
 from .config import FLOAT32_MAX, Config
 
 DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
+GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum
 
 
 def checked_reward(reward_fn, name: str, flag: str = "--reward"):
@@ -204,3 +205,31 @@ def build(fns, weights: List[float], reward_model: Optional[str], place) -> Rewa
         fns.append((RewardModel(reward_model, place), name, "--reward-model", reward_model))
     checked = [checked_reward(f, what, flag) for f, _, flag, what in fns]
     return Rewards(checked, [n for _, n, _, _ in fns], [f"{flag}: {what}" for _, _, flag, what in fns], weights)
+
+
+def normalize_then_sum(parts: torch.Tensor, weights: List[float], group_ids: torch.Tensor, batch_mean_std,
+                       eps: float = GDPO_EPS) -> torch.Tensor:
+    """GDPO's advantages (rows,), float64, as TRL's `multi_objective_aggregation="normalize_then_sum"`.
+
+    `parts` (rows, functions) holds each function's rewards, NaN where it returned None. Each function's
+    rewards are normalised within their prompt group, (r − μ_g)/(σ_g + ε), with μ_g and σ_g (Bessel) over
+    the rows it scored: σ_g is NaN with fewer than two of them (the function then adds nothing to those
+    rows) and 0 in a group of one row. The weighted sum over the finite terms (TRL's nansum) is normalised
+    over the batch, (s − mean)/(std + ε), with `batch_mean_std(s) -> (mean, std)` (every rank's rows, as
+    TRL's over every process; (None, None) for no rows, std 0 for one)."""
+    x = parts.to(torch.float64)
+    inverse = torch.unique(group_ids, return_inverse=True)[1]
+    n_groups = int(inverse.max()) + 1 if len(inverse) else 0
+
+    def per_group(v):  # the sum over each row's group, for every row
+        return x.new_zeros(n_groups, x.shape[1]).index_add_(0, inverse, v)[inverse]
+
+    scored = ~x.isnan()
+    n = per_group(scored.to(x.dtype))
+    mean = per_group(x.nan_to_num()) / n  # NaN where the group has no score (0/0)
+    var = per_group(torch.where(scored, x - mean, 0.0).square()) / (n - 1)
+    std = torch.where(n > 1, var.sqrt(), math.nan)
+    std = torch.where(per_group(torch.ones_like(x)) == 1, 0.0, std)
+    summed = ((x - mean) / (std + eps) * x.new_tensor(weights)).nansum(-1)
+    mean_s, std_s = batch_mean_std(summed)
+    return summed if mean_s is None else (summed - mean_s) / (std_s + eps)
