@@ -30,7 +30,8 @@ gives for V = 1, 2, 4, ..., 2^17 and 151936, compiled with the largest of those 
 the configuration of long rows then has V > BLOCK_V: the row loop streams several tiles, and only there
 are 128-bit loads required (a 128-logit tile over 128 threads is one logit per thread).
 Compile-time flags: a kernel with at most 4 reachable flag combinations (NEED_ENTROPY, HAS_H) gets every
-one at every configuration. `_policy_token_fwd_kernel` has 112 (objective × KL estimator × HAS_OLD ×
+one at every configuration. HAS_CAP (the final-logit soft cap, a tanh per logit in the row loop) is off
+everywhere and takes both values at the streaming configuration. `_policy_token_fwd_kernel` has 112 (objective × KL estimator × HAS_OLD ×
 HAS_REF × bias correction, where a KL term needs ref log-probs and bias correction needs a KL term): its
 default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
 configuration a greedy set of combinations takes every value of every flag at least once. The flags
@@ -253,6 +254,9 @@ _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _POINTEES = {"targets_ptr": "int64", "mask_ptr": "bool"}
 _LOGITS_DTYPE = ("logits_ptr", "out_ptr")  # out: the logits themselves or empty_like(logits)
 _FULL_PRODUCT = 4  # at most this many reachable flag combinations: all of them at every configuration
+# Flags compiled with their default value everywhere and with every value at the streaming configuration
+# only (the soft cap adds a tanh per logit to the row loop: its registers and loads matter where it streams).
+_STREAMING_ONLY = {"HAS_CAP": "0"}
 # An elementwise kernel (no BLOCK_V, no V: one token per lane) at its launch: BLOCK = its module's
 # LOSS_BLOCK tokens, Triton's default 4 warps; n = the tokens of 8 rows of 4096, a multiple of 16 like V.
 _ELEMENTWISE_WARPS, _ELEMENTWISE_TOKENS = 4, 8 * 4096
@@ -269,6 +273,7 @@ def _flag_domains():
                       "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO},
         "KL": {"k3": P.KL_K3, "none": P.KL_NONE, "k1": P.KL_K1, "k2": P.KL_K2},
         "BIAS_CORRECTION": {"0": False, "1": True},
+        "HAS_CAP": {"0": False, "1": True},
     }
     return domains, {"NUM_STATS": P.NUM_STATS}
 
@@ -299,9 +304,10 @@ def flag_plan(names):
         raise KeyError(f"constexprs {unknown}: add their launch values to gpu_static._flag_domains")
     combos = [dict(zip(names, labels)) for labels in itertools.product(*(domains[n] for n in names))]
     combos = [c for c in combos if _reachable(c)]
-    if len(combos) <= _FULL_PRODUCT:
-        return combos, combos
-    return combos[:1], _cover(combos)
+    everywhere = [c for c in combos if all(c.get(n, d) == d for n, d in _STREAMING_ONLY.items())]
+    if len(everywhere) <= _FULL_PRODUCT:
+        return everywhere, combos
+    return everywhere[:1], _cover(combos)
 
 
 def triton_kernels():

@@ -44,7 +44,7 @@ def _inputs(n, vocab, dtype, scale=3.0, *, generator=None):
 class Ref(NamedTuple):
     logp: torch.Tensor
     entropy: torch.Tensor
-    lse_parts: torch.Tensor  # (N, 2): the row max m and log Σ e^{x − m}
+    lse_parts: torch.Tensor  # (N, 2): the raw row max m and log Σ e^{(x − m)/τ}
     grad: Optional[torch.Tensor]
     grad_scale: Optional[torch.Tensor]  # size of the terms that the gradient sums, see _close_grad
 
@@ -53,9 +53,9 @@ def _reference(logits, targets, temperature, grad_logp=None, grad_entropy=None):
     """fp64 reference on the same (upcast) logit values; the gradient by autograd."""
     x = logits.detach().double().requires_grad_()
     logp, entropy = reference.token_logprobs(x, targets, temperature)
-    z = x.detach() / temperature
-    m = z.amax(-1)
-    lse_parts = torch.stack((m, (z - m[:, None]).exp_().sum(-1).log()), 1)
+    m_raw = x.detach().amax(-1)
+    lse_parts = torch.stack((m_raw, ((x.detach() - m_raw[:, None]) / temperature).exp_().sum(-1).log()), 1)
+    z, m = x.detach() / temperature, m_raw / temperature
     if grad_logp is None:
         return Ref(logp.detach(), entropy.detach(), lse_parts, None, None)
     g = grad_logp.double()
@@ -63,7 +63,7 @@ def _reference(logits, targets, temperature, grad_logp=None, grad_entropy=None):
     (grad,) = torch.autograd.grad((logp * g + entropy * h).sum(), x)
     # (1/τ)[g (1[v=y] − p) − h p (log p + H)] is a sum of terms that cancel for some v; an fp32
     # result can only be relatively exact with respect to the size of those terms. log p itself is
-    # (x − m) − log s with x = z·(1/τ) rounded to fp32: exact only relative to |z/τ| + |m| (≫ |log p|
+    # (z − m)·(1/τ) − log s rounded in fp32: exact only relative to (|z| + |m|)/τ (≫ |log p|
     # where p ≈ 1, unless τ = 1), and H sums p·log p. (In place where it can be: at V = 152k each
     # new fp64 tensor costs more in page faults than its arithmetic.)
     log_p = torch.log_softmax(z, dim=-1)

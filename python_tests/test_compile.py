@@ -23,34 +23,35 @@ PRESETS = ("ppo", "grpo", "dr_grpo", "dapo", "cispo", "gspo", "gspo_token", "fsp
 COMPILED_PRESETS = ("grpo", "gspo")  # one token-level and one sequence-level ratio
 
 
-def _sample(B, T, V, dtype, temperature, need_entropy, seed):
+def _sample(B, T, V, dtype, temperature, softcap, need_entropy, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, T, V, generator=g) * 3).to(dtype)
     targets = torch.randint(0, V, (B, T), generator=g)
-    return logits, targets, temperature, need_entropy
+    return logits, targets, temperature, softcap, need_entropy
 
 
-# (logits (B, T, V), targets (B, T), temperature, need_entropy): odd V (a partial tile), a
-# one-token vocabulary, bf16, fp64 (gradcheck's dtype; not the triton backend's).
+# (logits (B, T, V), targets (B, T), temperature, softcap, need_entropy): odd V (a partial tile), a
+# one-token vocabulary, bf16, fp64 (gradcheck's dtype; not the triton backend's), a soft cap.
 SAMPLES = [
-    _sample(2, 3, 37, torch.float32, 0.8, True, 0),
-    _sample(1, 4, 1, torch.float32, 1.0, True, 1),
-    _sample(3, 2, 50, torch.bfloat16, 1.3, False, 2),
-    _sample(2, 2, 19, torch.float64, 1.0, True, 3),
+    _sample(2, 3, 37, torch.float32, 0.8, 0.0, True, 0),
+    _sample(1, 4, 1, torch.float32, 1.0, 0.0, True, 1),
+    _sample(3, 2, 50, torch.bfloat16, 1.3, 0.0, False, 2),
+    _sample(2, 2, 19, torch.float64, 1.0, 2.0, True, 3),
+    _sample(2, 3, 37, torch.float32, 0.8, 4.0, True, 4),
 ]
 
 
 def _op_args(backend, device="cpu"):
     """(fwd args, bwd args) of the registered ops for every sample the backend takes."""
-    for logits, targets, temperature, need_entropy in SAMPLES:
+    for logits, targets, temperature, softcap, need_entropy in SAMPLES:
         if backend in ("triton", "cuda") and logits.dtype == torch.float64:
             continue
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
-        fwd_args = (flat, flat_targets, temperature, need_entropy)
+        fwd_args = (flat, flat_targets, temperature, softcap, need_entropy)
         logp, entropy, lse_parts = _define(backend)(*fwd_args)
         grad_logp = torch.randn_like(logp)
         grad_entropy = torch.randn_like(entropy) if need_entropy else None
-        yield fwd_args, (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature)
+        yield fwd_args, (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap)
 
 
 OPCHECK_BACKENDS = BACKENDS + (["triton"] if INTERPRETED_TRITON else [])
@@ -201,19 +202,21 @@ def _loss_op_args(device):
     from rlkernels.ops.token_loss_params import token_loss_params
 
     scalars = _loss_scalars(token_loss_params(presets.grpo(entropy_coef=0.01)))
-    for logits, targets, temperature, need_entropy in SAMPLES[:1]:
+    for logits, targets, temperature, softcap, need_entropy in SAMPLES[-1:]:
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
         n = flat.shape[0]
         g = torch.Generator().manual_seed(5)
         mask = (torch.rand(n, generator=g) > 0.2).to(device)
         weight, adv, old, ref = (torch.randn(n, generator=g).to(device) for _ in range(4))
-        logp, entropy, lse_parts = torch.ops.rlkernels_C.token_logprobs_fwd(flat, flat_targets, temperature, True)
+        logp, entropy, lse_parts = torch.ops.rlkernels_C.token_logprobs_fwd(flat, flat_targets, temperature, softcap,
+                                                                            True)
         grad_logp, grad_entropy = torch.randn_like(logp), torch.randn_like(entropy)
         yield (torch.ops.rlkernels_C.token_logprobs_bwd_out.default,
-               (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, torch.empty_like(flat)))
+               (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap,
+                torch.empty_like(flat)))
         for optional in ((old, ref), (None, None)):
             yield (torch.ops.rlkernels_C.policy_token_fwd.default,
-                   (flat, flat_targets, mask, weight, adv, *optional, temperature, *scalars))
+                   (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, *scalars))
             yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, entropy, mask, weight, adv, *optional, *scalars)
         yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, None, mask, weight, None, old, None, *scalars)
 

@@ -300,16 +300,55 @@ def test_config_mapping(model_id, dataset, tmp_path):
     assert (cfg.clip_low, cfg.clip_high) == (0.02, 0.03)
 
 
-def test_rejects_a_softcapped_head(dataset, tmp_path):
+def test_softcapped_head_matches_trl(dataset, tmp_path):
+    """Gemma 2's final-logit cap c·tanh(z/c) is the kernels' softcap: loss and gradients equal TRL's, whose
+    log-probs come from model(...).logits (the cap at 5 binds on this head)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
+    path = tmp_path / "tiny-gemma2"
+    _tokenizer().save_pretrained(path)
     cfg = Gemma2Config(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
-    trainer = GRPOTrainer(model=Gemma2ForCausalLM(cfg), reward_funcs=reward_fn, train_dataset=dataset,
-                          processing_class=_tokenizer(), args=_config(tmp_path, beta=0.0))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        rk_trl.patch_trl_grpo_trainer(trainer)
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0,
+                       max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    trainer = RLKernelsGRPOTrainer(model=str(path), reward_funcs=reward_fn, train_dataset=dataset,
+                                   args=_config(tmp_path, loss_type="grpo", max_steps=1))
+    _each_loss_matches_trl(trainer)
 
+
+def _each_loss_matches_trl(trainer, also=lambda: None):
+    """Train `trainer`; at every micro-batch its loss and gradients equal GRPOTrainer's own on the same inputs
+    (then `also()` checks more)."""
+    ours_fn = trainer._compute_loss
+    trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+    seen = []
+
+    def checked(model, inputs):
+        params = [p for p in model.parameters() if p.requires_grad]
+        ours = ours_fn(model, inputs)
+        ours_grads = _grads(ours, params)
+        trainer._get_per_token_logps_and_entropies = trl_logps
+        try:
+            ref = GRPOTrainer._compute_loss(trainer, model, inputs)
+        finally:
+            del trainer._get_per_token_logps_and_entropies
+        torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
+        for p, a, b in zip(params, ours_grads, _grads(ref, params)):
+            if a is None or b is None:
+                assert a is None and b is None
+                continue
+            assert (a - b).abs().max().item() <= 1e-5 * (b.abs().max().item() + 1e-12)
+        also()
+        seen.append(1)
+        return ours_fn(model, inputs)
+
+    trainer._compute_loss = checked
+    trainer.train()
+    assert seen
 
 
 class _CappedLlama(LlamaForCausalLM):
@@ -349,30 +388,9 @@ def test_moe_auxiliary_loss_matches_trl(dataset, tmp_path):
     trainer = RLKernelsGRPOTrainer(model=str(path), reward_funcs=reward_fn, train_dataset=dataset,
                                    args=_config(tmp_path, loss_type="dapo", max_steps=1))
     assert trainer.aux_loss_enabled and rk_trl.loss_config(trainer)[0] is not None
-    ours_fn = trainer._compute_loss
-    trl_logps = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
-    seen = []
 
-    def checked(model, inputs):
-        params = [p for p in model.parameters() if p.requires_grad]
-        ours = ours_fn(model, inputs)
-        ours_grads = _grads(ours, params)
-        trainer._get_per_token_logps_and_entropies = trl_logps
-        try:
-            ref = GRPOTrainer._compute_loss(trainer, model, inputs)
-        finally:
-            del trainer._get_per_token_logps_and_entropies
-        torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
-        for p, a, b in zip(params, ours_grads, _grads(ref, params)):
-            if a is None or b is None:
-                assert a is None and b is None
-                continue
-            assert (a - b).abs().max().item() <= 1e-5 * (b.abs().max().item() + 1e-12)
+    def aux_logged():
         aux = trainer._metrics["train"]["aux_loss"]
         assert aux[-1] > 0 and abs(aux[-2] - aux[-1]) <= 1e-6 * aux[-1]
-        seen.append(1)
-        return ours_fn(model, inputs)
 
-    trainer._compute_loss = checked
-    trainer.train()
-    assert seen
+    _each_loss_matches_trl(trainer, aux_logged)

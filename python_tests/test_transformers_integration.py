@@ -42,6 +42,7 @@ def _eager(model, ids, mask, temperature, keep):
     ("Qwen2", dict(tie_word_embeddings=True)),
     ("Cohere", dict(logit_scale=0.5, tie_word_embeddings=True)),  # logits · 0.5, folded into τ
     ("Granite", dict(logits_scaling=4.0)),  # logits / 4, folded into τ
+    ("Gemma2", dict(head_dim=4, final_logit_softcapping=5.0)),  # 5·tanh(z/5): the kernels' softcap; it binds here
 ])
 @pytest.mark.parametrize("keep", [None, 3])
 def test_matches_the_model_logits(kind, overrides, keep):
@@ -71,11 +72,15 @@ def test_entropy():
     torch.testing.assert_close(ent, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_softcapping_is_rejected_by_name():
-    cfg = transformers.Gemma2Config(**dict(SMALL, head_dim=4), final_logit_softcapping=30.0)
-    model = transformers.Gemma2ForCausalLM(cfg)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        causal_lm_token_logprobs(model, *_batch())
+def test_the_cap_matters_and_a_cap_with_a_scale_is_refused():
+    model = _model("Gemma2", head_dim=4, final_logit_softcapping=5.0)
+    ids, mask = _batch()
+    capped = causal_lm_token_logprobs(model, ids, mask)
+    model.config.final_logit_softcapping = None
+    assert (causal_lm_token_logprobs(model, ids, mask) - capped).abs().max() > 1.0
+    model.config.final_logit_softcapping, model.config.logit_scale = 5.0, 2.0  # which comes first is not said
+    with pytest.raises(ValueError, match="logit_scale with a final-logit cap"):
+        causal_lm_token_logprobs(model, ids, mask)
 
 
 def test_bad_arguments():

@@ -140,6 +140,16 @@ def check_temperature(temperature) -> float:
     return temperature
 
 
+def check_softcap(softcap) -> float:
+    """A final-logit cap c (None: none) as the kernels take it: a float, 0.0 for none."""
+    if softcap is None:
+        return 0.0
+    softcap = check_real("softcap", softcap, 0, lo_open=True)
+    if softcap < MIN_TEMPERATURE:  # 1/c must be finite in fp32, as 1/τ
+        raise ValueError(f"softcap: expected None or a number >= {MIN_TEMPERATURE:.3g}, got {softcap!r}")
+    return softcap
+
+
 def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None,
               optional: bool = False) -> Optional[int]:
     """A Python int (not a bool) that is at least ``lo``; ``what`` overrides the wording.

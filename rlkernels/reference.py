@@ -62,9 +62,13 @@ def _bessel_std(x):
 # ---------------------------------------------------------------------------------------------
 # §2 per-token log-probs and entropy
 
-def token_logprobs(logits, targets, temperature=1.0):
-    """(logp, entropy) of shape targets.shape; fp64 if logits are fp64, else fp32."""
-    x = logits.to(_dtype(logits)) / temperature          # x_v = z_v / τ
+def token_logprobs(logits, targets, temperature=1.0, softcap=None):
+    """(logp, entropy) of shape targets.shape; fp64 if logits are fp64, else fp32. softcap c: of
+    the capped logits c·tanh(z/c) (a −inf logit stays −inf)."""
+    z = logits.to(_dtype(logits))
+    if softcap is not None:                              # §2: y = c·tanh(z/c)
+        z = torch.where(z == float("-inf"), z, softcap * torch.tanh(z / softcap))
+    x = z / temperature                                  # x_v = y_v / τ
     logp_all = torch.log_softmax(x, dim=-1)              # x_v - lse, materialised
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     # H = -Σ p log p; entries with p = 0 (logit -inf) contribute 0. The inner where keeps

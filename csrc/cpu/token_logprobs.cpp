@@ -126,14 +126,33 @@ typename Vec::value_type reduce_sum(const Vec& v) {
   return r;
 }
 
-template <typename scalar_t, bool kEntropy>
+// The soft cap (rlk::SoftCap) on vectors: tanh is at::vec's (Sleef, 1 ulp). A scalar goes through
+// the same vector code (lane 0), so that the row max and the target round exactly as their lanes do.
+template <typename Vec>
+struct VecCap {
+  Vec c, inv_c, neg_inf;
+  template <typename acc_t>
+  explicit VecCap(const rlk::SoftCap<acc_t>& cap) : c(cap.c), inv_c(cap.inv_c), neg_inf(rlk::neg_inf<acc_t>()) {}
+  Vec tanh_of(const Vec& z) const { return (z * inv_c).tanh(); }
+  Vec capped(const Vec& z, const Vec& t) const { return Vec::blendv(t * c, z, z == neg_inf); }  // −inf stays
+  Vec apply(const Vec& z) const { return capped(z, tanh_of(z)); }
+  typename Vec::value_type lane0(const Vec& v) const {
+    __at_align__ typename Vec::value_type buf[Vec::size()];
+    v.store(buf);
+    return buf[0];
+  }
+};
+
+template <typename scalar_t, bool kEntropy, bool kCap>
 rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
-    const scalar_t* z, int64_t V, int64_t target, typename Io<scalar_t>::acc_t inv_tau) {
+    const scalar_t* z, int64_t V, int64_t target, typename Io<scalar_t>::acc_t inv_tau,
+    const rlk::SoftCap<typename Io<scalar_t>::acc_t>& soft_cap) {
   using IO = Io<scalar_t>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   constexpr int64_t kStep = IO::kStep;
   const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_neg_inf(rlk::neg_inf<acc_t>());
+  const VecCap<Vec> cap(soft_cap);
 
   acc_t m = rlk::neg_inf<acc_t>();
   Vec s0(0), s1(0), u0(0), u1(0);  // two independent chains of per-lane sums
@@ -143,7 +162,8 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     const int64_t len = std::min(kBlock, V - start);
     const int64_t full = len - len % kStep;
 
-    // Sweep 1: the block's max, on the raw logits (τ is applied to differences only).
+    // Sweep 1: the block's max, on the raw logits (τ is applied to differences only; the cap is
+    // monotone, so it is applied to the max alone).
     Vec mx0 = v_neg_inf, mx1 = v_neg_inf;
     for (int64_t i = 0; i < full; i += kStep) {
       IO::load(zb + i, a, b);
@@ -155,7 +175,8 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       mx0 = at::vec::maximum(mx0, a);
       mx1 = at::vec::maximum(mx1, b);
     }
-    const acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1));
+    acc_t block_max = reduce_max(at::vec::maximum(mx0, mx1));
+    if (kCap) block_max = cap.lane0(cap.apply(Vec(block_max)));
     if (!(block_max < std::numeric_limits<acc_t>::infinity())) {
       // A NaN or +inf logit: the row's results are NaN, as log_softmax's would be. (Without
       // this, exp_u20, which clamps its argument, would turn NaN into finite garbage.)
@@ -177,6 +198,10 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     Vec bs0(0), bs1(0), bu0(0), bu1(0);
     for (int64_t i = 0; i < full; i += kStep) {
       IO::load(zb + i, a, b);
+      if (kCap) {
+        a = cap.apply(a);
+        b = cap.apply(b);
+      }
       const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
       const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
       rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
@@ -184,6 +209,10 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     }
     if (full < len) {
       load_tail(zb + full, len - full, a, b);
+      if (kCap) {  // the −inf padding stays −inf
+        a = cap.apply(a);
+        b = cap.apply(b);
+      }
       const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
       const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
       rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
@@ -197,27 +226,38 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     }
   }
   rlk::SoftmaxState<acc_t> st{m, reduce_sum(s0 + s1), kEntropy ? reduce_sum(u0 + u1) : acc_t(0)};
-  return rlk::softmax_finalize(st, static_cast<acc_t>(z[target]), inv_tau);
+  const acc_t z_target = static_cast<acc_t>(z[target]);
+  return rlk::softmax_finalize(st, kCap ? cap.lane0(cap.apply(Vec(z_target))) : z_target, inv_tau);
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kCap>
 void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
                   typename Io<scalar_t>::acc_t m, typename Io<scalar_t>::acc_t log_s,
-                  const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c, typename Io<scalar_t>::acc_t inv_tau) {
+                  const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c, typename Io<scalar_t>::acc_t inv_tau,
+                  const rlk::SoftCap<typename Io<scalar_t>::acc_t>& soft_cap) {
   using IO = Io<scalar_t>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   constexpr int64_t kStep = IO::kStep;
   const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_m(m), v_log_s(log_s), v_A(c.A), v_B(c.B);
+  const VecCap<Vec> cap(soft_cap);
   const int64_t full = V - V % kStep;
   // Read before the loop: `grad` may be `z` itself (in place), and the loop overwrites z[target].
   const acc_t z_target = static_cast<acc_t>(z[target]);
   Vec a, b;
-  auto grad2 = [&](Vec& lo, Vec& hi) {  // logits in, gradient out
-    const Vec l_lo = at::vec::maximum(rlk::log_prob(lo, v_m, v_log_s, v_inv_tau), v_floor);  // log p, clamped
-    const Vec l_hi = at::vec::maximum(rlk::log_prob(hi, v_m, v_log_s, v_inv_tau), v_floor);
-    lo = rlk::grad_element(vexp(l_lo), l_lo, v_A, v_B);
-    hi = rlk::grad_element(vexp(l_hi), l_hi, v_A, v_B);
+  auto grad1 = [&](Vec& x) {  // a logit in, its gradient out
+    Vec t;
+    if (kCap) {
+      t = cap.tanh_of(x);
+      x = cap.capped(x, t);
+    }
+    const Vec l = at::vec::maximum(rlk::log_prob(x, v_m, v_log_s, v_inv_tau), v_floor);  // log p, clamped
+    x = rlk::grad_element(vexp(l), l, v_A, v_B);
+    if (kCap) x = x * ((Vec(1) - t) * (Vec(1) + t));
+  };
+  auto grad2 = [&](Vec& lo, Vec& hi) {
+    grad1(lo);
+    grad1(hi);
   };
   for (int64_t i = 0; i < full; i += kStep) {
     IO::load(z + i, a, b);
@@ -231,7 +271,14 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   }
   // The target element again, with its 1[v=y] term, so that it is rounded once. Each step
   // above loads its elements before it stores the same elements, so in place is safe there too.
-  grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
+  if (kCap) {
+    const Vec t = cap.tanh_of(Vec(z_target));
+    grad[target] = static_cast<scalar_t>(rlk::grad_logit(cap.lane0(cap.capped(Vec(z_target), t)), m, log_s, inv_tau,
+                                                         true, c) *
+                                         rlk::SoftCap<acc_t>::slope(cap.lane0(t)));
+  } else {
+    grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
+  }
 }
 
 // The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
@@ -282,13 +329,27 @@ at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
   return t;
 }
 
+// forward_row with its compile-time flags chosen at run time.
+template <typename scalar_t>
+rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row_as(
+    bool need_entropy, const scalar_t* z, int64_t V, int64_t target, typename Io<scalar_t>::acc_t inv_tau,
+    const rlk::SoftCap<typename Io<scalar_t>::acc_t>& cap) {
+  if (cap.on()) {
+    return need_entropy ? forward_row<scalar_t, true, true>(z, V, target, inv_tau, cap)
+                        : forward_row<scalar_t, false, true>(z, V, target, inv_tau, cap);
+  }
+  return need_entropy ? forward_row<scalar_t, true, false>(z, V, target, inv_tau, cap)
+                      : forward_row<scalar_t, false, false>(z, V, target, inv_tau, cap);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
-    const at::Tensor& logits, const at::Tensor& targets, double temperature, bool need_entropy) {
+    const at::Tensor& logits, const at::Tensor& targets, double temperature, double softcap, bool need_entropy) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
+  rlk::check_softcap(softcap);
   const auto opts = logits.options().dtype(acc_type(logits.scalar_type()));
   at::Tensor logp = at::empty({N}, opts);
   at::Tensor lse_parts = at::empty({N, 2}, opts);
@@ -303,10 +364,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
     acc_t* ent_p = need_entropy ? entropy.mutable_data_ptr<acc_t>() : nullptr;
     const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    const auto cap = rlk::soft_cap<acc_t>(softcap);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const auto r = need_entropy ? forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau)
-                                    : forward_row<scalar_t, false>(z + n * V, V, y[n], inv_tau);
+        const auto r = forward_row_as<scalar_t>(need_entropy, z + n * V, V, y[n], inv_tau, cap);
         logp_p[n] = r.logp;
         lse_p[2 * n] = r.m;
         lse_p[2 * n + 1] = r.log_s;
@@ -320,11 +381,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
 // Writes ∂logits into `grad`: (N, V), the dtype of logits, unit stride over V; it may be `logits`.
 void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                              const at::Tensor& entropy, const at::Tensor& grad_logp,
-                             const std::optional<at::Tensor>& grad_entropy, double temperature, at::Tensor& grad) {
+                             const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
+                             at::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
+  rlk::check_softcap(softcap);
   const at::ScalarType acc = acc_type(logits.scalar_type());
   const at::Tensor lse_c = rlk::check_row_vector(lse_parts, "lse_parts", logits, acc, /*pair=*/true);
   const at::Tensor g_c = rlk::check_row_vector(grad_logp, "grad_logp", logits, acc);
@@ -347,11 +410,20 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
     const acc_t* h_p = has_h ? h_c.const_data_ptr<acc_t>() : nullptr;
     const acc_t* ent_p = has_h ? ent_c.const_data_ptr<acc_t>() : nullptr;
     const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    const auto cap = rlk::soft_cap<acc_t>(softcap);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const auto c = has_h ? rlk::grad_coeffs<acc_t>(g_p[n], h_p[n], ent_p[n], inv_tau)
                              : rlk::grad_coeffs<acc_t>(g_p[n], acc_t(0), acc_t(0), inv_tau);
-        backward_row<scalar_t>(z + n * V, gz + n * out_stride, V, y[n], lse_p[2 * n], lse_p[2 * n + 1], c, inv_tau);
+        const auto row = [&](auto kCap) {
+          backward_row<scalar_t, decltype(kCap)::value>(z + n * V, gz + n * out_stride, V, y[n], lse_p[2 * n],
+                                                        lse_p[2 * n + 1], c, inv_tau, cap);
+        };
+        if (cap.on()) {
+          row(std::true_type());
+        } else {
+          row(std::false_type());
+        }
       }
     });
   });
@@ -359,24 +431,24 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
 
 at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                   const at::Tensor& entropy, const at::Tensor& grad_logp,
-                                  const std::optional<at::Tensor>& grad_entropy, double temperature) {
+                                  const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits);
   if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
-  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
+  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
   return grad;
 }
 
 // `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
 void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                 const at::Tensor& entropy, const at::Tensor& grad_logp,
-                                const std::optional<at::Tensor>& grad_entropy, double temperature,
+                                const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                                 const at::Tensor& out) {
   check_logits(logits);
   TORCH_CHECK(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
   rlk::check_grad_out(logits, out);
   at::Tensor grad = out;
-  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
+  token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
 }
 
 // The forward plus the per-token policy loss (rlkernels/token_loss.h) of each row, evaluated on
@@ -384,14 +456,16 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
-    int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
-    double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
+    double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
+    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
+    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
+    double dro_beta) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
+  rlk::check_softcap(softcap);
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, acc);
   const auto opts = logits.options().dtype(acc);
@@ -418,9 +492,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     acc_t* ge_p = grad_entropy.mutable_data_ptr<acc_t>();
     acc_t* st_p = stats.mutable_data_ptr<acc_t>();
     const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
+    const auto cap = rlk::soft_cap<acc_t>(softcap);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const auto r = forward_row<scalar_t, true>(z + n * V, V, y[n], inv_tau);
+        const auto r = forward_row_as<scalar_t>(true, z + n * V, V, y[n], inv_tau, cap);
         logp_p[n] = r.logp;
         ent_p[n] = r.entropy;
         lse_p[2 * n] = r.m;
@@ -438,17 +513,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 TORCH_LIBRARY(rlkernels_C, m) {
   // Returns (logp, entropy, lse_parts); lse_parts (N, 2) holds each row's [m, log s], whose sum is the
   // logsumexp (see rlkernels/kernels/__init__.py).
-  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, bool need_entropy)"
+  // softcap: the final-logit cap c (y = c·tanh(z/c)), 0 for none (rlkernels/row_math.h).
+  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, float softcap, bool need_entropy)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
-        " Tensor? grad_entropy, float temperature) -> Tensor");
+        " Tensor? grad_entropy, float temperature, float softcap) -> Tensor");
   // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
   m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
-        " Tensor? grad_entropy, float temperature, Tensor(a!) out) -> ()");
+        " Tensor? grad_entropy, float temperature, float softcap, Tensor(a!) out) -> ()");
   // The forward plus the per-token policy loss; the scalars are those of
   // rlkernels/kernels/token_loss_params.py. Returns (logp, entropy, lse_parts, grad_logp, grad_entropy, stats).
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
-        " Tensor? ref_logp, float temperature, int objective, float clip_low, float clip_high, float delta,"
+        " Tensor? ref_logp, float temperature, float softcap, int objective, float clip_low, float clip_high, float delta,"
         " float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
         " float entropy_coef, float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap,"
         " float dro_beta) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

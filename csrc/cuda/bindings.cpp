@@ -45,23 +45,25 @@ void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
 }
 
-float inv_temperature(double temperature) {
-  return static_cast<float>(1.0 / rlk::check_temperature(temperature));  // rounded as on the CPU
+Head head_of(double temperature, double softcap) {
+  // 1/τ rounded as on the CPU
+  return Head{static_cast<float>(1.0 / rlk::check_temperature(temperature)),
+              rlk::soft_cap<float>(rlk::check_softcap(softcap))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at::Tensor& logits,
                                                                      const at::Tensor& targets, double temperature,
-                                                                     bool need_entropy) {
+                                                                     double softcap, bool need_entropy) {
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
-  const float inv_tau = inv_temperature(temperature);
+  const Head head = head_of(temperature, softcap);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
   if (N == 0) return {logp, entropy, lse_parts};
   const c10::cuda::CUDAGuard guard(logits.device());
-  C10_CUDA_CHECK(token_logprobs_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau,
+  C10_CUDA_CHECK(token_logprobs_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), head,
                                     logp.mutable_data_ptr<float>(),
                                     need_entropy ? entropy.mutable_data_ptr<float>() : nullptr,
                                     lse_parts.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
@@ -69,10 +71,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at:
 }
 
 void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
-              const at::Tensor& entropy, const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, double temperature,
-              const at::Tensor& out) {
+              const at::Tensor& entropy, const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+              double temperature, double softcap, const at::Tensor& out) {
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
-  const float inv_tau = inv_temperature(temperature);
+  const Head head = head_of(temperature, softcap);
   const at::Tensor lse_c = rlk::check_row_vector(lse_parts, "lse_parts", logits, at::kFloat, /*pair=*/true);
   const at::Tensor g_c = rlk::check_row_vector(grad_logp, "grad_logp", logits, at::kFloat);
   const bool has_h = grad_entropy.has_value() && grad_entropy->defined();
@@ -85,28 +87,28 @@ void bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Ten
   const RowGrads grads{lse_c.const_data_ptr<float>(), has_h ? ent_c.const_data_ptr<float>() : nullptr,
                        g_c.const_data_ptr<float>(), has_h ? h_c.const_data_ptr<float>() : nullptr};
   const c10::cuda::CUDAGuard guard(logits.device());
-  C10_CUDA_CHECK(token_logprobs_bwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), grads, inv_tau,
+  C10_CUDA_CHECK(token_logprobs_bwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), grads, head,
                                     rows_of(out, "out"), c10::cuda::getCurrentCUDAStream()));
 }
 
 at::Tensor token_logprobs_bwd_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                    const at::Tensor& entropy, const at::Tensor& grad_logp,
-                                   const std::optional<at::Tensor>& grad_entropy, double temperature) {
+                                   const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits);
-  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, grad);
+  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
   return grad;
 }
 
 // `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
 void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                                  const at::Tensor& entropy, const at::Tensor& grad_logp,
-                                 const std::optional<at::Tensor>& grad_entropy, double temperature,
+                                 const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                                  const at::Tensor& out) {
   check_logits(logits);
   TORCH_CHECK(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ", out.device());
   rlk::check_grad_out(logits, out);
-  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out);
+  bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, out);
 }
 
 // The forward plus the per-token policy loss. fp32 accumulation, so the per-token inputs are fp32.
@@ -114,12 +116,13 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    double temperature, int64_t objective, double clip_low, double clip_high, double delta, double dual_clip,
-    int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction, double entropy_coef,
-    double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
+    double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
+    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
+    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
+    double dro_beta) {
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
-  const float inv_tau = inv_temperature(temperature);
+  const Head head = head_of(temperature, softcap);
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
@@ -136,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                          lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
   const c10::cuda::CUDAGuard guard(logits.device());
-  C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), inv_tau, in, params, out,
+  C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), head, in, params, out,
                                   c10::cuda::getCurrentCUDAStream()));
   return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }

@@ -192,50 +192,64 @@ RLK_HOST_DEVICE __forceinline__ void load_step(const T* body, int64_t i, int64_t
   }
 }
 
-// The state of the elements of row z that thread `lane` of its group of kThreads owns.
+// The state of the elements of row z that thread `lane` of its group of kThreads owns (capped: the
+// missing ones of a partial step stay −inf).
 template <typename T, int kThreads, bool kEntropy>
-RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int64_t V, float inv_tau, int lane) {
+RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int64_t V, const Head& hd, int lane) {
   using P = Pack<T>;
   constexpr int K = P::kElems, kUnroll = kStep / K;
-  Online<kEntropy> acc{inv_tau};
+  Online<kEntropy> acc{hd.inv_tau};
   const int64_t head = min64(V, lead_elems(z));
   if (lane < head) {
-    const float x[1] = {P::to_float(z[lane])};
+    const float x[1] = {hd.cap.apply(P::to_float(z[lane]))};
     acc.add(x);
   }
   const T* body = z + head;
   const int64_t packs = (V - head) / K;
   float x[kStep];
+  auto cap_step = [&]() {
+    if (!hd.cap.on()) return;
+#pragma unroll
+    for (int e = 0; e < kStep; ++e) x[e] = hd.cap.apply(x[e]);
+  };
   int64_t i = lane;
   for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
     load_step<T, kThreads, true>(body, i, packs, x);
+    cap_step();
     acc.add(x);
   }
   if (i < packs) {  // the last step, partial
     load_step<T, kThreads, false>(body, i, packs, x);
+    cap_step();
     acc.add(x);
   }
   const int64_t done = head + packs * K;
   if (lane < V - done) {
-    const float x1[1] = {P::to_float(z[done + lane])};
+    const float x1[1] = {hd.cap.apply(P::to_float(z[done + lane]))};
     acc.add(x1);
   }
   return acc.st;
 }
 
-// ∂L/∂z of one element, from the clamped log p = (z − m)/τ − log s (rlk::grad_logit with a fast exp).
+// ∂L/∂z of one element, from the clamped log p = (y − m)/τ − log s, y = cap(z) (rlk::grad_logit
+// with a fast exp), times dy/dz under a cap.
 struct GradOf {
-  float m, log_s, inv_tau;
+  float m, log_s;
+  Head hd;
   rlk::GradCoeffs<float> c;
   int64_t target;
-  RLK_HOST_DEVICE __forceinline__ float no_target(float z) const {  // the term every element has
-    const float l = clamp_floor(rlk::log_prob(z, m, log_s, inv_tau));
-    return rlk::grad_element(fast_exp(l), l, c.A, c.B);
+  RLK_HOST_DEVICE __forceinline__ float of(float z, bool is_target) const {
+    float t = 0.0f;
+    if (hd.cap.on()) {
+      t = hd.cap.tanh_of(z);
+      z = hd.cap.capped(z, t);
+    }
+    const float l = clamp_floor(rlk::log_prob(z, m, log_s, hd.inv_tau));
+    const float g = rlk::grad_element(fast_exp(l), l, c.A, c.B);
+    const float gy = is_target ? c.target + g : g;
+    return hd.cap.on() ? gy * rlk::SoftCap<float>::slope(t) : gy;
   }
-  RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const {
-    const float g = no_target(z);
-    return v == target ? c.target + g : g;
-  }
+  RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const { return of(z, v == target); }
 };
 
 // No __restrict__: z and out may be the same memory.
@@ -264,10 +278,7 @@ RLK_HOST_DEVICE __forceinline__ void grad_row(const T* z, T* out, int64_t V, con
         const int64_t t = grad.target - (head + k * K);
         const int at = (t >= 0 && t < K) ? static_cast<int>(t) : -1;
 #pragma unroll
-        for (int e = 0; e < K; ++e) {
-          const float g = grad.no_target(x[j * K + e]);
-          x[j * K + e] = e == at ? grad.c.target + g : g;
-        }
+        for (int e = 0; e < K; ++e) x[j * K + e] = grad.of(x[j * K + e], e == at);
         P::store(ob + k * K, x + j * K);
       }
     }

@@ -56,41 +56,41 @@ template <int kThreads> struct Group {  // kThreads threads per row, kRows rows 
 template <typename T, int kThreads, bool kEntropy, typename Out>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock)
     fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t first_row, int64_t N, int64_t V,
-               const int64_t* __restrict__ targets, float inv_tau, Out out) {
+               const int64_t* __restrict__ targets, Head head, Out out) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
   const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
   if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
   const T* z = logits + row * stride;
-  State st = rows::thread_state<T, kThreads, kEntropy>(z, V, inv_tau, lane);
+  State st = rows::thread_state<T, kThreads, kEntropy>(z, V, head, lane);
   if constexpr (kRows == 1) {
     using Reduce = cub::BlockReduce<State, kThreads>;
     __shared__ typename Reduce::TempStorage tmp;
-    st = Reduce(tmp).Reduce(st, Merge{inv_tau});
+    st = Reduce(tmp).Reduce(st, Merge{head.inv_tau});
   } else {
     using Reduce = cub::WarpReduce<State, kThreads>;
     __shared__ typename Reduce::TempStorage tmp[kRows];
-    st = Reduce(tmp[group]).Reduce(st, Merge{inv_tau});
+    st = Reduce(tmp[group]).Reduce(st, Merge{head.inv_tau});
   }
   if (lane == 0) {
     const int64_t y = targets[row];
-    const float z_y = (y >= 0 && y < V) ? Pack<T>::to_float(z[y]) : __int_as_float(0x7fc00000);
-    out(row, rlk::softmax_finalize(st, z_y, inv_tau));
+    const float z_y = (y >= 0 && y < V) ? head.cap.apply(Pack<T>::to_float(z[y])) : __int_as_float(0x7fc00000);
+    out(row, rlk::softmax_finalize(st, z_y, head.inv_tau));
   }
 }
 
 template <typename T, int kThreads>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock)
     bwd_kernel(const T* logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
-               RowGrads grads, float inv_tau, T* out, int64_t out_stride) {
+               RowGrads grads, Head head, T* out, int64_t out_stride) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
   const int64_t row = int64_t(blockIdx.x) * kRows + group;
   if (row >= N) return;
   const bool has_h = grads.grad_entropy != nullptr;
-  const GradOf grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], inv_tau,
+  const GradOf grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], head,
                     rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
-                                            has_h ? grads.entropy[row] : 0.0f, inv_tau),
+                                            has_h ? grads.entropy[row] : 0.0f, head.inv_tau),
                     targets[row]};
   const T* z = logits + row * stride;
   T* o = out + row * out_stride;
@@ -115,7 +115,7 @@ cudaError_t with_threads(int64_t V, F&& launch) {
 }
 
 template <typename T, bool kEntropy, typename Out>
-cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, const Out& out, cudaStream_t stream) {
+cudaError_t fwd(const Rows& logits, const int64_t* targets, Head head, const Out& out, cudaStream_t stream) {
   return with_threads(logits.v, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
@@ -123,22 +123,22 @@ cudaError_t fwd(const Rows& logits, const int64_t* targets, float inv_tau, const
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
       fwd_kernel<T, kThreads, kEntropy, Out><<<grid, G::kBlock, 0, stream>>>(
-          static_cast<const T*>(logits.data), logits.row_stride, start, logits.n, logits.v, targets, inv_tau, out);
+          static_cast<const T*>(logits.data), logits.row_stride, start, logits.n, logits.v, targets, head, out);
     }
   });
 }
 
 template <typename T>
-cudaError_t fwd_rows(const Rows& logits, const int64_t* targets, float inv_tau, float* logp, float* entropy,
+cudaError_t fwd_rows(const Rows& logits, const int64_t* targets, Head head, float* logp, float* entropy,
                      float* lse_parts, cudaStream_t stream) {
   if (entropy != nullptr) {
-    return fwd<T, true>(logits, targets, inv_tau, rows::StoreRow<true>{logp, entropy, lse_parts}, stream);
+    return fwd<T, true>(logits, targets, head, rows::StoreRow<true>{logp, entropy, lse_parts}, stream);
   }
-  return fwd<T, false>(logits, targets, inv_tau, rows::StoreRow<false>{logp, nullptr, lse_parts}, stream);
+  return fwd<T, false>(logits, targets, head, rows::StoreRow<false>{logp, nullptr, lse_parts}, stream);
 }
 
 template <typename T>
-cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau, const Rows& out,
+cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, Head head, const Rows& out,
                 cudaStream_t stream) {
   return with_threads(logits.v, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
@@ -156,7 +156,7 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
         g.grad_entropy += start;
       }
       bwd_kernel<T, kThreads><<<grid, G::kBlock, 0, stream>>>(
-          z + start * logits.row_stride, logits.row_stride, n, logits.v, targets + start, g, inv_tau,
+          z + start * logits.row_stride, logits.row_stride, n, logits.v, targets + start, g, head,
           o + start * out.row_stride, out.row_stride);
     }
   });
@@ -164,20 +164,20 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
 
 }  // namespace
 
-cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
+cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, const Head& head, float* logp,
                                float* entropy, float* lse_parts, cudaStream_t stream) {
   if (logits.n == 0) return cudaSuccess;
   if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
   switch (logits.dtype) {
-    case Dtype::kFloat32: return fwd_rows<float>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
+    case Dtype::kFloat32: return fwd_rows<float>(logits, targets, head, logp, entropy, lse_parts, stream);
     case Dtype::kBFloat16:
-      return fwd_rows<__nv_bfloat16>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
-    case Dtype::kFloat16: return fwd_rows<__half>(logits, targets, inv_tau, logp, entropy, lse_parts, stream);
+      return fwd_rows<__nv_bfloat16>(logits, targets, head, logp, entropy, lse_parts, stream);
+    case Dtype::kFloat16: return fwd_rows<__half>(logits, targets, head, logp, entropy, lse_parts, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau,
+cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, const Head& head,
                                const Rows& out, cudaStream_t stream) {
   if (logits.n == 0 || logits.v == 0) return cudaSuccess;
   if (out.n != logits.n || out.v != logits.v || out.dtype != logits.dtype || logits.row_stride < logits.v ||
@@ -185,23 +185,23 @@ cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const
     return cudaErrorInvalidValue;
   }
   switch (logits.dtype) {
-    case Dtype::kFloat32: return bwd<float>(logits, targets, grads, inv_tau, out, stream);
-    case Dtype::kBFloat16: return bwd<__nv_bfloat16>(logits, targets, grads, inv_tau, out, stream);
-    case Dtype::kFloat16: return bwd<__half>(logits, targets, grads, inv_tau, out, stream);
+    case Dtype::kFloat32: return bwd<float>(logits, targets, grads, head, out, stream);
+    case Dtype::kBFloat16: return bwd<__nv_bfloat16>(logits, targets, grads, head, out, stream);
+    case Dtype::kFloat16: return bwd<__half>(logits, targets, grads, head, out, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, float inv_tau, const TokenInputs& in,
+cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, const Head& head, const TokenInputs& in,
                              const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
                              cudaStream_t stream) {
   if (logits.n == 0) return cudaSuccess;
   if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
   const rows::StorePolicyToken store{in, params, out};
   switch (logits.dtype) {
-    case Dtype::kFloat32: return fwd<float, true>(logits, targets, inv_tau, store, stream);
-    case Dtype::kBFloat16: return fwd<__nv_bfloat16, true>(logits, targets, inv_tau, store, stream);
-    case Dtype::kFloat16: return fwd<__half, true>(logits, targets, inv_tau, store, stream);
+    case Dtype::kFloat32: return fwd<float, true>(logits, targets, head, store, stream);
+    case Dtype::kBFloat16: return fwd<__nv_bfloat16, true>(logits, targets, head, store, stream);
+    case Dtype::kFloat16: return fwd<__half, true>(logits, targets, head, store, stream);
   }
   return cudaErrorInvalidValue;
 }

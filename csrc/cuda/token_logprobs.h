@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "rlkernels/row_math.h"
 #include "rlkernels/token_loss.h"
 
 namespace rlk_cuda {
@@ -23,11 +24,18 @@ struct Rows {
   Dtype dtype;
 };
 
-// Forward: logp[n], lse_parts[2n], lse_parts[2n + 1] (the row max m of the raw logits and log s,
-// s = Σ e^{(z − m)·inv_tau}) and, when `entropy` is not null, entropy[n] (fp32, device memory) of
-// softmax(logits · inv_tau). targets[n] are int64 in [0, v); a row whose target is outside gets
+// What the model does to the head's output z before the softmax: y = cap(z) (rlk::SoftCap; c = 0
+// for none), then y/τ.
+struct Head {
+  float inv_tau;
+  rlk::SoftCap<float> cap;
+};
+
+// Forward: logp[n], lse_parts[2n], lse_parts[2n + 1] (the row max m of y = cap(z) and log s,
+// s = Σ e^{(y − m)·inv_tau}) and, when `entropy` is not null, entropy[n] (fp32, device memory) of
+// softmax(y · inv_tau). targets[n] are int64 in [0, v); a row whose target is outside gets
 // a NaN logp (the callers check the range). Returns the launch error, if any.
-cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, float inv_tau, float* logp,
+cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, const Head& head, float* logp,
                                float* entropy, float* lse_parts, cudaStream_t stream);
 
 // Per-row inputs of the backward, fp32 device arrays of n elements (lse_parts: n pairs [m, log s],
@@ -41,7 +49,7 @@ struct RowGrads {
 
 // Backward: out[n, v] = ∂L/∂logits in the dtype of the logits. `out` may be `logits` itself (the
 // same data and row stride; every element is read before it is written) or disjoint from it.
-cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, float inv_tau,
+cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, const Head& head,
                                const Rows& out, cudaStream_t stream);
 
 // Per-token inputs of the policy loss, device arrays of n elements: fp32, the mask bool (adv is
@@ -62,7 +70,7 @@ struct TokenOutputs {
 // The forward plus the per-token policy loss of rlkernels/token_loss.h on every row (the contract
 // is `policy_token_fwd` in rlkernels/kernels/__init__.py). A row whose target is outside [0, v)
 // gets a NaN logp, and so a NaN loss unless it is masked. Returns the launch error, if any.
-cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, float inv_tau, const TokenInputs& in,
+cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, const Head& head, const TokenInputs& in,
                              const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
                              cudaStream_t stream);
 

@@ -21,6 +21,7 @@
 #include "row_pass.cuh"
 
 using namespace rlk_cuda::rows;
+using rlk_cuda::Head;
 
 namespace {
 
@@ -73,26 +74,35 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Pattern 3 shifts the logits to where ulp(m) ≫ the precision log p needs (1e3: bf16 and fp16 hold
   // no more). Pattern 4 puts them near the largest float (not fp16's): 2e38, with a few ties at 3e38
   // in the second half of the row, each raising some lane's max after many smaller terms (δ·s would
-  // overflow there), and z/τ itself overflows: only differences may be scaled.
+  // overflow there), and z/τ itself overflows: only differences may be scaled. Pattern 5 soft-caps
+  // logits of scale 15 at c = 10 (many saturate), a quarter of them −inf (which stay −inf).
   const float shift = pattern == 3 ? (sizeof(T) == 4 ? 1e5f : 1e3f) : 0.0f;
-  std::vector<double> zs(V);  // the reference's logits
+  const Head head{inv_tau, rlk::soft_cap<float>(pattern == 5 ? 10.0 : 0.0)};
+  std::vector<double> zs(V);  // the reference's logits (capped)
+  std::vector<double> slope(V, 1.0);  // dy/dz
   for (long v = 0; v < V; ++v) {
     float x = normal(rng) + shift;
+    if (pattern == 5) x = v != target && rng() % 4 == 0 ? -INFINITY : 5.0f * x;
     if (pattern == 1 && v != target && rng() % 2 == 0) x = -INFINITY;  // masked vocabulary entries
     if (pattern == 2 && v != target) x = -INFINITY;                     // only the target is left
     if (pattern == 4) x = v == V - 1 || (2 * v >= V && rng() % 16 == 0) ? 3e38f : 2e38f;
     z[v] = Pack<T>::from_float(x);
     zf[v] = Pack<T>::to_float(z[v]);
     zs[v] = zf[v];
+    if (pattern == 5 && zf[v] != -INFINITY) {
+      const double t = std::tanh(double(zf[v]) / 10.0);
+      zs[v] = 10.0 * t;
+      slope[v] = 1.0 - t * t;
+    }
   }
 
   // Forward: every lane's state, merged.
   State st = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, inv_tau, lane), inv_tau);
-  const rlk::RowResult<float> r = rlk::softmax_finalize(st, zf[target], inv_tau);
+  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, head, lane), inv_tau);
+  const rlk::RowResult<float> r = rlk::softmax_finalize(st, head.cap.apply(zf[target]), inv_tau);
   State st0 = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, inv_tau, lane), inv_tau);
-  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, zf[target], inv_tau);
+  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, head, lane), inv_tau);
+  const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, head.cap.apply(zf[target]), inv_tau);
 
   double m = -INFINITY;
   for (long v = 0; v < V; ++v) m = std::fmax(m, zs[v]);
@@ -118,7 +128,7 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf grad{r.m, r.log_s, inv_tau, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -138,7 +148,7 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
     for (long v = 0; v < V; ++v) {
       const double lp = (zs[v] - double(r.m)) * double(inv_tau) - double(r.log_s), p = std::exp(lp);
       const double plogp = p > 0 ? p * (lp + double(r.entropy)) : 0.0;
-      const double want = (g * ((v == target) - p) - h * plogp) / tau;
+      const double want = (g * ((v == target) - p) - h * plogp) / tau * slope[v];
       const double scale = (std::fabs(g) * ((v == target) + p) + std::fabs(h) * (p > 0 ? p * (std::fabs(lp) + r.entropy) : 0)) / tau;
       const double got = Pack<T>::to_float(out[v]);
       if (!(std::fabs(got - want) <= 1e-5 * scale + ulp<T>() * std::fabs(want) + tiny<T>())) {
@@ -162,8 +172,8 @@ void sweep(std::mt19937& rng) {
   const long vs[] = {1, 3, 7, 8, 9, 33, 100, 1000, 16L * kThreads, 16L * kThreads + 5, 4099, 20011};
   for (long V : vs) {
     for (int offset : {0, 1, 3}) {
-      for (int pattern : {0, 1, 2, 3, 4}) {
-        if (pattern < 4 || !std::is_same<T, __half>::value) check<T, kThreads>(V, offset, rng, pattern);
+      for (int pattern : {0, 1, 2, 3, 4, 5}) {
+        if (pattern != 4 || !std::is_same<T, __half>::value) check<T, kThreads>(V, offset, rng, pattern);
       }
     }
   }
@@ -178,7 +188,7 @@ void nan_rows() {
     for (long v = 0; v < 300; ++v) buf.row[v] = Pack<T>::from_float(which % 2 == 1 ? -INFINITY : float(v % 7));
     if (which < 3) buf.row[123] = Pack<T>::from_float(which == 2 ? INFINITY : NAN);
     State st = rlk::softmax_init<float>();
-    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, 1.0f, lane), 1.0f);
+    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, Head{1.0f, rlk::soft_cap<float>(0.0)}, lane), 1.0f);
     const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]), 1.0f);
     if (!std::isnan(r.logp) || !std::isnan(r.entropy)) fail("NaN row", name<T>(), 32, 300, 1, which, r.logp, NAN);
   }

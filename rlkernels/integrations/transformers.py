@@ -8,9 +8,10 @@ weight and bias (tied to the input embedding or not). The `(B, T, V)` logits of
 
 Output transforms: a model whose head does more than `hidden @ W.T + b` needs care. A positive
 scalar on the logits (Cohere's `logit_scale`, Granite's `logits_scaling`) is folded into the
-temperature, which is exact; anything else the config announces (`final_logit_softcapping` of
-Gemma 2/3, `lm_head_multiplier`, `output_multiplier`, ...) is rejected with a ValueError that
-names the attribute. A model that transforms its logits without a config attribute saying so
+temperature, which is exact; a final-logit cap c·tanh(z/c) (`final_logit_softcapping` of Gemma 2
+and 3, RecurrentGemma's `logits_soft_cap`, xLSTM's `output_logit_soft_cap`) is the kernels' own
+`softcap`; anything else the config announces (`lm_head_multiplier`, `output_multiplier`, a cap
+together with a scale, ...) is rejected with a ValueError that names the attribute. A model that transforms its logits without a config attribute saying so
 (a prediction-head transform, a cap or a multiplier in its own `forward`) is caught by
 `check_head`: once per model class, on first use, a few tokens' log-probs through the hidden
 states are compared with `log_softmax(model(...).logits)`, and a mismatch raises, naming the
@@ -30,10 +31,11 @@ _CHECK_TOKENS = 16  # the tokens of one row that `check_head` scores both ways
 _checked = set()  # model classes whose hidden-state log-probs matched their logits
 _check_lock = threading.Lock()
 
-# config attribute → how it enters the logits: "mul"/"div" by a scalar (folded into τ), or rejected.
+# config attribute → how it enters the logits: "mul"/"div" by a scalar (folded into τ), a cap c·tanh(z/c),
+# or rejected.
 _SCALES = {"logit_scale": "mul", "logits_scaling": "div"}
-_REJECTED = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "lm_head_multiplier",
-             "output_multiplier", "output_logits_scaling")
+_CAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_REJECTED = ("lm_head_multiplier", "output_multiplier", "output_logits_scaling")
 
 
 def _configs(config):
@@ -42,8 +44,10 @@ def _configs(config):
     return (config,) if text is config else (config, text)
 
 
-def output_temperature(config, temperature: float) -> float:
-    """The temperature to apply to `hidden @ W.T + b` so that it equals the model's own logits / τ."""
+def output_head(config, temperature: float) -> dict:
+    """`{"temperature": τ', "softcap": c or None}`: the arguments of the rlkernels ops that make
+    `hidden @ W.T + b` the model's own logits / τ."""
+    softcap, scaled = None, []
     for cfg in _configs(config):
         for attr in _REJECTED:
             if getattr(cfg, attr, None) not in (None, 1, 1.0):
@@ -51,6 +55,13 @@ def output_temperature(config, temperature: float) -> float:
                     f"model.config.{attr}={getattr(cfg, attr)!r}: this model transforms its logits in a way "
                     "the hidden-state path does not reproduce; use token_logprobs on model(...).logits instead"
                 )
+        for attr in _CAPS:
+            cap = getattr(cfg, attr, None)
+            if cap is None:
+                continue
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"model.config.{attr}={cap!r}: expected a positive number (or None)")
+            softcap = float(cap)
         for attr, op in _SCALES.items():
             scale = getattr(cfg, attr, None)
             if scale is None or scale == 1:
@@ -58,7 +69,11 @@ def output_temperature(config, temperature: float) -> float:
             if not isinstance(scale, (int, float)) or scale <= 0:
                 raise ValueError(f"model.config.{attr}={scale!r}: expected a positive number")
             temperature = temperature / scale if op == "mul" else temperature * scale
-    return temperature
+            scaled.append(attr)
+    if softcap is not None and scaled:  # where the scale sits relative to the cap is not announced
+        raise ValueError(f"model.config.{scaled[0]} with a final-logit cap: the order of the two is not known here; "
+                         "use token_logprobs on model(...).logits instead")
+    return {"temperature": temperature, "softcap": softcap}
 
 
 def check_head(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -178,7 +193,7 @@ def causal_lm_token_logprobs(
     keep = T - 1 if logits_to_keep is None else logits_to_keep
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= T - 1:
         raise ValueError(f"logits_to_keep: expected an int in [1, {T - 1}] (T − 1 scored positions), got {logits_to_keep!r}")
-    output_temperature(model.config, temperature)  # rejects an announced transform by name, before any work
+    output_head(model.config, temperature)  # rejects an announced transform by name, before any work
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"model.get_output_embeddings(): expected an nn.Linear head, got {type(head).__name__}")
@@ -201,5 +216,5 @@ def _hidden_state_logprobs(model, input_ids, attention_mask, keep=None, *, tempe
                          "first; use token_logprobs on model(...).logits instead")
     hidden = hidden[:, T - 1 - keep : T - 1].to(head.weight.dtype)  # position t scores token t + 1
     return linear_token_logprobs(hidden, head.weight, input_ids[:, T - keep :], bias=head.bias,
-                                 temperature=output_temperature(model.config, temperature),
-                                 return_entropy=return_entropy, backend=backend, chunk_size=chunk_size)
+                                 **output_head(model.config, temperature), return_entropy=return_entropy,
+                                 backend=backend, chunk_size=chunk_size)

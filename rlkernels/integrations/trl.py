@@ -46,7 +46,8 @@ encodes the images and merges their features into the token embeddings inside it
 `*ForConditionalGeneration.forward`, differently for each family (Qwen2-VL's `image_grid_thw` and
 3-D positions, Gemma 3's token types, ...); calling that forward for its hidden states would also
 compute the full logits the head exists to avoid. So such batches take TRL's own path, whole.
-Models whose head is not a plain linear layer (Gemma 2/3 softcapping, ...) are rejected with a
+A head's announced logit scale is folded into the temperature and a final-logit cap (Gemma 2/3) is
+the kernels' `softcap`; other heads that are not a plain linear layer are rejected with a
 ValueError (`integrations/transformers.py`), by their config attribute or, when none announces the
 transform, by `check_head` on the first batch (rlkernels' log-probs against `model(...).logits`).
 
@@ -75,7 +76,7 @@ from ..losses import PolicyLossConfig
 from ..losses.surrogates import vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import (backbone_outputs, check_head, last_hidden_state, moe_aux_loss_function,
-                           output_temperature)
+                           output_head)
 
 _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
         "cispo": "token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum", "vespo": "token_mean"}
@@ -207,7 +208,7 @@ def _install_forward(model) -> None:
     """
     if getattr(model, "_rlkernels_forward", False):
         return
-    output_temperature(model.config, 1.0)  # rejects heads we cannot reproduce, naming the attribute
+    output_head(model.config, 1.0)  # rejects heads we cannot reproduce, naming the attribute
     _head_params(model)
     previous = model.forward
 
@@ -264,7 +265,7 @@ def _logprobs_head(self, targets, return_entropy=False):
         hidden, weight, bias = _head_inputs(self, module, hidden, targets.size(1))
         with _no_autocast(hidden.device):
             return linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=return_entropy,
-                                         temperature=output_temperature(module.config, self.temperature))
+                                         **output_head(module.config, self.temperature))
     return head
 
 
@@ -335,7 +336,7 @@ def compute_loss(self, model, inputs):
                 hidden, weight, completion_ids, inputs["advantages"], mask, cfg, bias=bias,
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
                 is_weights=is_weights, rollout_logp=inputs.get("sampling_per_token_logps"),
-                temperature=output_temperature(module.config, self.temperature), **counts)
+                **output_head(module.config, self.temperature), **counts)
         return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp}
 
     moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}

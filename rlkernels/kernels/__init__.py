@@ -3,7 +3,7 @@
 Every backend module exposes the same two functions over flattened rows
 (``N`` rows of a contiguous ``(N, V)`` logits tensor, inputs already validated by ``ops/``):
 
-``token_logprobs_fwd(logits, targets, temperature, need_entropy) -> (logp, entropy, lse_parts)``
+``token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0) -> (logp, entropy, lse_parts)``
     logits ``(N, V)`` fp16/bf16/fp32 (fp64 where the backend supports it), targets ``(N,)``
     int64 in ``[0, V)``. With ``m = max_v logits_v`` (raw, not divided by τ),
     ``d_v = (logits_v - m) / temperature`` and ``s = sum_v e^{d_v}``, returns in the accumulation
@@ -15,9 +15,10 @@ Every backend module exposes the same two functions over flattened rows
     more precision than all else and near ±3e38 all of ``log s``; every log-probability is
     ``d_v - log s``, as in log_softmax.
     A row that is all −inf, or holds a NaN or +inf, has NaN ``logp`` and ``H`` (log_softmax's
-    NaN), on every backend.
+    NaN), on every backend. ``softcap`` c > 0: every logit z is read as ``c·tanh(z/c)`` (−inf
+    stays −inf) before anything above, and the backward multiplies by ``1 − tanh²(z/c)``.
 
-``token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None) -> grad_logits``
+``token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None, softcap=0.0) -> grad_logits``
     ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with
     ``log p_v = (logits_v − m)/τ − log s`` from the forward's ``lse_parts``, ``g = grad_logp`` and
     ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
@@ -25,7 +26,7 @@ Every backend module exposes the same two functions over flattened rows
     write into instead of a new one; it may be ``logits`` itself (every element is read before
     it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
 
-``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params)``
+``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0)``
 ``-> (logp, entropy, lse_parts, grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
     The forward above plus the token-level policy loss of docs/math.md, in the same program
     that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each

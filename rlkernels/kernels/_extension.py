@@ -27,19 +27,21 @@ def missing_reason() -> Optional[str]:
     return None
 
 
-def token_logprobs_fwd(logits, targets, temperature, need_entropy):
+def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
     """(logp, entropy, lse_parts) of (N, V) logits; see rlkernels/kernels/__init__.py."""
-    return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), bool(need_entropy))
+    return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), float(softcap),
+                                                    bool(need_entropy))
 
 
-def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None):
+def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
+                       softcap=0.0):
     """grad_logits (N, V) in the dtype of logits, written into `out` when given (it may be `logits`
     itself); see rlkernels/kernels/__init__.py."""
     if out is None:
         return torch.ops.rlkernels_C.token_logprobs_bwd(
-            logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature))
+            logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature), float(softcap))
     torch.ops.rlkernels_C.token_logprobs_bwd_out(
-        logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature), out)
+        logits, targets, lse_parts, entropy, grad_logp, grad_entropy, float(temperature), float(softcap), out)
     return out
 
 
@@ -51,11 +53,12 @@ def _loss_scalars(p):
             float(p.ratio_cap), float(p.dro_beta))
 
 
-def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params):
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
     loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_fwd(
-        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), *_loss_scalars(params))
+        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), float(softcap),
+        *_loss_scalars(params))
 
 
 def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params):

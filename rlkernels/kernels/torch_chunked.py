@@ -2,7 +2,8 @@
 
 Rows are processed in chunks of about `CHUNK_ELEMENTS` logits, so the extra memory is
 O(chunk × V) rather than O(N × V); the backward recomputes softmax from the saved (m, log s)
-(docs/design.md §2) instead of keeping a log_softmax for autograd.
+(docs/design.md §2) instead of keeping a log_softmax for autograd. A soft cap c > 0 replaces the
+logits z by c·tanh(z/c) before anything else, and multiplies the gradient by 1 − tanh²(z/c).
 """
 from __future__ import annotations
 
@@ -29,14 +30,22 @@ def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * d)
 
 
-def token_logprobs_fwd(logits, targets, temperature, need_entropy):
+def _capped(z, softcap):
+    """(y, t): y = c·tanh(z/c) and t = tanh(z/c) for a cap c > 0, else (z, None)."""
+    if not softcap:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
+def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
     n, vocab = logits.shape
     acc = acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
     for s, e in _chunks(n, vocab):
-        z = logits[s:e].to(acc)
+        z, _ = _capped(logits[s:e].to(acc), softcap)
         # Relative to the row max, as log_softmax: log p = d − log s with d = (z − m)/τ, never
         # z/τ − (m/τ + log s), which rounds to ulp(m/τ); τ scales differences only (z/τ overflows
         # near 3e38 at τ < 1). A row of −inf (m = −inf) gives z − m = NaN, so NaN results.
@@ -53,12 +62,14 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy):
     return logp, entropy, lse_parts
 
 
-def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None):
+def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
+                       softcap=0.0):
     n, vocab = logits.shape
     acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
     for s, e in _chunks(n, vocab):
-        log_p = (logits[s:e].to(acc) - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
+        y, t = _capped(logits[s:e].to(acc), softcap)
+        log_p = (y - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
         p = torch.exp(log_p)
         g = grad_logp[s:e, None].to(acc)
         chunk = -g * p
@@ -67,5 +78,8 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
             # ∂H/∂x_v = −p_v (log p_v + H)
             h = grad_entropy[s:e, None].to(acc)
             chunk -= h * _p_times(p, log_p + entropy[s:e, None])
-        grad[s:e] = chunk / temperature
+        chunk /= temperature
+        if t is not None:  # dy/dz = (1 − t)(1 + t)
+            chunk *= (1 - t) * (1 + t)
+        grad[s:e] = chunk
     return grad

@@ -14,21 +14,21 @@ from ..kernels.token_loss_params import NUM_STATS
 _LIB = "rlkernels_C"
 
 
-def logprobs_fwd_fake(logits, targets, temperature, need_entropy):
+def logprobs_fwd_fake(logits, targets, temperature, softcap, need_entropy):
     n, dtype = logits.shape[0], acc_dtype(logits)
     return (logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype),
             logits.new_empty(n, 2, dtype=dtype))
 
 
-def logprobs_bwd_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature):
+def logprobs_bwd_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap):
     return torch.empty_like(logits)
 
 
-def _bwd_out_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out):
+def _bwd_out_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, out):
     return None
 
 
-def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, *scalars):
+def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, softcap, *scalars):
     n, dtype = logits.shape[0], acc_dtype(logits)
     vec = lambda: logits.new_empty(n, dtype=dtype)  # noqa: E731
     return vec(), vec(), logits.new_empty(n, 2, dtype=dtype), vec(), vec(), logits.new_empty(n, NUM_STATS, dtype=dtype)
@@ -40,10 +40,10 @@ def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, *sca
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, temperature, need_entropy = inputs
+    logits, targets, temperature, softcap, need_entropy = inputs
     _, entropy, lse_parts = output
     ctx.save_for_backward(logits, targets, lse_parts, entropy)
-    ctx.temperature, ctx.need_entropy = temperature, need_entropy
+    ctx.temperature, ctx.softcap, ctx.need_entropy = temperature, softcap, need_entropy
 
 
 def register_logprobs_autograd(fwd, bwd) -> None:
@@ -56,8 +56,8 @@ def register_logprobs_autograd(fwd, bwd) -> None:
         if not ctx.need_entropy:
             grad_entropy = None
         grad = bwd(logits, targets, lse_parts, entropy, grad_logp.contiguous(),
-                   None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature)
-        return grad, None, None, None
+                   None if grad_entropy is None else grad_entropy.contiguous(), ctx.temperature, ctx.softcap)
+        return grad, None, None, None, None
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
 

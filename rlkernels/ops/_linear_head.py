@@ -13,9 +13,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_targets, check_temperature, check_tensor
+from .._checks import (
+    FLOAT_DTYPES, INT_DTYPES, check_int, check_softcap, check_targets, check_temperature, check_tensor,
+)
 from .._dtypes import acc_dtype
-from ._rows import kernel_checks_targets
+from ._rows import kernel_checks_targets, with_softcap
 
 CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
 # On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator: with r rows
@@ -32,6 +34,7 @@ class HeadSpec:
     """What the forward and the backward agree on, besides the tensors."""
 
     temperature: float
+    softcap: float  # the final-logit cap c, 0.0 for none
     backend: str
     rows: int  # rows per chunk
     group: Optional[object] = None  # torch.distributed process group (vocabulary parallel), or None
@@ -45,7 +48,7 @@ class LinearHead:
         self.hidden = hidden.detach().reshape(-1, hidden.shape[-1]).contiguous()
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         self.spec = spec
-        self.kernels = _backend.kernels(spec.backend)
+        self.kernels = with_softcap(_backend.kernels(spec.backend), spec.softcap)
         self.n, self.vocab = self.hidden.shape[0], self.weight.shape[0]
         targets = targets.reshape(-1).to(torch.int64)
         self.sharded = spec.group is not None
@@ -174,7 +177,7 @@ class HeadGrads:
     bias: Optional[Tensor]  # (V,)
 
 
-def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group) -> HeadSpec:
+def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group) -> HeadSpec:
     """Validate the inputs of the hidden-state path; the spec both passes share."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
@@ -185,7 +188,7 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
     if bias is not None:
         check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
     check_tensor("targets", targets, shape=tuple(hidden.shape[:-1]), dtypes=INT_DTYPES, device=hidden.device)
-    temperature = check_temperature(temperature)
+    temperature, softcap = check_temperature(temperature), check_softcap(softcap)
     vocab, start = weight.shape[0], 0
     if process_group is not None:
         if not isinstance(process_group, dist.ProcessGroup):
@@ -204,4 +207,4 @@ def head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, p
             rows = max(rows, GPU_MIN_CHUNK_ROWS)
     else:
         rows = check_int("chunk_size", chunk_size, 1)
-    return HeadSpec(temperature, name, rows, process_group, start)
+    return HeadSpec(temperature, softcap, name, rows, process_group, start)

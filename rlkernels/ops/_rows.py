@@ -1,6 +1,7 @@
 """The logits arguments shared by the ops on logits: their checks, and their rows as kernel blocks."""
 from __future__ import annotations
 
+import functools
 from typing import List, Tuple
 
 import torch
@@ -52,3 +53,22 @@ def run_blocks(kernel, blocks, per_row, *args):
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
+class _SoftCapped:
+    """A backend's kernels with a final-logit cap bound: every pass over logits reads them as
+    c·tanh(z/c) (kernels/__init__.py); the other kernels are the backend's own."""
+
+    def __init__(self, kernels, softcap: float):
+        self._kernels = kernels
+        for name in ("token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd"):
+            if hasattr(kernels, name):  # the torch backend has no fused policy kernel
+                setattr(self, name, functools.partial(getattr(kernels, name), softcap=softcap))
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+
+def with_softcap(kernels, softcap: float):
+    """`kernels` whose passes over logits apply the cap `softcap` (0.0: `kernels` themselves)."""
+    return _SoftCapped(kernels, softcap) if softcap else kernels

@@ -52,6 +52,7 @@ def fused_linear_policy_loss(
     is_weights: Optional[Tensor] = None,
     rollout_logp: Optional[Tensor] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
     process_group=None,
@@ -72,12 +73,12 @@ def fused_linear_policy_loss(
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias)]
     if not any(need):  # nothing to differentiate: the plain composition, one pass
         logp, entropy = linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                              return_entropy=True, backend=backend, chunk_size=chunk_size,
+                                              softcap=softcap, return_entropy=True, backend=backend, chunk_size=chunk_size,
                                               process_group=process_group)
         out = policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
         return LossOutput(out.loss, out.metrics, logp, entropy)
 
-    spec = head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group)
+    spec = head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group)
     head = LinearHead(hidden, weight, bias, targets, spec)
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
                               mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)

@@ -27,8 +27,9 @@ from ..losses.inputs import LossInputs
 from ._logits_grad import deferred_logits_grad
 from ._loss_step import kernel_inputs, row_grads, with_entropy_bonus
 from ._token_stats import loss_from_stats
+from .._checks import check_softcap
 from .._dtypes import acc_dtype
-from ._rows import check_logits_args, row_blocks, run_blocks
+from ._rows import check_logits_args, row_blocks, run_blocks, with_softcap
 from .token_logprobs import token_logprobs
 from .token_loss_params import kernel_evaluates
 
@@ -48,6 +49,7 @@ def fused_policy_loss(
     is_weights: Optional[Tensor] = None,
     rollout_logp: Optional[Tensor] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     inplace: bool = False,
     backend: Optional[str] = None,
 ) -> LossOutput:
@@ -55,7 +57,9 @@ def fused_policy_loss(
 
     logits `(B, T, V)`, targets `(B, T)`; the other arguments are those of `policy_loss`. The
     entropy is always computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
-    `inplace=True`: the backward writes ∂logits over the logits (the caller gives them up).
+    `softcap` c: the logits are the head's output before a final-logit cap c·tanh(z/c) (as
+    `token_logprobs`). `inplace=True`: the backward writes ∂logits over the logits (the caller
+    gives them up).
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
                        num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
@@ -65,17 +69,17 @@ def fused_policy_loss(
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(f"logits: expected a tensor of shape (B, T, V), got {_describe(logits)}")
     if torch.compiler.is_compiling():
-        return _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs)
+        return _composed(logits, targets, advantages, mask, config, temperature, softcap, backend, loss_kwargs)
 
     name = _backend.resolve(backend, logits.device)
     temperature = check_logits_args(logits, targets, temperature, name)
-    kernels = _backend.kernels(name)
+    kernels = with_softcap(_backend.kernels(name), check_softcap(softcap))
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     in_kernel = kernel_evaluates(kernels, name, config, weighted=is_weights is not None)
     # Without a gradient the fused kernel still pays: its statistics are the loss and the metrics,
     # one launch where the composition makes ~60 (on a GPU the forward was host-bound).
     if not needs_grad and not in_kernel:
-        return _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs)
+        return _composed(logits, targets, advantages, mask, config, temperature, softcap, backend, loss_kwargs)
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace: the gradient can only overwrite contiguous logits (got a strided view)")
     acc = acc_dtype(logits)
@@ -93,10 +97,11 @@ def fused_policy_loss(
     return LossOutput(loss, out.metrics, logp.view(targets.shape), rows[1].view(targets.shape))
 
 
-def _composed(logits, targets, advantages, mask, config, temperature, backend, loss_kwargs):
+def _composed(logits, targets, advantages, mask, config, temperature, softcap, backend, loss_kwargs):
     """The definition, `policy_loss(token_logprobs(...))`: under torch.compile (the custom ops
     trace; the deferred backward does not) and without a gradient where the kernel lacks the loss."""
-    logp, entropy = token_logprobs(logits, targets, temperature=temperature, return_entropy=True, backend=backend)
+    logp, entropy = token_logprobs(logits, targets, temperature=temperature, softcap=softcap, return_entropy=True,
+                                   backend=backend)
     out = policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
     return LossOutput(out.loss, out.metrics, logp.detach(), entropy.detach())
 

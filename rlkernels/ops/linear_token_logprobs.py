@@ -58,6 +58,7 @@ def linear_token_logprobs(
     *,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     return_entropy: bool = False,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
@@ -68,14 +69,15 @@ def linear_token_logprobs(
     hidden `(..., H)`, weight `(V, H)` (may be the tied input embedding), bias `(V,)` or None,
     targets `(...)` integers in `[0, V)`, already aligned (the caller shifts). Returns fp32
     log-probs shaped like `targets`, or `(logp, entropy)` with `return_entropy`. Differentiable
-    w.r.t. hidden, weight and bias. `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least
+    w.r.t. hidden, weight and bias. `softcap` c: the head applies a final-logit cap, the logits
+    are c·tanh((hidden @ weight.T + bias)/c) (Gemma 2 and 3). `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least
     1024 rows on a GPU).
     `process_group`: `weight`/`bias` hold this rank's slice of the vocabulary rows (slices in
     rank order), targets are global ids; the outputs are those of the whole vocabulary.
     """
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    spec = head_spec(hidden, weight, bias, targets, temperature, backend, chunk_size, process_group)
+    spec = head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group)
     logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, spec, return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp

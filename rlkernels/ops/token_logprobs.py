@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_tensor
+from .._checks import FLOAT_DTYPES, check_softcap, check_tensor
 from . import _c_ops
 from ._rows import check_logits_args, row_blocks, run_blocks
 
@@ -45,8 +45,10 @@ def _register(name: str):
         register, launch = torch.library.custom_op, {}
 
     @register(f"rlkernels::token_logprobs_fwd_{name}", mutates_args=())
-    def fwd(logits: Tensor, targets: Tensor, temperature: float, need_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy, **launch)
+    def fwd(logits: Tensor, targets: Tensor, temperature: float, softcap: float,
+            need_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return _backend.kernels(name).token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=softcap,
+                                                         **launch)
 
     # For triton this replaces triton_op's fake (the body traced), which the interpreter cannot run.
     fwd.register_fake(_c_ops.logprobs_fwd_fake)
@@ -54,10 +56,10 @@ def _register(name: str):
     @register(f"rlkernels::token_logprobs_bwd_{name}", mutates_args=())
     def bwd(
         logits: Tensor, targets: Tensor, lse_parts: Tensor, entropy: Tensor, grad_logp: Tensor,
-        grad_entropy: Optional[Tensor], temperature: float,
+        grad_entropy: Optional[Tensor], temperature: float, softcap: float,
     ) -> Tensor:
         return _backend.kernels(name).token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy,
-                                                         temperature, **launch)
+                                                         temperature, softcap=softcap, **launch)
 
     bwd.register_fake(_c_ops.logprobs_bwd_fake)
     _c_ops.register_logprobs_autograd(fwd, bwd)
@@ -78,25 +80,29 @@ def token_logprobs(
     targets: Tensor,
     *,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     return_entropy: bool = False,
     backend: Optional[str] = None,
 ):
     """Log-probabilities of `targets` under softmax(logits / temperature), and the entropy.
 
     logits `(..., V)` fp32/bf16/fp16, targets `(...)` integers in `[0, V)`, already aligned
-    (the caller shifts). Returns fp32 log-probs shaped like `targets`, or `(logp, entropy)` when
+    (the caller shifts). `softcap` c > 0: the logits are the head's output before a final-logit
+    cap, and the softmax is of c·tanh(logits/c) / temperature (Gemma 2 and 3). Returns fp32 log-probs shaped like `targets`, or `(logp, entropy)` when
     `return_entropy` is set. Differentiable w.r.t. `logits` through both outputs; the logits
     are read once forward and once backward, and nothing of size V is kept per token.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
     name = _resolve(backend, logits.device)
     temperature = check_logits_args(logits, targets, temperature, name)
+    softcap = check_softcap(softcap)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     # Blocks only without autograd (old / reference log-probs): with it, per-block ops would make
     # each block's backward a full-size gradient; under torch.compile one op keeps the graph simple.
     in_place = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad))
-    logp, entropy, _ = run_blocks(_OPS[name], row_blocks(logits, in_place), [flat_targets], temperature, return_entropy)
+    logp, entropy, _ = run_blocks(_OPS[name], row_blocks(logits, in_place), [flat_targets], temperature, softcap,
+                                  return_entropy)
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp

@@ -30,6 +30,12 @@ inline double check_temperature(double temperature) {
   return temperature;
 }
 
+inline double check_softcap(double softcap) {
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap: expected a finite value >= 0 (0: no cap), got ",
+              softcap);
+  return softcap;
+}
+
 // A per-row input of the backward, (N,) or with `pair` (N, 2), on the logits' device: converted to
 // the accumulation dtype `acc`, contiguous.
 inline at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType acc,

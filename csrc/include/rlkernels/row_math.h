@@ -41,11 +41,37 @@ RLK_HOST_DEVICE inline float exp_(float x) { return ::expf(x); }
 RLK_HOST_DEVICE inline double exp_(double x) { return ::exp(x); }
 RLK_HOST_DEVICE inline float log_(float x) { return ::logf(x); }
 RLK_HOST_DEVICE inline double log_(double x) { return ::log(x); }
+RLK_HOST_DEVICE inline float tanh_(float x) { return ::tanhf(x); }
+RLK_HOST_DEVICE inline double tanh_(double x) { return ::tanh(x); }
+
 
 // HUGE_VAL(F) rather than std::numeric_limits, which is host-only under nvcc.
 template <typename T> RLK_HOST_DEVICE inline T neg_inf();
 template <> RLK_HOST_DEVICE inline float neg_inf<float>() { return -HUGE_VALF; }
 template <> RLK_HOST_DEVICE inline double neg_inf<double>() { return -HUGE_VAL; }
+
+// Final-logit soft capping (Gemma 2 and 3): the model's logits are y = c·tanh(z/c) of the head's
+// output z, for a cap c > 0 (c = 0: none). The kernels read z and use y wherever the row math
+// below says z (its max, the sums, the target), and the backward multiplies ∂L/∂y by
+// dy/dz = (1 − t)(1 + t), t = tanh(z/c) (the factored form keeps its relative precision where
+// t² rounds to 1). A −inf logit stays −inf (a masked entry stays masked; a linear head never
+// gives one), which also keeps the kernels' −inf padding out of the sums. The CPU backend
+// vectorises the same formulas with at::vec's tanh.
+template <typename T>
+struct SoftCap {
+  T c;      // 0: no cap
+  T inv_c;  // 1/c (0 when c = 0)
+  RLK_HOST_DEVICE bool on() const { return c > T(0); }
+  RLK_HOST_DEVICE T tanh_of(T z) const { return tanh_(z * inv_c); }
+  RLK_HOST_DEVICE T capped(T z, T t) const { return z == neg_inf<T>() ? z : c * t; }  // t = tanh_of(z)
+  RLK_HOST_DEVICE T apply(T z) const { return on() ? capped(z, tanh_of(z)) : z; }
+  RLK_HOST_DEVICE static T slope(T t) { return (T(1) - t) * (T(1) + t); }
+};
+
+template <typename T>
+inline SoftCap<T> soft_cap(double c) {
+  return SoftCap<T>{static_cast<T>(c), c > 0 ? static_cast<T>(1.0 / c) : T(0)};
+}
 
 // exp(x) is exactly 0 for every x below this (fp32 underflows below −103.97, fp64 below
 // −745.1). Scaled differences d are clamped to it, so a −inf logit (a masked vocabulary entry)

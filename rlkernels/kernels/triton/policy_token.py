@@ -13,7 +13,7 @@ import triton.language as tl
 from .. import token_loss_params as P
 from .token_loss import token_loss  # by name, as token_logprobs.py says
 from .token_logprobs import (
-    INTERPRET, _check_logits, _on_device, _plain, _row_vector, launch_config, row_forward,
+    INTERPRET, _check_logits, _on_device, _plain, _row_vector, cap_args, launch_config, row_forward,
 )
 
 
@@ -21,16 +21,16 @@ from .token_logprobs import (
 def _policy_token_fwd_kernel(
     logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
     logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
-    V, stride_row, inv_temp,
+    V, stride_row, inv_temp, cap, inv_cap,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK_V: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
     target = tl.load(targets_ptr + row)
-    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
-                                          True, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp, cap, inv_cap,
+                                          True, HAS_CAP, BLOCK_V)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_parts_ptr + 2 * row, m)
@@ -74,7 +74,7 @@ def _loss_scalars(p):
             float(p.sapo_tau_neg), float(p.ratio_cap), float(p.dro_beta))
 
 
-def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params,
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0,
                      *, wrap=_plain):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats): fp32 (N,) each but
     lse_parts (N, 2) = [m, log s] and stats (N, 7).
@@ -104,14 +104,15 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     # The loss has a KL term only with an estimator and β > 0 (else `kl` reports k3).
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
     block, warps = launch_config(vocab, logits.dtype)
+    cap, has_cap = cap_args(softcap)
     with _on_device(dev):
         wrap(_policy_token_fwd_kernel)[(n,)](
             logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp,
             logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
-            vocab, logits.stride(0), 1.0 / float(temperature),
+            vocab, logits.stride(0), 1.0 / float(temperature), *cap,
             *_loss_scalars(p),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref,
-            BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS,
+            BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
             BLOCK_V=block, num_warps=warps,
         )
     return logp, entropy, lse_parts, grad_logp, grad_entropy, stats

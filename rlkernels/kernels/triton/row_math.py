@@ -12,13 +12,17 @@ being formed (they would poison the sums with NaN): while every value seen so fa
 ``m`` is -inf, ``s = t = 0`` and the tile is shifted by 0 instead of by ``m``. A row of only
 -inf (or with a NaN or +inf) gives NaN log-probs and entropy, as log_softmax does.
 
+A final-logit cap c (Gemma 2 and 3) replaces each logit z by ``c·tanh(z/c)`` as it is loaded
+(`capped`; -inf stays -inf, as in row_math.h), and the backward multiplies by ``(1 − t)(1 + t)``.
+
 The row is summarised by the pair ``(m, log s)``, never by ``lse = m/τ + log s``: that sum rounds
 to ulp(m/τ), which for large logits costs more than every other rounding together (docs/design.md §2).
 """
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda.libdevice import mul_rn  # unqualified, for torch.compile (token_logprobs.py)
+# Unqualified, for torch.compile (token_logprobs.py).
+from triton.language.extra.cuda.libdevice import mul_rn, tanh
 
 # exp(d) is exactly 0 in fp32 below about -104; a rescale by less is clamped here (as in
 # csrc/include/rlkernels/row_math.h), so that δ·s stays finite where δ would be ~ -1e38.
@@ -39,6 +43,26 @@ def scaled_diff(z, m, inv_temp):
         return mul_rn(z - m, inv_temp)
     else:
         return (z - m) * inv_temp
+
+
+@triton.jit
+def tanh_of(z, inv_cap):
+    """tanh(z/c): libdevice's (2 ulp) when compiled; the interpreter cannot call libdevice and
+    uses (1 − e)/(1 + e), e = e^{−2|u|}, which is as accurate away from 0 and loses up to ~1e-7
+    absolutely near 0 (fp32 numpy exp)."""
+    u = z * inv_cap
+    if ROUND_ALONE:
+        return tanh(u)
+    else:
+        e = tl.exp(-2.0 * tl.abs(u))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(u < 0.0, -t, t)
+
+
+@triton.jit
+def capped(z, t, cap):
+    """c·tanh(z/c) from t = tanh_of(z); -inf stays -inf (masked entries and the tiles' padding)."""
+    return tl.where(z == float("-inf"), z, cap * t)
 
 
 @triton.jit
@@ -87,12 +111,21 @@ def row_entropy(log_s, s, t):
 
 
 @triton.jit
-def dlogits(z, is_target, m, log_s, entropy, g, h, inv_temp, HAS_H: tl.constexpr):
-    """∂L/∂z = (1/τ)[g(1[v=y] − p) − h p (log p + H)] for a tile of logits ``z`` (fp32)."""
+def dlogits(z, is_target, m, log_s, entropy, g, h, inv_temp, cap, inv_cap, HAS_H: tl.constexpr,
+            HAS_CAP: tl.constexpr):
+    """∂L/∂z = (1/τ)[g(1[v=y] − p) − h p (log p + H)] for a tile of logits ``z`` (fp32); under a cap,
+    of y = c·tanh(z/c) and times dy/dz."""
+    t = 0.0
+    if HAS_CAP:
+        t = tanh_of(z, inv_cap)
+        z = capped(z, t, cap)
     logp = log_prob(z, m, log_s, inv_temp)
     p = tl.exp(logp)
     grad = g * (is_target.to(tl.float32) - p)
     if HAS_H:
         # p·log p → 0 as p → 0; at z = -inf (and past V) it would be 0·(-inf).
         grad -= h * p * tl.where(p > 0.0, logp + entropy, 0.0)
-    return grad * inv_temp
+    grad = grad * inv_temp
+    if HAS_CAP:
+        grad = grad * ((1.0 - t) * (1.0 + t))
+    return grad

@@ -17,7 +17,7 @@ import triton.language as tl
 
 # Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
 # by their global names (a module attribute such as row_math.f is not followed).
-from .row_math import dlogits, log_prob, row_entropy, tile_update, tile_update_entropy
+from .row_math import capped, dlogits, log_prob, row_entropy, tanh_of, tile_update, tile_update_entropy
 
 # Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
 # before this module was first imported.
@@ -27,9 +27,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr,
+                BLOCK_V: tl.constexpr):
     """(logp, entropy, m, log s) of the row at ``row_ptr``, streamed once; entropy is 0 unless
-    NEED_ENTROPY. The one pass over the logits that every forward kernel makes."""
+    NEED_ENTROPY; HAS_CAP: the logits are capped as loaded. The one pass over the logits that every
+    forward kernel makes."""
     cols = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
@@ -37,6 +39,8 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         z = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        if HAS_CAP:
+            z = capped(z, tanh_of(z, inv_cap), cap)
         if NEED_ENTROPY:
             m, s, t = tile_update_entropy(m, s, t, z, inv_temp)
         else:
@@ -47,6 +51,8 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
     in_row = (target >= 0) & (target < V)
     # The same fp32 d as in the loop, so z_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
     z_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32)
+    if HAS_CAP:
+        z_y = capped(z_y, tanh_of(z_y, inv_cap), cap)
     entropy = 0.0
     if NEED_ENTROPY:
         entropy = row_entropy(log_s, s, t)
@@ -56,13 +62,13 @@ def row_forward(row_ptr, target, V, inv_temp, NEED_ENTROPY: tl.constexpr, BLOCK_
 @triton.jit
 def _token_logprobs_fwd_kernel(
     logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_parts_ptr,
-    V, stride_row, inv_temp,
-    NEED_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, stride_row, inv_temp, cap, inv_cap,
+    NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
     target = tl.load(targets_ptr + row)
-    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp,
-                                          NEED_ENTROPY, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp, cap, inv_cap,
+                                          NEED_ENTROPY, HAS_CAP, BLOCK_V)
     tl.store(logp_ptr + row, logp)
     tl.store(lse_parts_ptr + 2 * row, m)
     tl.store(lse_parts_ptr + 2 * row + 1, log_s)
@@ -73,8 +79,8 @@ def _token_logprobs_fwd_kernel(
 @triton.jit
 def _token_logprobs_bwd_kernel(
     logits_ptr, targets_ptr, lse_parts_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
-    V, stride_row, stride_out_row, inv_temp,
-    HAS_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, stride_row, stride_out_row, inv_temp, cap, inv_cap,
+    HAS_H: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -96,7 +102,7 @@ def _token_logprobs_bwd_kernel(
         mask = offs < V
         # Each tile is read before it is written, so `out` may be the logits themselves.
         z = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        grad = dlogits(z, offs == target, m, log_s, entropy, g, h, inv_temp, HAS_H)
+        grad = dlogits(z, offs == target, m, log_s, entropy, g, h, inv_temp, cap, inv_cap, HAS_H, HAS_CAP)
         tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -172,7 +178,13 @@ def _plain(kernel):
     return kernel
 
 
-def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plain):
+def cap_args(softcap):
+    """(c, 1/c) and HAS_CAP of a cap c (0.0: none) for the kernels."""
+    softcap = float(softcap)
+    return (softcap, 1.0 / softcap if softcap else 0.0), softcap > 0
+
+
+def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, *, wrap=_plain):
     """(logp, entropy, lse_parts): fp32, (N,), (N,) and (N, 2) = [m, log s]; entropy is empty
     unless ``need_entropy``; logp is NaN where a target is outside [0, V).
 
@@ -189,17 +201,18 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, *, wrap=_plai
     if n == 0:
         return logp, entropy, lse_parts
     block, warps = launch_config(vocab, logits.dtype)
+    cap, has_cap = cap_args(softcap)
     with _on_device(dev):
         wrap(_token_logprobs_fwd_kernel)[(n,)](
             logits, targets, logp, entropy if need_entropy else logp, lse_parts,
-            vocab, logits.stride(0), 1.0 / float(temperature),
-            NEED_ENTROPY=bool(need_entropy), BLOCK_V=block, num_warps=warps,
+            vocab, logits.stride(0), 1.0 / float(temperature), *cap,
+            NEED_ENTROPY=bool(need_entropy), HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
         )
     return logp, entropy, lse_parts
 
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature,
-                       out=None, *, wrap=_plain):
+                       out=None, softcap=0.0, *, wrap=_plain):
     """∂L/∂logits, (N, V) in the logits' dtype.
 
     ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): an
@@ -228,10 +241,11 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     else:
         entropy = grad_entropy = grad_logp  # never read
     block, warps = launch_config(vocab, logits.dtype)
+    cap, has_cap = cap_args(softcap)
     with _on_device(dev):
         wrap(_token_logprobs_bwd_kernel)[(n,)](
             logits, targets, lse_parts, entropy, grad_logp, grad_entropy, out,
-            vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature),
-            HAS_H=has_h, BLOCK_V=block, num_warps=warps,
+            vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature), *cap,
+            HAS_H=has_h, HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
         )
     return out
