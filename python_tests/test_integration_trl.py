@@ -54,14 +54,19 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def model_id(tmp_path_factory):
     """A tiny Llama and its tokenizer saved to a folder, so TRL can also load its reference model from it."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    _tokenizer().save_pretrained(path)
     cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                       eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    return _saved_sharp_model(tmp_path_factory.mktemp("tiny-llama"), LlamaForCausalLM, cfg)
+
+
+def _saved_sharp_model(path, model_class, cfg) -> str:
+    """A tiny `model_class(cfg)` and the tokenizer saved to `path` (TRL loads its reference model from there too),
+    its head sharpened so that the policy is far from uniform and the clip bites."""
+    _tokenizer().save_pretrained(path)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a sharper head, so the policy is far from uniform and the clip bites
+    model = model_class(cfg)
+    with torch.no_grad():
         model.lm_head.weight.mul_(20)
     model.save_pretrained(path)
     return str(path)
@@ -305,17 +310,11 @@ def test_softcapped_head_matches_trl(dataset, tmp_path):
     log-probs come from model(...).logits (the cap at 5 binds on this head)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    path = tmp_path / "tiny-gemma2"
-    _tokenizer().save_pretrained(path)
     cfg = Gemma2Config(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0,
                        max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    model.save_pretrained(path)
-    trainer = RLKernelsGRPOTrainer(model=str(path), reward_funcs=reward_fn, train_dataset=dataset,
+    path = _saved_sharp_model(tmp_path / "tiny-gemma2", Gemma2ForCausalLM, cfg)
+    trainer = RLKernelsGRPOTrainer(model=path, reward_funcs=reward_fn, train_dataset=dataset,
                                    args=_config(tmp_path, loss_type="grpo", max_steps=1))
     _each_loss_matches_trl(trainer)
 
@@ -374,18 +373,12 @@ def test_moe_auxiliary_loss_matches_trl(dataset, tmp_path):
     model's own forward forms it, is added as TRL adds it (loss, gradients and the `aux_loss` metric)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    path = tmp_path / "tiny-mixtral"
-    _tokenizer().save_pretrained(path)
     cfg = MixtralConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
                         output_router_logits=True, router_aux_loss_coef=0.3)
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    model.save_pretrained(path)
-    trainer = RLKernelsGRPOTrainer(model=str(path), reward_funcs=reward_fn, train_dataset=dataset,
+    path = _saved_sharp_model(tmp_path / "tiny-mixtral", MixtralForCausalLM, cfg)
+    trainer = RLKernelsGRPOTrainer(model=path, reward_funcs=reward_fn, train_dataset=dataset,
                                    args=_config(tmp_path, loss_type="dapo", max_steps=1))
     assert trainer.aux_loss_enabled and rk_trl.loss_config(trainer)[0] is not None
 
