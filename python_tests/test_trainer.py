@@ -279,7 +279,8 @@ def test_recorded_logprobs_match_the_sampler():
     P = ids.shape[1]
     gen = torch.stack(out.logits, 1).float()
     expected = torch.log_softmax(gen / 0.7, -1).gather(-1, seq[:, P:, None])[..., 0]
-    got, _ = loop.token_logp(model, seq, torch.cat([attn, torch.ones_like(seq[:, P:])], 1), P, 0.7)
+    got, _ = loop.token_logp(model, seq, torch.cat([attn, torch.ones_like(seq[:, P:])], 1), P,
+                             dict(temperature=0.7, softcap=None))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -613,10 +614,11 @@ class _CappedLlama(__import__("transformers").LlamaForCausalLM):
 
 def test_the_trainer_reads_a_model_head_as_generate_samples_it():
     """`generate` samples through the model's forward; the trainer reads trunk and lm_head: a logit scale is folded
-    into the temperature (Granite divides its logits by logits_scaling), anything else is refused before training."""
+    into the temperature (Granite divides its logits by logits_scaling), a final-logit cap is the ops' softcap
+    (Gemma 2), anything else is refused before training."""
     import transformers
 
-    from rlkernels.trainer.loop import head_temperature, token_logp
+    from rlkernels.trainer.loop import output_head_of, token_logp
 
     small = dict(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2, max_position_embeddings=32)
@@ -624,22 +626,28 @@ def test_the_trainer_reads_a_model_head_as_generate_samples_it():
     granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**small, logits_scaling=4.0)).eval()
     with torch.no_grad():
         granite.lm_head.weight.mul_(30)
-    tau = head_temperature(granite, 0.7, _Place())
-    assert tau == pytest.approx(0.7 * 4.0)
+    head_args = output_head_of(granite, 0.7, _Place())
+    assert head_args == {"temperature": pytest.approx(0.7 * 4.0), "softcap": None}
     ids = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    with torch.no_grad():
-        expected = torch.log_softmax(granite(input_ids=ids).logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])
-    torch.testing.assert_close(token_logp(granite, ids, mask, 1, tau)[0], expected.squeeze(-1), rtol=1e-5, atol=1e-5)
+
+    def model_logp(model):
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=ids).logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    torch.testing.assert_close(token_logp(granite, ids, mask, 1, head_args)[0], model_logp(granite), rtol=1e-5, atol=1e-5)
 
     capped = _CappedLlama(transformers.LlamaConfig(**small))
     with torch.no_grad():
         capped.lm_head.weight.mul_(30)
     with pytest.raises(ValueError, match="_CappedLlama.*nats away"):
-        head_temperature(capped, 1.0, _Place())
-    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, head_dim=8, final_logit_softcapping=30.0))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        head_temperature(gemma, 1.0, _Place())
+        output_head_of(capped, 1.0, _Place())
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, head_dim=8, final_logit_softcapping=3.0))
+    with torch.no_grad():
+        gemma.lm_head.weight.mul_(30)  # the cap at 3 binds
+    head_args = output_head_of(gemma.eval(), 0.7, _Place())
+    assert head_args == {"temperature": pytest.approx(0.7), "softcap": 3.0}
+    torch.testing.assert_close(token_logp(gemma, ids, mask, 1, head_args)[0], model_logp(gemma), rtol=1e-5, atol=1e-5)
 
 
 def test_a_malformed_prompts_file_fails_before_any_model_loads(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps
 CPU32 = device.Placement(torch.device("cpu"), torch.float32)
 B, P, T = 8, 5, 3
 HALVES = (torch.arange(4), torch.arange(4, 8))  # whole prompt groups on each rank
+HEAD_ARGS = {"temperature": 1.0, "softcap": None}  # the ops' arguments for a plain head (loop.output_head_of)
 
 
 def _setup(algo, path="linear", critic=None, lora=False):
@@ -36,7 +37,7 @@ def _setup(algo, path="linear", critic=None, lora=False):
     mask[1, 1:] = False  # unequal lengths: token and row counts differ between the ranks
     mask[5, 2:] = False
     mask[6, 1:] = False
-    old, _ = loop.token_logp(model, seq, attn, P, 1.0)
+    old, _ = loop.token_logp(model, seq, attn, P, HEAD_ARGS)
     batch = dict(seq=seq, attn=attn, targets=seq[:, P:], mask=mask, old_logp=old - 0.1 * torch.rand(B, T),
                  ref_logp=old + 0.05, group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]),
                  advantages=torch.randn(B, T) if critic else torch.randn(B), values=torch.randn(B, T),
@@ -44,7 +45,7 @@ def _setup(algo, path="linear", critic=None, lora=False):
     if lora:
         model = task.add_lora(model, 4, 16.0)
     value_model = loop.Critic(loop._parts(model)[0], 32, critic == "separate") if critic else None
-    forward = loop.UpdateForward(model, value_model, loop.loss_config(cfg, 4), 1.0, path)
+    forward = loop.UpdateForward(model, value_model, loop.loss_config(cfg, 4), HEAD_ARGS, path)
     params = [p for p in forward.parameters() if p.requires_grad]
     return forward, params, batch, cfg
 

@@ -34,7 +34,7 @@ import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
-from ..integrations.transformers import check_head, output_temperature
+from ..integrations.transformers import check_head, output_head
 from . import device, export, report, rewards as rewards_lib, sharding, task
 from .config import Config, _flag, describe, validate
 
@@ -50,11 +50,12 @@ RESUME_FRESH = ("resume", "device")
 # The loss head: the ONE place the policy loss is called. Switching to the hidden-state path is
 # the commented line below (it takes `hidden` and the lm_head weight instead of the logits).
 
-def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, temperature, path="fused"):
+def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, head_args, path="fused"):
     """Policy loss of `loss_cfg` on the completion positions `hidden (b, T, H)`; a LossOutput.
 
     Under autocast the head runs at the autocast dtype (bfloat16 hidden states and weight, or
-    logits, go into the ops), and the ops themselves run outside it: they accumulate in float32."""
+    logits, go into the ops), and the ops themselves run outside it: they accumulate in float32.
+    `head_args`: the temperature and soft cap that make `lm_head(hidden)` the model's logits (`output_head_of`)."""
     head = _parts(model)[1]
     kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], group_ids=batch["group_ids"],
               rewards=batch["rewards"], num_items=num_items, num_seqs=num_seqs)
@@ -64,15 +65,14 @@ def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, temperatur
         with _no_autocast(hidden):
             return rlkernels.fused_linear_policy_loss(hidden.to(dtype), head.weight.to(dtype), batch["targets"],
                                                       batch["advantages"], batch["mask"], loss_cfg, bias=bias,
-                                                      temperature=temperature, **kw)
+                                                      **head_args, **kw)
     logits = head(hidden)
     with _no_autocast(hidden):
         if path == "split":
-            logp, entropy = rlkernels.token_logprobs(logits, batch["targets"], temperature=temperature,
-                                                     return_entropy=True)
+            logp, entropy = rlkernels.token_logprobs(logits, batch["targets"], **head_args, return_entropy=True)
             return rlkernels.policy_loss(logp, batch["advantages"], batch["mask"], loss_cfg, entropy=entropy, **kw)
         return rlkernels.fused_policy_loss(logits, batch["targets"], batch["advantages"], batch["mask"], loss_cfg,
-                                           temperature=temperature, **kw)
+                                           **head_args, **kw)
 
 
 def _compute_dtype(x):
@@ -128,28 +128,32 @@ class Critic(nn.Module):
         return self.head(h).squeeze(-1).float()
 
 
-def head_temperature(model, temperature: float, place) -> float:
-    """The temperature at which `lm_head(trunk(...))` gives the log-probs `generate` samples from at `temperature`.
+def output_head_of(model, temperature: float, place) -> dict:
+    """`{"temperature", "softcap"}` with which the ops make `lm_head(trunk(...))` the log-probs `generate` samples
+    from at `temperature`.
 
     The trainer reads the trunk and the head directly while `generate` samples through the model's forward:
-    a scale the config announces (Cohere's `logit_scale`, Granite's `logits_scaling`) is folded in, an
-    announced cap is refused by name, and anything else the forward does to its logits is caught by the
-    integration's head check (a few tokens both ways) before any training. Draws no random numbers."""
-    tau = output_temperature(model.config, temperature)
+    a scale the config announces (Cohere's `logit_scale`, Granite's `logits_scaling`) is folded into the
+    temperature, an announced final-logit cap (Gemma 2/3) is the ops' `softcap`, and anything else the forward
+    does to its logits is caught by the integration's head check (a few tokens both ways) before any training.
+    Draws no random numbers."""
+    head_args = output_head(model.config, temperature)
     ids = (torch.arange(16, device=place.device) % model.config.vocab_size)[None]
     with place.autocast():
-        check_head(model, ids, torch.ones_like(ids), lambda i, m: token_logp(model, i, m, 1, tau)[0], temperature)
-    return tau
+        check_head(model, ids, torch.ones_like(ids), lambda i, m: token_logp(model, i, m, 1, head_args)[0],
+                   temperature)
+    return head_args
 
 
 @torch.no_grad()
-def token_logp(model, seq, attn, P, temperature):
-    """log π(y_t | y_<t) / τ-softmax of the completion tokens seq[:, P:], and the hidden states."""
+def token_logp(model, seq, attn, P, head_args):
+    """log π(y_t | y_<t) / τ-softmax of the completion tokens seq[:, P:], and the hidden states (`head_args`:
+    `output_head_of`'s)."""
     trunk, head = _parts(model)
     h = hidden_states(trunk, seq, attn)[:, P - 1:-1]
     logits = head(h)  # as loss_head computes them, at the autocast dtype if any
     with _no_autocast(h):
-        return rlkernels.token_logprobs(logits, seq[:, P:], temperature=temperature), h
+        return rlkernels.token_logprobs(logits, seq[:, P:], **head_args), h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,15 +300,15 @@ class UpdateForward(nn.Module):
     so all of it runs inside this forward (under FSDP, the root's forward, which gathers that weight).
     Returns (loss, metrics, values or None)."""
 
-    def __init__(self, policy, critic, loss_cfg, temperature, path):
+    def __init__(self, policy, critic, loss_cfg, head_args, path):
         super().__init__()
         self.policy, self.critic = policy, critic
-        self.loss_cfg, self.temperature, self.path = loss_cfg, temperature, path
+        self.loss_cfg, self.head_args, self.path = loss_cfg, head_args, path
 
     def forward(self, mbatch, P, num_items, num_seqs):
         hid = hidden_states(_parts(self.policy)[0], mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
         out = loss_head(self.policy, hid, mbatch, self.loss_cfg, num_items=num_items, num_seqs=num_seqs,
-                        temperature=self.temperature, path=self.path)
+                        head_args=self.head_args, path=self.path)
         values = self.critic(hid, mbatch["seq"], mbatch["attn"], P) if self.critic is not None else None
         return out.loss, out.metrics, values
 
@@ -555,7 +559,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if not cfg.model:
         policy = task.tiny_model(cfg, tok, prompt_len)
     policy.to(place.device)  # built on the CPU, so a seed gives the same weights on every device
-    head_tau = head_temperature(policy, cfg.temperature, place)
+    head_args = output_head_of(policy, cfg.temperature, place)
     if cfg.gradient_checkpointing:
         enable_checkpointing(policy)
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
@@ -603,7 +607,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     # under FSDP the export writes a plain copy of the policy, taken here (sharded modules cannot be copied)
     meta_policy = sharding.meta_copy(policy) if cfg.fsdp and world > 1 and master else None
     # the engine before the optimizer: under FSDP it shards the parameters the optimizer and a checkpoint load into
-    engine = update_engine(UpdateForward(policy, critic, loss_cfg, head_tau, cfg.loss_path), place,
+    engine = update_engine(UpdateForward(policy, critic, loss_cfg, head_args, cfg.loss_path), place,
                            find_unused=cfg.dynamic_sampling, fsdp=cfg.fsdp)
     if ref is not None and sharding.is_sharded(policy):
         sharding.shard(ref, place.device)  # else every rank holds a whole copy of it
@@ -725,8 +729,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             # (not generate's scores: the same forward as the update, so the first ratio is 1 up
             # to rounding; test_trainer checks it equals generate's own τ-softmax of the logits.)
             with place.autocast():
-                old_logp, h = sharding.gathered(engine, token_logp, policy, seq, attn, P, head_tau)
-                ref_logp = sharding.gathered(ref, token_logp, ref, seq, attn, P, head_tau)[0] if ref is not None else None
+                old_logp, h = sharding.gathered(engine, token_logp, policy, seq, attn, P, head_args)
+                ref_logp = sharding.gathered(ref, token_logp, ref, seq, attn, P, head_args)[0] if ref is not None else None
 
             # ==== 4. advantages ===============================================================
             if algo_ppo:
