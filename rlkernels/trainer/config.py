@@ -19,7 +19,7 @@ from typing import List, Optional
 
 from ..losses import presets
 from ..losses.presets import NAMES as ALGOS
-from . import device
+from . import device, trackers
 
 REWARD_KINDS = "exact | regex:PATTERN | module:function"
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
@@ -121,6 +121,11 @@ class Config:
     tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
     # logging / checkpoints
     eval_every: int = _field(20, "evaluate every N steps")
+    eval_completions: int = _field(8, "held-out prompts whose greedy completion, answer and reward are logged at each "
+                                      "eval (completions.jsonl; TensorBoard text, a W&B table); 0 = none")
+    report_to: List[str] = _field(["none"], "metrics and eval completions also to: none | tensorboard | wandb (several "
+                                            "allowed; W&B offline unless WANDB_MODE says otherwise), besides "
+                                            "metrics.jsonl and completions.jsonl", action="extend")
     ckpt_every: int = _field(50, "checkpoint every N steps")
 
     def __post_init__(self):
@@ -371,7 +376,8 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads"):
+    for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
+                 "eval_completions"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**32:  # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
@@ -414,6 +420,14 @@ def validate(cfg: Config) -> None:
                              f"normalisation of the GRPO family; {own} forms its advantages otherwise")
     if cfg.overlong_buffer and cfg.overlong_buffer >= cfg.max_new_tokens:
         raise ValueError(f"--overlong-buffer: expected < --max-new-tokens ({cfg.max_new_tokens}), got {cfg.overlong_buffer}")
+    for name in cfg.report_to:
+        if name not in ("none", *trackers.BACKENDS):
+            raise ValueError(f"--report-to: expected none, {', '.join(trackers.BACKENDS)}, got {name!r}")
+        if name == "none" and len(cfg.report_to) > 1:
+            raise ValueError(f"--report-to: none with others ({' '.join(cfg.report_to)})")
+        if name != "none" and importlib.util.find_spec(name) is None:
+            raise ValueError(f"--report-to {name}: needs the optional package {name} (pip install {name}), "
+                             f"which is not installed")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)")
     for spec in cfg.reward:

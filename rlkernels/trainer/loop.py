@@ -35,7 +35,7 @@ from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
 from ..integrations.transformers import check_head, output_head
-from . import device, export, report, rewards as rewards_lib, sharding, task
+from . import device, export, report, rewards as rewards_lib, sharding, task, timing, trackers
 from .config import Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
@@ -177,19 +177,23 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
 
 @torch.no_grad()
 def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
-    """Mean reward of greedy completions over held-out examples (accuracy for `exact`)."""
+    """(mean reward of greedy completions over held-out examples (accuracy for `exact`), the first
+    `eval_completions` of them as {prompt, completion, answer, reward})."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total, samples = 0.0, []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         ids, attn = task.left_pad([tok.encode(p) for p, _ in chunk], tok.pad_id)
         with place.autocast():
             seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
         completions = [tok.decode(row) for row in seq[:, ids.shape[1]:].tolist()]  # one copy off the GPU
-        total += sum(reward_fn([p for p, _ in chunk], completions, [a for _, a in chunk]))
+        scores = reward_fn([p for p, _ in chunk], completions, [a for _, a in chunk])
+        total += sum(scores)
+        samples += [dict(prompt=p, completion=c, answer=a, reward=r)
+                    for (p, a), c, r in zip(chunk, completions, scores)][:cfg.eval_completions - len(samples)]
     model.train(was_training)
-    return total / max(len(examples), 1)
+    return total / max(len(examples), 1), samples
 
 
 def rollout(model, tok, prompts, cfg, rng):
@@ -304,11 +308,13 @@ class UpdateForward(nn.Module):
         super().__init__()
         self.policy, self.critic = policy, critic
         self.loss_cfg, self.head_args, self.path = loss_cfg, head_args, path
+        self.timer = timing.LossHeadTimer()
 
     def forward(self, mbatch, P, num_items, num_seqs):
         hid = hidden_states(_parts(self.policy)[0], mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
-        out = loss_head(self.policy, hid, mbatch, self.loss_cfg, num_items=num_items, num_seqs=num_seqs,
-                        head_args=self.head_args, path=self.path)
+        out = self.timer.loss_head(lambda x: loss_head(self.policy, x, mbatch, self.loss_cfg, num_items=num_items,
+                                                       num_seqs=num_seqs, head_args=self.head_args, path=self.path),
+                                   hid)
         values = self.critic(hid, mbatch["seq"], mbatch["attn"], P) if self.critic is not None else None
         return out.loss, out.metrics, values
 
@@ -339,6 +345,8 @@ def update_engine(forward: UpdateForward, place, find_unused: bool, fsdp: bool =
 def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_items, num_seqs):
     """One optimizer step on a mini-batch (all ranks together); (this rank's metrics, skipped).
     A non-finite loss or gradient on any rank never reaches the weights: the step is skipped."""
+    timer = getattr(engine, "module", engine).timer  # under DDP, the UpdateForward it wraps
+    timer.begin_step(place.device)
     with place.autocast():
         loss, metrics, pred = engine(mbatch, P, num_items, num_seqs)
     m = {k: float(v) for k, v in metrics.items()}
@@ -360,6 +368,7 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
         optimizer.zero_grad(set_to_none=True)
         return m, True
     optimizer.step()
+    m.update(timer.end_step())
     return m, False
 
 
@@ -632,18 +641,21 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
+    before_samples = []  # a resumed run's are in its completions.jsonl
     if eval_before is None:
-        eval_before = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
+        eval_before, before_samples = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
 
     # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    metrics_path, completions_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "completions.jsonl")
     history = []
     if master:
         if saved:
             history = report.truncate_metrics(os.path.join(run_dir(cfg.resume), "metrics.jsonl"), metrics_path, start)
+            report.truncate_metrics(os.path.join(run_dir(cfg.resume), "completions.jsonl"), completions_path, start)
         else:
             open(metrics_path, "w").close()
+            open(completions_path, "w").close()
 
     def checkpoint(step):
         rngs = [device.rng_state(place.device)]
@@ -684,6 +696,16 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         except ValueError:  # not the main thread
             pass
 
+    tracking = trackers.Trackers(cfg.report_to if master else [], out_dir, cfg, start + 1)
+
+    def log_completions(step, samples):
+        """One eval's sample completions: completions.jsonl, and --report-to's backends."""
+        rows = [{"step": step, **s} for s in samples]
+        if master and rows:
+            write_file(completions_path, "".join(report.dumps(r) + "\n" for r in rows), "a")
+            tracking.completions(step, rows)
+
+    log_completions(0, before_samples)
     from tqdm.auto import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and master),
                dynamic_ncols=True, desc=cfg.algo)
@@ -820,13 +842,19 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 row[k] = all_sum(mean) / (1 if k in SUMMED_METRICS else world)
             for k in ("loss", "kl", "entropy", "clip_frac"):
                 row.setdefault(k, None)
+            if "time/update_s" in row:  # the ratio of the means over optimizer steps (and ranks)
+                row["time/loss_head_share"] = row["time/loss_head_s"] / row["time/update_s"]
+            samples = []
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                row["eval_reward"] = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
+                row["eval_reward"], samples = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg,
+                                                                place)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
             if master:
                 write_file(metrics_path, report.dumps(row) + "\n", "a")
+                tracking.metrics(row)
+            log_completions(step, samples)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                             ent=f"{row['entropy'] or 0:.3f}",
@@ -839,6 +867,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 break
     finally:
         bar.close()
+        tracking.close()
         for sig, handler in old_handlers.items():
             if handler is not None:  # None: a handler installed outside Python, which cannot be restored
                 signal.signal(sig, handler)
@@ -846,7 +875,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
     eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else sharding.gathered(
-        engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
+        engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)[0]
     summary = {"algo": cfg.algo, "steps": done, "eval_reward_before": eval_before, "eval_reward_after": eval_after,
                "final_reward_mean": last.get("reward_mean"), "final_kl": last.get("kl"),
                "final_entropy": last.get("entropy"), "skipped_steps": skipped_total,
@@ -857,6 +886,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
                               f"rlkernels.train --algo {cfg.algo}")
         log(report.summary_table(summary))
-        log(f"files in {out_dir}/: metrics.jsonl, summary.json, {CHECKPOINT}, the model (from_pretrained)"
+        log(f"files in {out_dir}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model "
+            f"(from_pretrained)" + "".join(f", {name} logs" for name in cfg.report_to if name != "none")
             + (", metrics.png" if plotted else " (no plot: matplotlib is not installed)"))
     return summary
