@@ -300,8 +300,8 @@ def test_importance_weights_equal_the_composition(backend, name, per_row):
     if name in ("ppo", "gspo_token"):  # and the off-policy mask
         config = config.replace(off_policy_mask=0.01)
         kw["rollout_logp"] = inputs["old_logp"].float() + 0.1
-    if name in ("cispo", "gepo", "gmpo"):  # and the entropy mask (the kernels' entropies)
-        config = config.replace(top_entropy_quantile=0.5)
+    if name in ("cispo", "gepo", "gmpo"):  # and the entropy mask (the kernels' entropies), with TRL's bonus on its tokens
+        config = config.replace(top_entropy_quantile=0.5, entropy_agg="token_mean" if name != "gmpo" else None)
 
     x = logits.clone().requires_grad_(True)
     torch.manual_seed(0)  # Clip-Cov's draw

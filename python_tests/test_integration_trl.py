@@ -223,6 +223,10 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
             try:
                 for case in ENTROPY_CASES:
                     compare(model, inputs, params, *case, what=" entropy bonus")
+                trainer.top_entropy_quantile = 0.5  # the bonus on the same high-entropy tokens as the policy term
+                for case in (ENTROPY_CASES[0], ENTROPY_CASES[4]):
+                    compare(model, inputs, params, *case, what=" entropy bonus, top_entropy_quantile 0.5")
+                trainer.top_entropy_quantile = 1.0
                 # the adaptive coefficient: applied while the last window's entropy is at or below the target,
                 # moved at each optimizer step; our call and TRL's start from the same controller state
                 trainer.use_adaptive_entropy, trainer.args.entropy_target = True, 10.0
@@ -241,14 +245,14 @@ def test_every_micro_batch_matches_trl(model_id, dataset, tmp_path, bf16):
                     assert moved[0][0] == pytest.approx(moved[1][0]) and moved[0][1] == pytest.approx(moved[1][1])
             finally:
                 trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.0, False
-                trainer.use_adaptive_entropy = False
+                trainer.use_adaptive_entropy, trainer.top_entropy_quantile = False, 1.0
         trainer.loss_type, trainer.importance_sampling_level, trainer.epsilon_high, trainer.beta = "dapo", "token", 0.03, 0.04
         return ours_fn(model, inputs)
 
     trainer._compute_loss = checked
     trainer.train()
     bias_cases = sum(1 for _, level, _, beta in CASES if beta != 0)
-    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) + \
+    expected = len(CASES) + bias_cases + 2 * len(IS_CASES) + 1 + 4 * len(OPSM_CASES) + len(ENTROPY_CASES) + 2 + \
         len(RAGGED_CASES) + 2 \
         if not bf16 else len(CASES[::4])
     assert len(seen) == 4 * expected  # 2 steps × 2 micro-batches
@@ -284,13 +288,18 @@ def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
     assert max((ref_params[n] - start[n]).abs().max().item() for n in ref_params) > 1e-3, "the steps moved the model"
 
 
-def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path):
+def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path, monkeypatch):
     args = _config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
     assert rk_trl.loss_config(trainer)[0].kl_bias_ratio == "sequence"  # mapped
-    trainer._entropy_bonus_enabled, trainer.top_entropy_quantile = True, 0.5  # the bonus on the top tokens only
-    cfg, why = rk_trl.loss_config(trainer)
-    assert cfg is None and "entropy bonus" in why
+    trainer._entropy_bonus_enabled, trainer.top_entropy_quantile = True, 0.5  # the bonus on the top tokens: mapped
+    assert rk_trl.loss_config(trainer)[0] is not None
+    with monkeypatch.context() as m:  # TRL's quantile spans every process's tokens
+        m.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+        cfg, why = rk_trl.loss_config(trainer)
+    assert cfg is None and "several processes" in why
+    trainer._entropy_bonus_enabled, trainer.top_entropy_quantile = False, 1.0
+    monkeypatch.setattr(rk_trl, "loss_config", lambda trainer: (None, "a reason of this test"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()  # TRL's own loss on rlkernels' log-probs

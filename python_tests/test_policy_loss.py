@@ -146,10 +146,13 @@ def test_off_policy_mask_matches_reference(name, rollout):
 @pytest.mark.parametrize("name", ["grpo", "cispo", "gspo", "sapo"])
 @pytest.mark.parametrize("rho", [0.2, 0.5, 1.0])
 def test_top_entropy_quantile_matches_reference(name, rho):
+    """Also with TRL's entropy bonus, a token mean over the same high-entropy tokens."""
     for seed in range(2):
         inputs = random_loss_inputs(noise=0.3, seed=seed)
         extra = {"is_weights": _is_weights(inputs, True, seed)} if seed else {}
         _compare(preset(name, top_entropy_quantile=rho), inputs, torch.float64, **extra)
+        _compare(preset(name, top_entropy_quantile=rho, entropy_coef=0.3, entropy_agg="token_mean"), inputs,
+                 torch.float64, **extra)
 
 
 def test_top_entropy_quantile_keeps_that_fraction():

@@ -246,7 +246,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     if rho is not None and rho < 1 and bool(valid.any()):
         h_thr = torch.quantile(entropy.detach().to(dt)[valid], 1 - rho)
     row_losses = []
-    m_ratio, m_low, m_high, m_kl, m_akl, m_ent = [], [], [], [], [], []
+    m_ratio, m_low, m_high, m_kl, m_akl, m_ent, m_bonus = [], [], [], [], [], [], []
     for i in rows:
         l, lo = tok(logp, i), tok(old, i)
         L = l.numel()
@@ -381,6 +381,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             if _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") is None:
                 loss_tok = loss_tok - _cfg(config, "entropy_coef") * H
             m_ent.append(H)
+            m_bonus.append(H if h_thr is None else H[tok(entropy.detach().to(dt), i) >= h_thr])  # §7: its tokens
         row_losses.append(loss_tok)
 
         # §10 metrics, per valid token
@@ -394,7 +395,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     loss = _aggregate(row_losses, _cfg(config, "agg"), T, zero, num_items, num_seqs,
                       _cfg(config, "norm_length"))
     if entropy is not None and _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") == "token_mean":
-        every_h = torch.cat([h.reshape(-1) for h in m_ent] + [zero.reshape(1)])   # §7: its own token mean
+        every_h = torch.cat([h.reshape(-1) for h in m_bonus] + [zero.reshape(1)])   # §7: its own token mean
         loss = loss - _cfg(config, "entropy_coef") * every_h.sum() / max(every_h.numel() - 1, 1)
     low_frac, high_frac = _masked_metric(m_low, dt), _masked_metric(m_high, dt)
     metrics = dict(

@@ -33,11 +33,12 @@ accumulation steps in training (1 in evaluation):
 | `luspo` | clip as `grpo`, `seq_mean_token_sum` | as `grpo` | `luspo` (TRL's ε) |
 | `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
 
+The entropy bonus is mapped for every loss type: TRL normalises it as a token mean of its own,
+`entropy_agg="token_mean"` with c_H = coef / G, over the high-entropy tokens alone with
+`top_entropy_quantile < 1` (the tokens the policy term acts on, as TRL restricts it); its adaptive
+coefficient is moved as TRL moves it; TRL's `policy_loss` and `entropy_coef` metrics.
 Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); an
-entropy bonus with `top_entropy_quantile < 1` (the bonus is mapped for every loss type: TRL
-normalises it as a token mean of its own, `entropy_agg="token_mean"` with c_H = coef / G; its
-adaptive coefficient is moved as TRL moves it; TRL's `policy_loss` and `entropy_coef` metrics); a MoE auxiliary loss of a model that does not form it with its module's
+says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); a MoE auxiliary loss of a model that does not form it with its module's
 `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
 it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
@@ -73,6 +74,7 @@ _versions.check("trl")
 from trl import GRPOTrainer  # noqa: E402
 
 from ..losses import PolicyLossConfig
+from ..losses.policy_loss import high_entropy_tokens
 from ..losses.surrogates import vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import (backbone_outputs, check_head, last_hidden_state, moe_aux_loss_function,
@@ -94,8 +96,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
-        (getattr(trainer, "_entropy_bonus_enabled", False) and not _entropy_bonus_mapped(trainer),
-         "an entropy bonus on the high-entropy tokens only (top_entropy_quantile < 1)"),
         (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
          "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -130,13 +130,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
         return None, str(err)
     return cfg, ""
-
-
-def _entropy_bonus_mapped(trainer) -> bool:
-    """TRL's entropy bonus −coef·Σ m H / (max(Σ m, 1)·G) is its own token mean, whatever the loss type:
-    `entropy_agg="token_mean"` with c_H = coef / G (the adaptive coefficient as TRL moves it, `_adapt_entropy_coef`).
-    A bonus on the high-entropy tokens alone stays with TRL."""
-    return trainer.top_entropy_quantile >= 1.0
 
 
 def _entropy_coef(trainer) -> float:
@@ -337,12 +330,12 @@ def compute_loss(self, model, inputs):
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
                 is_weights=is_weights, rollout_logp=inputs.get("sampling_per_token_logps"),
                 **output_head(module.config, self.temperature), **counts)
-        return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp}
+        return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp, "entropy": out.entropy}
 
     moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head, **moe)
-    _log_metrics(self, out["loss"], out["metrics"], mask, cfg)
+    _log_metrics(self, out["loss"], out["metrics"], out["entropy"], mask, cfg)
     _log_ratio_metrics(self, out["logp"], inputs, mask, cfg, is_weights)
     loss = out["loss"]
     if moe:  # TRL's MoE auxiliary loss, scaled for gradient accumulation as TRL scales it
@@ -353,19 +346,24 @@ def compute_loss(self, model, inputs):
     return loss
 
 
-def _log_metrics(self, loss, metrics, mask, cfg):
+def _log_metrics(self, loss, metrics, entropy, mask, cfg):
     """TRL's KL, entropy and entropy-bonus metrics, as token-weighted means over all processes (and TRL's
     adaptive entropy coefficient moved as TRL moves it)."""
     mode = "train" if self.model.training else "eval"
     count = mask.sum().to(torch.float32)
     if getattr(self, "_entropy_bonus_enabled", False):  # TRL's loss without its bonus, and the coefficient
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        policy_loss = loss.detach() + cfg.entropy_coef * metrics["entropy"]  # cfg's c_H: the applied coef / G
+        high = high_entropy_tokens(entropy, mask, cfg)  # the bonus's tokens (docs/math.md §7)
+        bonus_mask = mask if high is None else high
+        bonus_count = bonus_mask.sum().to(torch.float32)
+        bonus_sum = torch.where(bonus_mask, entropy, 0.0).sum()
+        # cfg's c_H: the applied coef / G
+        policy_loss = loss.detach() + cfg.entropy_coef * bonus_sum / bonus_count.clamp(min=1.0)
         if self.loss_type not in ("cispo", "dapo", "vespo"):  # TRL logs these before its accumulation divisor
             policy_loss = policy_loss * accum
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         if getattr(self, "use_adaptive_entropy", False) and mode == "train":
-            _adapt_entropy_coef(self, metrics["entropy"] * count, count)
+            _adapt_entropy_coef(self, bonus_sum, bonus_count)
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 

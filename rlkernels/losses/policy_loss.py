@@ -65,12 +65,13 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
-    w = surrogate_weights(b, inputs, config, entropy)
+    high_entropy = high_entropy_tokens(entropy, b.mask, config)
+    w = surrogate_weights(b, inputs, config, high_entropy)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                      norm_length=config.norm_length)
-    if separate_entropy_bonus(config):  # the call's own token mean, apart from the loss's aggregation
-        loss = loss - config.entropy_coef * masked_mean(entropy, b.mask)
+    if separate_entropy_bonus(config):  # its own token mean, over the tokens the surrogate acts on (§7)
+        loss = loss - config.entropy_coef * masked_mean(entropy, b.mask if high_entropy is None else high_entropy)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     with torch.no_grad():
         approx_kl = kl_estimate(b.old_logp, b.logp, "k3", config.log_ratio_clamp)
@@ -86,14 +87,22 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
     return LossOutput(loss, metrics)
 
 
-def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, entropy=None):
-    """ω of §7, (B, T) or None: the importance weights times the off-policy and the entropy masks."""
+def high_entropy_tokens(entropy, mask, config: PolicyLossConfig):
+    """§7 `top_entropy_quantile`: the tokens of `mask` whose entropy is at least the (1 − ρ)-quantile of theirs,
+    or None."""
+    if config.top_entropy_quantile is None or config.top_entropy_quantile >= 1:
+        return None
+    return (entropy.detach() >= _quantile(entropy.detach(), mask, 1 - config.top_entropy_quantile)) & mask
+
+
+def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
+    """ω of §7, (B, T) or None: the importance weights times the off-policy and the entropy masks
+    (`high_entropy`: `high_entropy_tokens`'s)."""
     # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
     w = None if inputs.is_weights is None or config.objective == "vespo" else \
         torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
-    if config.top_entropy_quantile is not None and config.top_entropy_quantile < 1:
-        keep = (entropy.detach() >= _quantile(entropy.detach(), b.mask, 1 - config.top_entropy_quantile)) & b.mask
-        w = keep.to(b.logp.dtype) if w is None else w * keep
+    if high_entropy is not None:
+        w = high_entropy.to(b.logp.dtype) if w is None else w * high_entropy
     if config.off_policy_mask is None:
         return w
     # DeepSeek-V3.2: drop a row with A < 0 whose mean (ℓ_rollout − ℓ) exceeds the threshold. NaN

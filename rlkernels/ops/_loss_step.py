@@ -15,7 +15,7 @@ import torch
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
-from ..losses.policy_loss import evaluate, separate_entropy_bonus
+from ..losses.policy_loss import evaluate, high_entropy_tokens, separate_entropy_bonus
 from ._covariance_step import covariance_step, evaluates as covariance_step_evaluates
 from ._sequence_step import evaluates as sequence_step_evaluates, sequence_step
 from .token_loss_params import token_loss_params
@@ -34,12 +34,17 @@ def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
     return per_row, token_loss_params(config)
 
 
-def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype) -> Optional[torch.Tensor]:
+def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype,
+                       entropy: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """∂/∂H flat `(N,)` of an entropy bonus aggregated apart from the loss (`entropy_agg="token_mean"`: −c_H
-    over the call's masked-token count), or None when the bonus is in each token's loss (the kernels' term)."""
+    over the count of the tokens it acts on: the call's masked tokens, or with `top_entropy_quantile` the
+    high-entropy ones of `entropy` (flat; the kernel paths never take that option)), or None when the bonus
+    is in each token's loss (the kernels' term)."""
     if not separate_entropy_bonus(config):
         return None
-    mask = inputs.mask.reshape(-1)
+    mask = inputs.mask
+    keep = None if entropy is None else high_entropy_tokens(entropy.view(mask.shape), mask, config)
+    mask = (mask if keep is None else keep).reshape(-1)
     return torch.where(mask, -config.entropy_coef / mask.sum().clamp(min=1).to(dtype), 0.0)
 
 
@@ -51,7 +56,7 @@ def add_entropy_bonus(out: LossOutput, bonus_grad: torch.Tensor, entropy: torch.
 
 def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
     """(out, ∂loss/∂H) with an entropy bonus aggregated apart from the loss added, which the kernels left out."""
-    bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype)
+    bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype, entropy)
     if bonus_grad is None:
         return out, grad_h
     return add_entropy_bonus(out, bonus_grad, entropy, inputs), bonus_grad

@@ -30,7 +30,7 @@ from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import masked_batch, surrogate_weights
+from ..losses.policy_loss import high_entropy_tokens, masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
 from .token_loss_params import log_band_params, row_bias_correction, surrogate_params, token_terms_params
 
@@ -116,7 +116,7 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
     b, _, h = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
-    return surrogate_weights(b, inputs, config, h)
+    return surrogate_weights(b, inputs, config, high_entropy_tokens(h, b.mask, config))
 
 
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
