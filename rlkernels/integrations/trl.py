@@ -37,8 +37,9 @@ The entropy bonus is mapped for every loss type: TRL normalises it as a token me
 `entropy_agg="token_mean"` with c_H = coef / G, over the high-entropy tokens alone with
 `top_entropy_quantile < 1` (the tokens the policy term acts on, as TRL restricts it); its adaptive
 coefficient is moved as TRL moves it; TRL's `policy_loss` and `entropy_coef` metrics.
-Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs, with a warning that
-says why: `top_entropy_quantile < 1` on several processes (TRL's quantile spans them all); a MoE auxiliary loss of a model that does not form it with its module's
+`top_entropy_quantile < 1` on several processes takes its quantile over every process's tokens, as TRL
+does (`entropy_quantile_group`). Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs,
+with a warning that says why: a MoE auxiliary loss of a model that does not form it with its module's
 `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
 it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
@@ -94,8 +95,6 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     level = trainer.importance_sampling_level
     reasons = [
         (loss_type not in _AGG, f"loss_type={loss_type!r}"),
-        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
-         "top_entropy_quantile < 1 on several processes (TRL takes the quantile over every process's tokens)"),
         (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
          "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
         (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
@@ -130,6 +129,11 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     except (TypeError, ValueError) as err:  # e.g. delta <= 1
         return None, str(err)
     return cfg, ""
+
+
+def _quantile_group(trainer):
+    """The process group of `top_entropy_quantile`'s quantile: every process, as TRL gathers them (None: one)."""
+    return torch.distributed.group.WORLD if trainer.accelerator.num_processes > 1 else None
 
 
 def _entropy_coef(trainer) -> float:
@@ -329,7 +333,7 @@ def compute_loss(self, model, inputs):
                 hidden, weight, completion_ids, inputs["advantages"], mask, cfg, bias=bias,
                 old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
                 is_weights=is_weights, rollout_logp=inputs.get("sampling_per_token_logps"),
-                **output_head(module.config, self.temperature), **counts)
+                entropy_quantile_group=_quantile_group(self), **output_head(module.config, self.temperature), **counts)
         return {"loss": out.loss, "metrics": out.metrics, "logp": out.logp, "entropy": out.entropy}
 
     moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}
@@ -353,7 +357,7 @@ def _log_metrics(self, loss, metrics, entropy, mask, cfg):
     count = mask.sum().to(torch.float32)
     if getattr(self, "_entropy_bonus_enabled", False):  # TRL's loss without its bonus, and the coefficient
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        high = high_entropy_tokens(entropy, mask, cfg)  # the bonus's tokens (docs/math.md §7)
+        high = high_entropy_tokens(entropy, mask, cfg, _quantile_group(self))  # the bonus's tokens (docs/math.md §7)
         bonus_mask = mask if high is None else high
         bonus_count = bonus_mask.sum().to(torch.float32)
         bonus_sum = torch.where(bonus_mask, entropy, 0.0).sum()

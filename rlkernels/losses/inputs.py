@@ -14,6 +14,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
@@ -40,6 +41,7 @@ class LossInputs:
     dtype: torch.dtype  # the dtype every float input was converted to
     is_weights: Optional[Tensor] = None  # (B, T) importance weights of the surrogate terms, detached
     rollout_logp: Optional[Tensor] = None  # (B, T) the sampler's log-probs, detached (the off-policy mask)
+    entropy_quantile_group: Optional[object] = None  # process group of top_entropy_quantile's quantile, or None
 
     @classmethod
     def build(
@@ -59,6 +61,7 @@ class LossInputs:
         num_seqs: Optional[float] = None,
         is_weights: Optional[Tensor] = None,
         rollout_logp: Optional[Tensor] = None,
+        entropy_quantile_group=None,
         what: str = "logp",
     ) -> "LossInputs":
         """Validate the inputs of a `(B, T)` = `shape` batch; `what` names where the shape comes from."""
@@ -98,8 +101,11 @@ class LossInputs:
         rollout_logp = float_input("rollout_logp", rollout_logp)
         if config.rollout_is is not None or config.rollout_rs:
             mask, is_weights = _rollout_correction(config, mask, old_logp, rollout_logp, is_weights)
+        if entropy_quantile_group is not None and not isinstance(entropy_quantile_group, dist.ProcessGroup):
+            raise TypeError("entropy_quantile_group: expected a torch.distributed.ProcessGroup, got "
+                            f"{type(entropy_quantile_group).__name__}")
         return cls(mask, adv, adv_row, old_logp, ref_logp, rewards, group, num_groups, group_size, num_items, num_seqs,
-                   dtype, is_weights, rollout_logp)
+                   dtype, is_weights, rollout_logp, entropy_quantile_group)
 
     def flat(self, name: str) -> Optional[Tensor]:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 from .._checks import FLOAT_DTYPES, check_tensor
 from . import surrogates
@@ -42,6 +43,7 @@ def policy_loss(
     num_seqs: Optional[float] = None,
     is_weights: Optional[torch.Tensor] = None,
     rollout_logp: Optional[torch.Tensor] = None,
+    entropy_quantile_group=None,
 ) -> LossOutput:
     """The policy loss of `config` on log-probs `logp (B, T)` of the sampled tokens.
 
@@ -51,12 +53,15 @@ def policy_loss(
     `is_weights` `(B, T)` or `(B,)`: constant weights of each token's surrogate term (not of the KL
     or entropy terms), e.g. the rollout correction's importance weights (docs/math.md §7).
     `rollout_logp` `(B, T)`: the sampler's log-probs, read by `config.off_policy_mask` (default: `old_logp`).
+    `entropy_quantile_group`: a torch.distributed process group over whose ranks' masked tokens
+    `config.top_entropy_quantile` takes its quantile (TRL takes it over every process; default: this call's).
     """
     check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
     inputs = LossInputs.build(
         config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask, advantages=advantages,
         old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards, num_items=num_items,
         num_seqs=num_seqs, is_weights=is_weights, rollout_logp=rollout_logp,
+        entropy_quantile_group=entropy_quantile_group,
     )
     return evaluate(logp, entropy, inputs, config)
 
@@ -65,7 +70,7 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
     b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
-    high_entropy = high_entropy_tokens(entropy, b.mask, config)
+    high_entropy = high_entropy_tokens(entropy, b.mask, config, inputs.entropy_quantile_group)
     w = surrogate_weights(b, inputs, config, high_entropy)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
     loss = aggregate(per_token, b.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
@@ -87,12 +92,30 @@ def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossIn
     return LossOutput(loss, metrics)
 
 
-def high_entropy_tokens(entropy, mask, config: PolicyLossConfig):
-    """§7 `top_entropy_quantile`: the tokens of `mask` whose entropy is at least the (1 − ρ)-quantile of theirs,
-    or None."""
+def high_entropy_tokens(entropy, mask, config: PolicyLossConfig, group=None):
+    """§7 `top_entropy_quantile`: the tokens of `mask` whose entropy is at least the (1 − ρ)-quantile of theirs
+    (of every rank's in the process group `group`), or None."""
     if config.top_entropy_quantile is None or config.top_entropy_quantile >= 1:
         return None
-    return (entropy.detach() >= _quantile(entropy.detach(), mask, 1 - config.top_entropy_quantile)) & mask
+    q = 1 - config.top_entropy_quantile
+    entropy = entropy.detach()
+    threshold = _quantile(entropy, mask, q) if group is None else _quantile(*_gathered(entropy, mask, group), q)
+    return (entropy >= threshold) & mask
+
+
+def _gathered(x, mask, group):
+    """(values, mask) of every rank of `group`, concatenated: each rank's padded to the longest with masked
+    entries. One host sync (the longest length), on this opt-in multi-process path only."""
+    n = torch.tensor([x.numel()], device=x.device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    pad = int(n) - x.numel()
+    values = torch.cat([x.reshape(-1), x.new_zeros(pad)])
+    kept = torch.cat([mask.reshape(-1), mask.new_zeros(pad)]).to(torch.uint8)  # gloo gathers no bool
+    world = dist.get_world_size(group)
+    all_values, all_kept = [torch.empty_like(values) for _ in range(world)], [torch.empty_like(kept) for _ in range(world)]
+    dist.all_gather(all_values, values, group=group)
+    dist.all_gather(all_kept, kept, group=group)
+    return torch.cat(all_values), torch.cat(all_kept).bool()
 
 
 def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):

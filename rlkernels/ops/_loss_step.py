@@ -43,7 +43,8 @@ def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype,
     if not separate_entropy_bonus(config):
         return None
     mask = inputs.mask
-    keep = None if entropy is None else high_entropy_tokens(entropy.view(mask.shape), mask, config)
+    keep = None if entropy is None else high_entropy_tokens(entropy.view(mask.shape), mask, config,
+                                                            inputs.entropy_quantile_group)
     mask = (mask if keep is None else keep).reshape(-1)
     return torch.where(mask, -config.entropy_coef / mask.sum().clamp(min=1).to(dtype), 0.0)
 

@@ -116,7 +116,7 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
     b, _, h = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
-    return surrogate_weights(b, inputs, config, high_entropy_tokens(h, b.mask, config))
+    return surrogate_weights(b, inputs, config, high_entropy_tokens(h, b.mask, config, inputs.entropy_quantile_group))
 
 
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):

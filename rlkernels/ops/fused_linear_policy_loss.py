@@ -51,6 +51,7 @@ def fused_linear_policy_loss(
     num_seqs: Optional[float] = None,
     is_weights: Optional[Tensor] = None,
     rollout_logp: Optional[Tensor] = None,
+    entropy_quantile_group=None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     backend: Optional[str] = None,
@@ -66,7 +67,7 @@ def fused_linear_policy_loss(
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
                        num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
-                       rollout_logp=rollout_logp)
+                       rollout_logp=rollout_logp, entropy_quantile_group=entropy_quantile_group)
     if not isinstance(hidden, Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden: expected shape (B, T, H), got {tuple(getattr(hidden, 'shape', ()))}")
     grad_on = torch.is_grad_enabled()

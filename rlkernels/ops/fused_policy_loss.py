@@ -48,6 +48,7 @@ def fused_policy_loss(
     num_seqs: Optional[float] = None,
     is_weights: Optional[Tensor] = None,
     rollout_logp: Optional[Tensor] = None,
+    entropy_quantile_group=None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     inplace: bool = False,
@@ -63,7 +64,7 @@ def fused_policy_loss(
     """
     loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
                        num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
-                       rollout_logp=rollout_logp)
+                       rollout_logp=rollout_logp, entropy_quantile_group=entropy_quantile_group)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:
