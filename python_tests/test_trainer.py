@@ -66,6 +66,28 @@ def test_every_preset_runs(tmp_path, algo):
     check_run(tmp_path, summary, rows, 2)
 
 
+def test_warmup_stops_at_its_target_reached_twice_in_a_row(tmp_path, monkeypatch, capsys):
+    """The demo's warm-up checks the held-out reward every warmup_eval_every steps (not at its last step, which the
+    reward before RL measures) and stops at the second check in a row at or above the target."""
+    real, script = loop.evaluate, iter([0.5, 0.1, 0.6, 0.7])  # the checks at steps 5, 10, 15, 20
+
+    def evaluate(*args, **kw):
+        value = next(script, None)
+        return real(*args, **kw) if value is None else (value, [])
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    run(tmp_path / "a", steps=1, warmup_steps=40, warmup_eval_every=5, warmup_target=0.5)
+    out = capsys.readouterr().out
+    assert out.count("warm-up step") == 4 and "warm-up: 20 supervised steps" in out
+    run(tmp_path / "b", steps=1, warmup_steps=20, warmup_eval_every=5, warmup_target=2.0)
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("warm-up step")] == [
+        "warm-up step 5", "warm-up step 10", "warm-up step 15"] and "warm-up: 20 supervised steps" in out
+    run(tmp_path / "c", steps=1, warmup_steps=20, warmup_eval_every=5, warmup_target=None)
+    out = capsys.readouterr().out
+    assert "warm-up step" not in out and "warm-up: 20 supervised steps" in out
+
+
 def test_dr_grpo_divides_by_the_max_completion_length():
     cfg = loop.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
     assert (cfg.agg, cfg.norm_length) == ("constant", 7)

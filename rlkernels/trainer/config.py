@@ -84,8 +84,14 @@ class Config:
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
     eval_size: int = _field(256, "held-out prompts, greedy exact-match")
-    # supervised warm-up (demo task only): leaves room for RL to improve
-    warmup_steps: int = _field(250, "demo model only: supervised warm-up steps before RL (leaves room for RL to improve)")
+    # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
+    # point on every seed and has room to improve
+    warmup_steps: int = _field(600, "demo model only: supervised warm-up steps before RL at most (fewer once "
+                                    "--warmup-target is reached)")
+    warmup_target: Optional[float] = _field(0.35, "demo model only: stop the warm-up once the held-out greedy reward "
+                                                  "(accuracy) reaches this at two checks in a row, one every "
+                                                  "--warmup-eval-every steps; none = all --warmup-steps")
+    warmup_eval_every: int = _field(10, "demo model only: warm-up steps between checks of --warmup-target")
     warmup_batch: int = _field(64, "demo model only: warm-up batch size")
     warmup_lr: float = _field(1e-3, "demo model only: warm-up learning rate")
     # RL
@@ -210,7 +216,8 @@ def _unknown(name: str, where: str) -> ValueError:
 #   * defaults are suppressed while parsing, so what was set explicitly is known (a resumed run keeps the
 #     rest from its checkpoint), and a --config file's values fill in under the flags;
 #   * parse errors are ValueErrors naming the flag (`main` prints them as one line and exits 2).
-DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_steps", "warmup_batch", "warmup_lr")  # the built-in model/task
+DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_steps", "warmup_target", "warmup_eval_every",
+             "warmup_batch", "warmup_lr")  # the built-in model/task
 USAGE = "python -m rlkernels.train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
 
 
@@ -372,7 +379,7 @@ def validate(cfg: Config) -> None:
                 raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
     positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
-                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches")
+                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")

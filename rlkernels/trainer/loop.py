@@ -581,7 +581,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if warmup:
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
-        for it in range(cfg.warmup_steps):
+        in_a_row = 0  # checks at or above the target in a row: one alone can be a fluctuation
+        for it in range(1, cfg.warmup_steps + 1):
             sup = task.supervised_batch(tok, rng.sample(train_set, cfg.warmup_batch))
             ids, attn, labels = (t.to(place.device) for t in sup)
             with place.autocast():
@@ -590,7 +591,13 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
-        log(f"warm-up: {cfg.warmup_steps} supervised steps, final loss {loss.item():.3f}")
+            if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
+                reached = evaluate(policy, tok, eval_set, reward_fn, cfg, place)[0]
+                log(f"warm-up step {it}: held-out greedy reward {reached:.3f} (target {cfg.warmup_target})")
+                in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
+                if in_a_row == 2:
+                    break
+        log(f"warm-up: {it} supervised steps, final loss {loss.item():.3f}")
 
     # ---- reference model: the policy as RL starts, frozen. Needed for any KL term.
     algo_ppo = cfg.algo == "ppo"
