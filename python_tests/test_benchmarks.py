@@ -64,13 +64,15 @@ def test_report_rejects_unknown_provider(capsys):
 
 
 @pytest.mark.slow  # two spawned processes, each importing torch and transformers: ~20 s on 2 cores
-def test_demo_runs_and_both_paths_agree(capsys):
-    """`python -m rlkernels.demo` at a tiny size: exit 0 means the two losses and gradients agree."""
+def test_demo_runs_and_both_paths_agree(capsys, tmp_path):
+    """`python -m rlkernels.demo` at a tiny size: exit 0 means the two losses and gradients agree; it draws its PNG."""
     from rlkernels import demo
 
-    assert demo.main(["--vocab", "512", "--seq-len", "16", "--groups", "1", "--group-size", "2", "--threads", "1"]) == 0
+    assert demo.main(["--vocab", "512", "--seq-len", "16", "--groups", "1", "--group-size", "2", "--threads", "1",
+                      "--png", str(tmp_path / "demo.png")]) == 0
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "rlkernels" in out and "plain log_softmax + gather" in out
+    assert "rlkernels" in out and "plain log_softmax + gather" in out and "x the speed" in out
 
 
 def test_extension_errors_raise_and_never_crash():
