@@ -4,7 +4,7 @@
 //
 // Forward, per row: the row is cut into blocks of kBlock elements that fit in L1. A first
 // sweep over a block finds its max (cheap: no exp); if it raises the running max m the lane
-// sums are rescaled once; a second sweep, served from L1, adds e^{x−m} and e^{x−m}(x−m) per
+// sums are rescaled once; a second sweep, served from L1, adds e^d and e^d·d, d = (z − m)/τ, per
 // lane. Memory traffic is one read of the logits; exp is evaluated once per element.
 // Backward, per row: one read of the logits, one write of the gradient.
 #include <ATen/Dispatch.h>

@@ -5,7 +5,7 @@
 // A row of logits z at temperature τ is summarised by the online-softmax state (m, s, u), with m
 // the running max of the raw logits and d_v = (z_v − m)/τ the scaled distance to it:
 //     s = Σ_v e^{d_v},        u = Σ_v e^{d_v} d_v
-// We keep Σ e^{d}·d rather than Σ e^{x−m}·x: then H = log s − u/s has no cancellation between
+// We keep Σ e^{d}·d rather than Σ e^{d}·z/τ: then H = log s − u/s has no cancellation between
 // two large numbers (lse and Σ p x), and shifting every logit by c changes nothing. The max is
 // taken in raw units and τ applied to differences only, never to a logit: z/τ overflows fp32 for
 // |z| near 3e38 at τ < 1, (z − m)/τ only where it is below −e^{104}, where e^d is 0 anyway.
@@ -174,7 +174,7 @@ RLK_HOST_DEVICE inline RowResult<T> softmax_finalize(const SoftmaxState<T>& st, 
   return r;
 }
 
-// Gradient w.r.t. the logits z (x = z/τ), with g = ∂L/∂logp, h = ∂L/∂H, p = softmax(x):
+// Gradient w.r.t. the logits z, with g = ∂L/∂logp, h = ∂L/∂H, p = softmax(z/τ) (under a cap: w.r.t. y, see SoftCap):
 //     ∂L/∂z_v = (1/τ) [ g (1[v=y] − p_v) − h p_v (log p_v + H) ]
 //             = (1/τ) g 1[v=y] + p_v (A + B log p_v),   A = −(g + h H)/τ,  B = −h/τ.
 // log p_v = log_prob(z_v, m, log s, 1/τ) is clamped to exp_floor (p_v is then exactly 0 and so is its term).
