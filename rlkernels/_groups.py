@@ -117,6 +117,18 @@ def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, val
     return torch.log(group_sum(torch.exp(x - top[inverse]), inverse, num_groups)) + top
 
 
+def group_softmax(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor,
+                  size: Optional[int] = None) -> torch.Tensor:
+    """``(B,)``: e^{x_i} / Σ_j e^{x_j} over the ``valid`` rows j of row i's group, 0 for invalid rows; ``size``
+    as in `group_sum` (then one softmax over the ``(G, size)`` view: a group of none gives NaN, masked to 0)."""
+    if size is not None:
+        v = valid.view(num_groups, size)
+        p = torch.softmax(torch.where(v, x.view(num_groups, size), float("-inf")), 1)
+        return torch.where(v, p, 0.0).reshape(-1)
+    lse = group_logsumexp(x, inverse, num_groups, valid)
+    return torch.where(valid, torch.exp(x - lse[inverse]), 0.0)
+
+
 def group_centered(
     x: torch.Tensor, inverse: torch.Tensor, num_groups: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:

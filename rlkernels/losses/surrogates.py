@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .._groups import group_gather, group_logsumexp, group_sum
+from .._groups import group_gather, group_logsumexp, group_softmax, group_sum
 from .aggregation import masked_sum_rows
 
 
@@ -341,8 +341,8 @@ def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Te
                    valid: torch.Tensor, group_size: Optional[int] = None) -> torch.Tensor:
     """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from the clamped log ρ_i; 0 for invalid rows."""
     counts = group_sum(valid.to(log_rho.dtype), group, num_groups, group_size).clamp(min=1)
-    log_mean = group_logsumexp(log_rho, group, num_groups, valid, group_size) - torch.log(counts)
-    w_hat = torch.where(valid, torch.exp(log_rho - group_gather(log_mean, group, group_size)), 0.0)
+    # ρ_i / mean_j ρ_j = n_g · softmax_g(log ρ)_i, without forming ρ (log ρ is clamped to ±20, not ±88)
+    w_hat = group_softmax(log_rho, group, num_groups, valid, group_size) * group_gather(counts, group, group_size)
     # over the valid rows: ŵ is 0 on the others
     baseline = group_sum(w_hat * rewards, group, num_groups, group_size) / counts
     return w_hat * (rewards - group_gather(baseline, group, group_size))
