@@ -14,6 +14,7 @@ from rlkernels import presets, reference
 _DEVICE = {"cpu": "cpu", "torch": "cpu", "cuda": "cuda", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
 BACKENDS = [b for b in ("cpu", "torch", "triton", "cuda") if rlkernels.backend_info()[b]["available"]]
 CAP = 15.0
+SMALL_CAP = 0.5  # logits capped to ±0.5: a −inf entry read as −c instead of −inf would hold a large share of p
 
 
 def _logits(n, vocab, dtype, seed):
@@ -23,6 +24,18 @@ def _logits(n, vocab, dtype, seed):
     z[torch.rand(n, vocab, generator=gen) < 0.2] = float("-inf")
     z[torch.arange(n), targets] = torch.randn(n, generator=gen) * 20  # a finite target
     return z.to(dtype), targets
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's inf arithmetic, under the Triton interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minus_inf_stays_masked_under_a_small_cap(backend):
+    dev = _DEVICE[backend]
+    z, targets = _logits(5, 300, torch.float32, seed=6)
+    logp, entropy = rlkernels.token_logprobs(z.to(dev), targets.to(dev), softcap=SMALL_CAP, return_entropy=True,
+                                             backend=backend)
+    want_logp, want_entropy = reference.token_logprobs(z.double(), targets, softcap=SMALL_CAP)
+    torch.testing.assert_close(logp.cpu().double(), want_logp, rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(entropy.cpu().double(), want_entropy, rtol=1e-6, atol=2e-5)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's inf arithmetic, under the Triton interpreter

@@ -31,11 +31,12 @@ def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def _capped(z, softcap):
-    """(y, t): y = c·tanh(z/c) and t = tanh(z/c) for a cap c > 0, else (z, None)."""
+    """(y, t): y = c·tanh(z/c) (−inf stays −inf, as in every backend) and t = tanh(z/c) for a cap c > 0,
+    else (z, None)."""
     if not softcap:
         return z, None
     t = torch.tanh(z / softcap)
-    return t * softcap, t
+    return torch.where(z == float("-inf"), z, t * softcap), t
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
