@@ -35,17 +35,14 @@ def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
 
 
 def entropy_bonus_grad(inputs: LossInputs, config: PolicyLossConfig, dtype,
-                       entropy: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                       high_entropy: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """∂/∂H flat `(N,)` of an entropy bonus aggregated apart from the loss (`entropy_agg="token_mean"`: −c_H
     over the count of the tokens it acts on: the call's masked tokens, or with `top_entropy_quantile` the
-    high-entropy ones of `entropy` (flat; the kernel paths never take that option)), or None when the bonus
-    is in each token's loss (the kernels' term)."""
+    `high_entropy` ones (`high_entropy_tokens`; the kernel paths never take that option)), or None when the
+    bonus is in each token's loss (the kernels' term)."""
     if not separate_entropy_bonus(config):
         return None
-    mask = inputs.mask
-    keep = None if entropy is None else high_entropy_tokens(entropy.view(mask.shape), mask, config,
-                                                            inputs.entropy_quantile_group)
-    mask = (mask if keep is None else keep).reshape(-1)
+    mask = (inputs.mask if high_entropy is None else high_entropy).reshape(-1)
     return torch.where(mask, -config.entropy_coef / mask.sum().clamp(min=1).to(dtype), 0.0)
 
 
@@ -55,9 +52,11 @@ def add_entropy_bonus(out: LossOutput, bonus_grad: torch.Tensor, entropy: torch.
     return LossOutput(out.loss + value, out.metrics)
 
 
-def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
-    """(out, ∂loss/∂H) with an entropy bonus aggregated apart from the loss added, which the kernels left out."""
-    bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype, entropy)
+def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig,
+                       high_entropy: Optional[torch.Tensor] = None):
+    """(out, ∂loss/∂H) with an entropy bonus aggregated apart from the loss added, which the kernels left out
+    (`high_entropy`: as `entropy_bonus_grad`)."""
+    bonus_grad = entropy_bonus_grad(inputs, config, entropy.dtype, high_entropy)
     if bonus_grad is None:
         return out, grad_h
     return add_entropy_bonus(out, bonus_grad, entropy, inputs), bonus_grad
@@ -67,11 +66,16 @@ def row_grads(kernels, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossIn
     """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values:
     by the backend's `policy_token_loss` where `_sequence_step` or `_covariance_step` takes the config, else by
     autograd of `losses/`."""
-    for evaluates, step in ((sequence_step_evaluates, sequence_step), (covariance_step_evaluates, covariance_step)):
-        if evaluates(kernels, config):
-            out, grad, grad_h = step(kernels, logp, entropy, inputs, config)
-            out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config)
-            return out, grad, grad_h
+    if sequence_step_evaluates(kernels, config):
+        # once (a sort, and a gather over a process group): the surrogate's weights and the bonus act on them
+        high = high_entropy_tokens(entropy.view(inputs.mask.shape), inputs.mask, config, inputs.entropy_quantile_group)
+        out, grad, grad_h = sequence_step(kernels, logp, entropy, inputs, config, high)
+        out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config, high)
+        return out, grad, grad_h
+    if covariance_step_evaluates(kernels, config):  # never with top_entropy_quantile (covariance_supports)
+        out, grad, grad_h = covariance_step(kernels, logp, entropy, inputs, config)
+        out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config)
+        return out, grad, grad_h
     need_h = config.entropy_coef != 0
     with torch.enable_grad():
         logp_leaf = logp.detach().view(inputs.mask.shape).requires_grad_(True)

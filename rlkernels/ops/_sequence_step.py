@@ -30,7 +30,7 @@ from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import high_entropy_tokens, masked_batch, surrogate_weights
+from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
 from .token_loss_params import log_band_params, row_bias_correction, surrogate_params, token_terms_params
 
@@ -47,8 +47,10 @@ def evaluates(kernels, config: PolicyLossConfig) -> bool:
             and not row_bias_correction(config))
 
 
-def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):
-    """(the loss and metrics, ∂loss/∂ℓ flat, ∂loss/∂H flat or None) at flat `(N,)` log-probs and entropies."""
+def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig,
+                  high_entropy: Optional[Tensor] = None):
+    """(the loss and metrics, ∂loss/∂ℓ flat, ∂loss/∂H flat or None) at flat `(N,)` log-probs and entropies;
+    `high_entropy`: the tokens `top_entropy_quantile` keeps (`losses.policy_loss.high_entropy_tokens`), or None."""
     mask = inputs.mask
     B, T = mask.shape
     zero = logp.new_zeros(())
@@ -60,7 +62,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         logp, entropy, flat_mask, weights.view(-1), None, inputs.flat("old_logp"), inputs.flat("ref_logp"),
         token_terms_params(config))
 
-    omega = _surrogate_weights(logp, entropy, inputs, config)  # (B, T) or None, 0 where masked
+    omega = _surrogate_weights(logp, entropy, inputs, config, high_entropy)  # (B, T) or None, 0 where masked
     if (config.ratio, config.objective) in _PER_TOKEN:
         sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
     else:
@@ -107,7 +109,8 @@ class _Rows:
         return torch.where(self.mask, row_grad[:, None], self.zero).reshape(-1)
 
 
-def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConfig) -> Optional[Tensor]:
+def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConfig,
+                       high_entropy: Optional[Tensor]) -> Optional[Tensor]:
     """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked.
     (VESPO's importance weights are in its ratio, not here: `losses.policy_loss.surrogate_weights`.)"""
     if config.off_policy_mask is None and config.top_entropy_quantile is None:
@@ -115,8 +118,8 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
             return None
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
-    b, _, h = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
-    return surrogate_weights(b, inputs, config, high_entropy_tokens(h, b.mask, config, inputs.entropy_quantile_group))
+    b, _, _ = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
+    return surrogate_weights(b, inputs, config, high_entropy)
 
 
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
