@@ -131,23 +131,22 @@ def check_real(
 MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
 
 
+def _check_invertible(name: str, x, expected: str, why: str = "") -> float:
+    """A finite x > 0 whose inverse is finite in fp32 (x ≥ 2.9e-39: the kernels multiply by 1/x); as float."""
+    x = check_real(name, x, 0, lo_open=True)
+    if x < MIN_TEMPERATURE:
+        raise ValueError(f"{name}: expected {expected} >= {MIN_TEMPERATURE:.3g}{why}, got {x!r}")
+    return x
+
+
 def check_temperature(temperature) -> float:
-    """A finite temperature whose inverse is finite in fp32 (τ ≥ 2.9e-39); returns it as float."""
-    temperature = check_real("temperature", temperature, 0, lo_open=True)
-    if temperature < MIN_TEMPERATURE:
-        raise ValueError(f"temperature: expected a number >= {MIN_TEMPERATURE:.3g} (1/τ must be finite in fp32), "
-                         f"got {temperature!r}")
-    return temperature
+    """A finite temperature whose inverse is finite in fp32; returns it as float."""
+    return _check_invertible("temperature", temperature, "a number", " (1/τ must be finite in fp32)")
 
 
 def check_softcap(softcap) -> float:
     """A final-logit cap c (None: none) as the kernels take it: a float, 0.0 for none."""
-    if softcap is None:
-        return 0.0
-    softcap = check_real("softcap", softcap, 0, lo_open=True)
-    if softcap < MIN_TEMPERATURE:  # 1/c must be finite in fp32, as 1/τ
-        raise ValueError(f"softcap: expected None or a number >= {MIN_TEMPERATURE:.3g}, got {softcap!r}")
-    return softcap
+    return 0.0 if softcap is None else _check_invertible("softcap", softcap, "None or a number")
 
 
 def check_int(name: str, x, lo: Optional[int] = None, what: Optional[str] = None,
