@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 
+from .._groups import group_gather, group_index, group_sum
 from . import task
 from .config import FLOAT32_MAX, Config
 
@@ -218,11 +219,10 @@ def normalize_then_sum(parts: torch.Tensor, weights: List[float], group_ids: tor
     over the batch, (s − mean)/(std + ε), with `batch_mean_std(s) -> (mean, std)` (every rank's rows, as
     TRL's over every process; (None, None) for no rows, std 0 for one)."""
     x = parts.to(torch.float64)
-    inverse = torch.unique(group_ids, return_inverse=True)[1]
-    n_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    inverse, n_groups = group_index(len(group_ids), group_ids, ref_name="the rows", exact_count=False)
 
     def per_group(v):  # the sum over each row's group, for every row
-        return x.new_zeros(n_groups, x.shape[1]).index_add_(0, inverse, v)[inverse]
+        return group_gather(group_sum(v, inverse, n_groups), inverse)
 
     scored = ~x.isnan()
     n = per_group(scored.to(x.dtype))
