@@ -648,9 +648,13 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         log(f"resumed at step {start} from {cfg.resume}")
     else:
         torch.manual_seed(cfg.seed * 1000 + rank + 1)  # per-rank sampling streams (CPU and CUDA generators)
+    def evaluate_policy():
+        """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root)."""
+        return sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
+
     before_samples = []  # a resumed run's are in its completions.jsonl
     if eval_before is None:
-        eval_before, before_samples = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)
+        eval_before, before_samples = evaluate_policy()
     log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
 
     # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
@@ -853,8 +857,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                 row["time/loss_head_share"] = row["time/loss_head_s"] / row["time/update_s"]
             samples = []
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                row["eval_reward"], samples = sharding.gathered(engine, evaluate, policy, tok, eval_set, reward_fn, cfg,
-                                                                place)
+                row["eval_reward"], samples = evaluate_policy()
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
@@ -881,8 +884,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
-    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else sharding.gathered(
-        engine, evaluate, policy, tok, eval_set, reward_fn, cfg, place)[0]
+    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate_policy()[0]
     summary = {"algo": cfg.algo, "steps": done, "eval_reward_before": eval_before, "eval_reward_after": eval_after,
                "final_reward_mean": last.get("reward_mean"), "final_kl": last.get("kl"),
                "final_entropy": last.get("entropy"), "skipped_steps": skipped_total,
