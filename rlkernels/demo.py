@@ -19,6 +19,7 @@ import torch
 
 from . import advantages, backend_info, policy_loss, presets, token_logprobs
 from ._peak_memory import peak_since, reset_peak
+from ._pyplot import pyplot
 
 
 def _setup(args):
@@ -92,12 +93,8 @@ def _loss_and_grad(path, inputs, backend):
 
 def _draw(path, timings, title) -> bool:
     """Two bar charts, forward + backward time and extra peak memory, per path; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(timings)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(8, 3.2))

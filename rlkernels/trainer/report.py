@@ -7,6 +7,8 @@ import os
 import warnings
 from typing import List
 
+from .._pyplot import pyplot
+
 PLOTTED = (("reward_mean", "reward (train) / accuracy (eval)"), ("kl", "KL to reference"),
            ("entropy", "entropy"), ("clip_frac", "clip fraction"))
 
@@ -63,12 +65,8 @@ def dumps(obj, **kw) -> str:
 
 def plot(rows: List[dict], path: str, title: str) -> bool:
     """Reward, KL, entropy and clip fraction against step; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, label) in zip(axes.flat, PLOTTED):
