@@ -61,8 +61,7 @@ class LinearHead:
         self.buffer = torch.empty(min(spec.rows, self.n), width, dtype=self.hidden.dtype, device=self.hidden.device)
 
     def chunks(self):
-        for start in range(0, self.n, self.spec.rows):
-            yield start, min(start + self.spec.rows, self.n)
+        return [(start, min(start + self.spec.rows, self.n)) for start in range(0, self.n, self.spec.rows)]
 
     def logits(self, s: int, e: int) -> Tensor:
         """The logits of rows s:e, written into the buffer (a contiguous `(e − s, V)` view of it)."""
@@ -88,15 +87,10 @@ class LinearHead:
 
     def forward(self, need_entropy: bool):
         """(logp, entropy, lse_parts) of all rows, over the whole vocabulary (merged across ranks)."""
-        acc = acc_dtype(self.hidden)
-        logp = torch.empty(self.n, dtype=acc, device=self.hidden.device)
-        lse_parts = torch.empty(self.n, 2, dtype=acc, device=logp.device)
-        entropy = torch.empty(self.n if need_entropy else 0, dtype=acc, device=logp.device)
-        for s, e in self.chunks():
-            lp, ent, parts = self.forward_chunk(self.logits(s, e), s, e, need_entropy)
-            logp[s:e], lse_parts[s:e] = lp, parts
-            if need_entropy:
-                entropy[s:e] = ent
+        # one concatenation per output after the loop, not a copy per chunk (a launch each on a GPU)
+        chunks = self.chunks() or [(0, 0)]  # no rows: one empty chunk
+        parts = [self.forward_chunk(self.logits(s, e), s, e, need_entropy) for s, e in chunks]
+        logp, entropy, lse_parts = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*parts))
         if self.sharded:
             logp, entropy, lse_parts = self.merge_shards(logp, entropy, lse_parts, need_entropy)
         return logp, entropy, lse_parts
