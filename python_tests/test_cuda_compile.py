@@ -6,6 +6,7 @@
 * csrc/tests/test_row_pass.cu, the kernels' per-row code run lane by lane on the host against a
   double-precision reference, and the per-token policy loss they end with, is built and run: the
   CUDA kernels' logic is tested without a GPU.
+* csrc/cuda/bindings.cpp, the torch side of the CUDA ops, type-checks against torch's headers.
 
 Skipped when nvcc is not on PATH. About 40 s of CPU (sm_80 and sm_90 in one nvcc run, 10 s per arch),
 spread over two cores.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -85,3 +88,29 @@ def test_every_cu_file_compiles_for_sm80_and_sm90(builds, capsys):
     with capsys.disabled():  # past pytest's capture (fd-level too): in the CI log with or without -s
         print("\n".join(log), flush=True)
     assert not failures, "\n\n".join(failures)
+
+
+def test_cuda_bindings_type_check_against_torch_headers(tmp_path):
+    """csrc/cuda/bindings.cpp (the torch side of the CUDA ops) is compiled only in a CUDA build, which this
+    machine cannot make: a CPU torch wheel lacks the generated c10/cuda/impl/cuda_cmake_macros.h (build
+    macros only). With an empty stand-in for it, g++ -fsyntax-only checks the bindings against torch's and
+    the CUDA runtime's headers and the launchers' declarations: a changed op signature fails here, not on a GPU."""
+    from torch.utils import cpp_extension
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-fsyntax-only", f"-I{tmp_path}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), *_nvcc_includes(),
+           "-I", os.path.join(ROOT, "csrc", "include"), "-I", os.path.join(ROOT, "csrc", "cuda"),
+           os.path.join(ROOT, "csrc", "cuda", "bindings.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-6000:]}"
+
+
+def _nvcc_includes():
+    """The CUDA toolkit's include flags, as nvcc gives them to the host compiler (`nvcc --dryrun`)."""
+    dry = subprocess.run([NVCC, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull], capture_output=True,
+                         text=True, timeout=60)
+    found = [re.match(r"#\$ (?:SYSTEM_)?INCLUDES=(.*)", line) for line in dry.stderr.splitlines()]
+    return [flag for m in found if m for flag in shlex.split(m.group(1))]
