@@ -260,6 +260,9 @@ _STREAMING_ONLY = {"HAS_CAP": "0"}
 # An elementwise kernel (no BLOCK_V, no V: one token per lane) at its launch: BLOCK = its module's
 # LOSS_BLOCK tokens, Triton's default 4 warps; n = the tokens of 8 rows of 4096, a multiple of 16 like V.
 _ELEMENTWISE_WARPS, _ELEMENTWISE_TOKENS = 4, 8 * 4096
+# {elementwise kernel: (its module's BLOCK constant, its warps constant; None: Triton's default)}
+_ELEMENTWISE_LAUNCH = {"_policy_token_loss_kernel": ("LOSS_BLOCK", None),
+                       "_covariance_choice_kernel": ("CHOICE_BLOCK", "CHOICE_WARPS")}
 
 
 def _flag_domains():
@@ -269,19 +272,26 @@ def _flag_domains():
     domains = {
         "NEED_ENTROPY": on_off, "HAS_H": on_off, "HAS_OLD": on_off, "HAS_REF": on_off,
         "HAS_ENTROPY": on_off, "HAS_ADV": on_off,
+        "HAS_CHOSEN": on_off, "HAS_WEIGHTS": on_off,
         "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE, "sapo": P.SAPO,
-                      "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO},
+                      "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO, "clip_cov": P.CLIP_COV,
+                      "kl_cov": P.KL_COV},
+        "CHOICE": {"clip_cov": P.CHOOSE_CLIP_COV, "kl_cov": P.CHOOSE_KL_COV},
         "KL": {"k3": P.KL_K3, "none": P.KL_NONE, "k1": P.KL_K1, "k2": P.KL_K2},
         "BIAS_CORRECTION": {"0": False, "1": True},
         "HAS_CAP": {"0": False, "1": True},
     }
-    return domains, {"NUM_STATS": P.NUM_STATS}
+    return domains, {"NUM_STATS": P.NUM_STATS, "FRACTION": 2e-4}  # FRACTION: Clip-Cov's and KL-Cov's default
 
 
 def _reachable(flags):
-    """A KL term needs ref log-probs (losses/inputs.py); bias correction needs a KL term (ops/token_loss_params.py)."""
+    """A KL term needs ref log-probs (losses/inputs.py); bias correction needs a KL term (ops/token_loss_params.py);
+    Clip-Cov and KL-Cov run in `policy_token_loss` only, the only objectives that read its chosen tokens."""
     kl_term = flags.get("KL", "none") != "none"
     if kl_term and flags.get("HAS_REF") == "0":
+        return False
+    covariance, chosen = flags.get("OBJECTIVE") in ("clip_cov", "kl_cov"), flags.get("HAS_CHOSEN")
+    if (covariance and chosen is None) or (chosen == "1" and not covariance):
         return False
     return kl_term or flags.get("BIAS_CORRECTION") != "1"
 
@@ -378,10 +388,12 @@ def triton_jobs(archs, dtypes, quick=False):
         if is_elementwise(fn):  # one configuration, in no logits dtype: every flag value once (the cover)
             if "BLOCK" not in fn.arg_names:
                 raise KeyError(f"{name}: an elementwise kernel (no V, no BLOCK_V) without a BLOCK constexpr")
+            block, warps = _ELEMENTWISE_LAUNCH[name]
+            block, warps = getattr(module, block), getattr(module, warps) if warps else _ELEMENTWISE_WARPS
             for arch in archs:
                 for flags in everywhere[:1] if quick else streaming:
-                    jobs.append(TritonJob(module_name, name, arch, "-", _ELEMENTWISE_TOKENS, module.LOSS_BLOCK,
-                                          _ELEMENTWISE_WARPS, tuple(flags.items()), elementwise=True))
+                    jobs.append(TritonJob(module_name, name, arch, "-", _ELEMENTWISE_TOKENS, block, warps,
+                                          tuple(flags.items()), elementwise=True))
             continue
         for arch, dtype in itertools.product(archs, dtypes):
             table = launch_table(module, dtype)
@@ -472,7 +484,7 @@ def triton_rows(jobs, cuobjdump, workers):
 _CUDA_DTYPES = {"float": "fp32", "__nv_bfloat16": "bf16", "__half": "fp16"}
 # Kernels over per-token scalars (one thread per token, no logits), by name: no 128-bit loads required.
 # Every other kernel walks rows of logits in 16-byte packs (row_pass.cuh) and must have them.
-CUDA_ELEMENTWISE = frozenset({"policy_token_loss_kernel"})
+CUDA_ELEMENTWISE = frozenset({"policy_token_loss_kernel", "covariance_choice_kernel"})
 
 
 def _template_args(name):

@@ -312,7 +312,7 @@ class RelativeBounds:
 # Bad scalars of the token loss (TokenLossParams fields), each refused with an error naming it, by
 # policy_token_fwd and policy_token_loss alike (the checks of csrc/include/rlkernels/token_loss_args.h).
 BAD_LOSS_SCALARS = [
-    ("objective", dict(objective=7)),
+    ("objective", dict(objective=9)),
     ("kl_estimator", dict(kl_estimator=4)),
     ("clip_low", dict(clip_low=math.nan)),
     ("clip_low", dict(clip_low=-0.1)),

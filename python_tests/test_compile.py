@@ -197,9 +197,10 @@ def test_gpu_cuda_opcheck():
 
 def _loss_op_args(device):
     """(op, args) of the extension's other ops: the backward into a buffer, the fused forward with the
-    token loss, and the token loss at given log-probs (the latter two with and without optional inputs)."""
+    token loss, the token loss at given log-probs (the latter two with and without optional inputs; KL-Cov with
+    chosen tokens) and Clip-Cov's and KL-Cov's choice."""
     from rlkernels.kernels._extension import _loss_scalars
-    from rlkernels.ops.token_loss_params import token_loss_params
+    from rlkernels.ops.token_loss_params import covariance_choice_params, covariance_params, token_loss_params
 
     scalars = _loss_scalars(token_loss_params(presets.grpo(entropy_coef=0.01)))
     for logits, targets, temperature, softcap, need_entropy in SAMPLES[-1:]:
@@ -217,8 +218,18 @@ def _loss_op_args(device):
         for optional in ((old, ref), (None, None)):
             yield (torch.ops.rlkernels_C.policy_token_fwd.default,
                    (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, *scalars))
-            yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, entropy, mask, weight, adv, *optional, *scalars)
-        yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, None, mask, weight, None, old, None, *scalars)
+            yield (torch.ops.rlkernels_C.policy_token_loss.default,
+                   (logp, entropy, mask, weight, adv, *optional, None, *scalars))
+        yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, None, mask, weight, None, old, None, None, *scalars)
+        chosen = torch.where(mask, 0.3, 0.0)
+        yield (torch.ops.rlkernels_C.policy_token_loss.default,
+               (logp, entropy, mask, weight, adv, old, ref, chosen, *_loss_scalars(covariance_params(presets.kl_cov()))))
+        for name, draws in (("kl_cov", None), ("clip_cov", torch.rand(n, generator=g).to(device))):
+            p = covariance_choice_params(presets.get(name, clip_cov_lb=-1.0, kl_cov_ratio=0.3, clip_cov_ratio=0.3))
+            for optional in ((old, weight.abs()), (None, None)):
+                yield (torch.ops.rlkernels_C.covariance_choice.default,
+                       (logp, adv, optional[0], mask, draws, optional[1], int(p.objective), p.fraction, p.cov_lb,
+                        p.cov_ub, p.clip_low, p.clip_high, p.log_ratio_clamp, p.scale))
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled extension")

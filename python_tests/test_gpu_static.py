@@ -24,7 +24,8 @@ import pytest
 from benchmarks.gpu_static import Row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ELEMENTWISE = {"triton": {"_policy_token_loss_kernel"}, "cuda": {"policy_token_loss_kernel"}}
+ELEMENTWISE = {"triton": {"_policy_token_loss_kernel", "_covariance_choice_kernel"},
+               "cuda": {"policy_token_loss_kernel", "covariance_choice_kernel"}}
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_NVCC = shutil.which("nvcc") is not None
 

@@ -68,12 +68,31 @@ Every backend module exposes the same two functions over flattened rows
     outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
     on the device).
 
-``policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params)``
+``policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None)``
 ``-> (grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
     The per-token loss of ``policy_token_fwd`` at given log-probs, without logits: ``logp (N,)``
     in the accumulation dtype (fp32; cpu also fp64), contiguous; ``entropy (N,)`` or ``None``
     (H = 0); ``adv`` ``(N,)`` or ``None`` (A = 0: no surrogate, only the KL and entropy terms);
     the other inputs, the params and the three outputs as in ``policy_token_fwd``. The
     sequence-level losses call it once over the tokens for their KL and entropy terms and once
-    over the rows (or tokens) for their surrogate (``ops/_sequence_step.py``).
+    over the rows (or tokens) for their surrogate (``ops/_sequence_step.py``). Two more
+    objectives read ``chosen (N,)`` (``None``: 0 everywhere), the output of ``covariance_choice``:
+
+        CLIP_COV:  CLIP, except that where chosen ≠ 0: A = 0 in the surrogate (s = 0, no gradient)
+                   and clip_low = A < 0, clip_high = A > 0 (the token counts as clipped on A's side)
+        KL_COV:    CLIP (with every bound inf: s = −A·w), plus chosen·|ℓ − ℓ_old| where chosen ≠ 0
+                   (the difference unclamped; its derivative sign(ℓ − ℓ_old), 0 at 0)
+
+``covariance_choice(logp, adv, old_logp, mask, draws, weights, params) -> chosen`` (backends cpu, cuda, triton)
+    Clip-Cov's and KL-Cov's choice of tokens (docs/math.md §5) in one launch. ``logp``, ``adv``
+    ``(N,)`` in the accumulation dtype, ``old_logp`` ``(N,)`` or ``None`` (on-policy), ``mask (N,)``
+    bool, ``weights`` ``(N,)`` or ``None``; ``params`` a ``token_loss_params.CovarianceChoiceParams``.
+    Over the masked tokens (n of them), with means of A and ℓ summed in float64 and rounded to
+    the dtype, Cov = (A − mean A)·(ℓ − mean ℓ) in the dtype, and k = max(⌊n·fraction⌋, 1) in float64:
+    CHOOSE_CLIP_COV takes ``draws (N,)`` fp32 uniform; the candidates are the tokens with
+    cov_lb < Cov < cov_ub that PPO's clip leaves unclipped (−A·clamp(w, 1 − clip_low, 1 + clip_high)
+    ≤ −A·w, w = e^clamp(ℓ − ℓ_old, ±log_ratio_clamp)), and the min(k, candidates) of smallest draw
+    are chosen. CHOOSE_KL_COV (``draws=None``): the k tokens of largest Cov (NaN largest, −0 = +0,
+    as torch.sort). Ties go to the first position. Returns ``chosen (N,)`` in the dtype of logp:
+    ``scale`` (times ``weights``) on each chosen token, 0 elsewhere. At most 2^31 − 1 tokens.
 """

@@ -61,8 +61,16 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
         *_loss_scalars(params))
 
 
-def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params):
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None):
     """(grad_logp, grad_entropy, stats) of the per-token policy loss at log-probs `logp (N,)`; see
     rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_loss(
-        logp, entropy, mask, weight, adv, old_logp, ref_logp, *_loss_scalars(params))
+        logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, *_loss_scalars(params))
+
+
+def covariance_choice(logp, adv, old_logp, mask, draws, weights, params):
+    """Clip-Cov's or KL-Cov's tokens (N,) of a `CovarianceChoiceParams`; see rlkernels/kernels/__init__.py."""
+    p = params
+    return torch.ops.rlkernels_C.covariance_choice(
+        logp, adv, old_logp, mask, draws, weights, int(p.objective), float(p.fraction), float(p.cov_lb),
+        float(p.cov_ub), float(p.clip_low), float(p.clip_high), float(p.log_ratio_clamp), float(p.scale))

@@ -12,7 +12,7 @@ from typing import Tuple
 import torch
 
 from ._extension import (  # noqa: F401
-    _C, missing_reason, policy_token_fwd, policy_token_loss, token_logprobs_bwd, token_logprobs_fwd,
+    _C, covariance_choice, missing_reason, policy_token_fwd, policy_token_loss, token_logprobs_bwd, token_logprobs_fwd,
 )
 
 

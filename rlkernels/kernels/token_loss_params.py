@@ -10,6 +10,9 @@ import dataclasses
 import math
 
 CLIP, CISPO, REINFORCE, SAPO, DPPO_TV, DPPO_KL, DRO = 0, 1, 2, 3, 4, 5, 6  # objective
+# Clip-Cov and KL-Cov: CLIP with the per-token `chosen` of `covariance_choice` (kernels/__init__.py)
+CLIP_COV, KL_COV = 7, 8
+CHOOSE_CLIP_COV, CHOOSE_KL_COV = 0, 1  # covariance_choice's objective
 KL_NONE, KL_K1, KL_K2, KL_K3 = 0, 1, 2, 3  # kl_estimator (KL_NONE: no KL term in the loss)
 NUM_STATS = 7  # columns of `stats`, in this order:
 STATS = ("loss", "clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy")
@@ -17,7 +20,7 @@ STATS = ("loss", "clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy")
 
 @dataclasses.dataclass(frozen=True)
 class TokenLossParams:
-    objective: int  # CLIP, CISPO, REINFORCE, SAPO, DPPO_TV, DPPO_KL or DRO
+    objective: int  # CLIP, CISPO, REINFORCE, SAPO, DPPO_TV, DPPO_KL, DRO, CLIP_COV or KL_COV
     clip_low: float  # the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
     clip_high: float  # upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
     delta: float  # unclipped branch uses min(w, delta) (inf: none)
@@ -32,3 +35,15 @@ class TokenLossParams:
     sapo_tau_neg: float = 1.0  # and where A ≤ 0
     ratio_cap: float = math.inf  # DPPO's weight is min(w, ratio_cap) (inf: none)
     dro_beta: float = 0.0  # DRO's β
+
+
+@dataclasses.dataclass(frozen=True)
+class CovarianceChoiceParams:
+    objective: int  # CHOOSE_CLIP_COV or CHOOSE_KL_COV
+    fraction: float  # k = max(⌊fraction·N⌋, 1) tokens, N the masked ones
+    cov_lb: float  # Clip-Cov: a candidate's covariance lies in (cov_lb, cov_ub)
+    cov_ub: float
+    clip_low: float  # Clip-Cov: PPO's clip bounds 1 − clip_low, 1 + clip_high; a clipped token is no candidate
+    clip_high: float
+    log_ratio_clamp: float
+    scale: float  # a chosen token's output (times its importance weight)

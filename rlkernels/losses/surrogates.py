@@ -145,11 +145,11 @@ def _dro(w, b: Batch, cfg) -> Surrogate:
 
 
 def _covariance(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch."""
+    """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch, summed in float64 and
+    rounded to ℓ's dtype: then every summation order gives the same means, so the kernels choose the same tokens."""
     count = mask.sum().clamp(min=1)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    mean_adv = torch.where(mask, adv, zero).sum() / count
-    mean_logp = torch.where(mask, logp, zero).sum() / count
+    mean_adv = (torch.where(mask, adv, 0.0).sum(dtype=torch.float64) / count).to(logp.dtype)
+    mean_logp = (torch.where(mask, logp, 0.0).sum(dtype=torch.float64) / count).to(logp.dtype)
     return (adv - mean_adv) * (logp - mean_logp)
 
 
@@ -184,13 +184,14 @@ def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float,
     """Clip-Cov's draw: min(k, n) of the n candidate tokens, uniformly at random, k = max(⌊fraction·N⌋, 1) with
     N the masked tokens.
 
-    `draw="device"`: the candidates of the k smallest keys `torch.rand(candidates.shape)` (float32, the
-    default generator of the inputs' device), without a host sync. `draw="verl"`: verl's code, the
+    `draw="device"`: the candidates of the k smallest keys `torch.rand(candidates.shape, dtype=torch.float32)` (the
+    default generator of the inputs' device; ties: the first position), without a host sync. `draw="verl"`: verl's code, the
     candidates (row-major) at `torch.randperm(n)[:k]` on the default CPU generator, so the same RNG
     state chooses the same tokens as verl; n must reach the host, one sync."""
     flat = candidates.reshape(-1)
     if draw == "device":
-        keys = torch.where(flat, torch.rand(flat.shape, device=flat.device), 2.0)  # non-candidates last
+        draws = torch.rand(flat.shape, dtype=torch.float32, device=flat.device)
+        keys = torch.where(flat, draws, 2.0)  # non-candidates last
         k = torch.floor(mask.sum().to(torch.float64) * fraction).clamp(min=1)
         return ((_ranks(keys) < k) & flat).view_as(candidates)
     order = torch.argsort((~flat).to(torch.int8), stable=True)  # the candidates first, in row-major order

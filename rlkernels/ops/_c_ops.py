@@ -34,9 +34,13 @@ def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     return vec(), vec(), logits.new_empty(n, 2, dtype=dtype), vec(), vec(), logits.new_empty(n, NUM_STATS, dtype=dtype)
 
 
-def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, *scalars):
+def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, *scalars):
     n = logp.shape[0]
     return torch.empty_like(logp), torch.empty_like(logp), logp.new_empty(n, NUM_STATS)
+
+
+def _choice_fake(logp, adv, old_logp, mask, draws, weights, *scalars):
+    return torch.empty_like(logp)
 
 
 def _setup_context(ctx, inputs, output):
@@ -66,7 +70,7 @@ def register():
     """Register the fakes and the autograd formula (once: the caller holds the registration lock)."""
     for name, fake in (("token_logprobs_fwd", logprobs_fwd_fake), ("token_logprobs_bwd", logprobs_bwd_fake),
                        ("token_logprobs_bwd_out", _bwd_out_fake), ("policy_token_fwd", _policy_fwd_fake),
-                       ("policy_token_loss", _policy_loss_fake)):
+                       ("policy_token_loss", _policy_loss_fake), ("covariance_choice", _choice_fake)):
         torch.library.register_fake(f"{_LIB}::{name}", fake)
     register_logprobs_autograd(f"{_LIB}::token_logprobs_fwd", torch.ops.rlkernels_C.token_logprobs_bwd)
     return torch.ops.rlkernels_C.token_logprobs_fwd.default

@@ -100,12 +100,25 @@ def log_band_params(config: PolicyLossConfig, low: float, high: float, log_ratio
 
 
 def covariance_params(config: PolicyLossConfig) -> k.TokenLossParams:
-    """The per-token loss of Clip-Cov (PPO's clip; its chosen tokens get A = 0) or KL-Cov (−A·w: the clip
-    objective without bounds; its penalty is added outside), with the KL and entropy terms."""
-    params = _params(config, k.CLIP, with_token_terms=True)
+    """The per-token loss of Clip-Cov (PPO's clip; a chosen token has A = 0 and counts as clipped) or KL-Cov (−A·w:
+    the clip objective without bounds, plus the chosen tokens' penalty), with the KL and entropy terms."""
+    params = dataclasses.replace(_params(config, k.CLIP, with_token_terms=True),
+                                 objective=k.CLIP_COV if config.objective == "clip_cov" else k.KL_COV)
     if config.objective == "clip_cov":
         return params
     return dataclasses.replace(params, clip_low=math.inf, clip_high=math.inf, delta=math.inf, dual_clip=math.inf)
+
+
+def covariance_choice_params(config: PolicyLossConfig) -> k.CovarianceChoiceParams:
+    """`covariance_choice`'s parameters: Clip-Cov's candidates and k, each chosen token 1 (its surrogate is dropped);
+    KL-Cov's k, each chosen token kl_cov_coef (its penalty's coefficient)."""
+    clip_cov = config.objective == "clip_cov"
+    return k.CovarianceChoiceParams(
+        objective=k.CHOOSE_CLIP_COV if clip_cov else k.CHOOSE_KL_COV,
+        fraction=float(config.clip_cov_ratio if clip_cov else config.kl_cov_ratio),
+        cov_lb=float(config.clip_cov_lb), cov_ub=float(config.clip_cov_ub), clip_low=_bound(config.clip_low),
+        clip_high=_bound(config.clip_high), log_ratio_clamp=float(config.log_ratio_clamp),
+        scale=1.0 if clip_cov else float(config.kl_cov_coef))
 
 
 def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) -> k.TokenLossParams:

@@ -21,7 +21,11 @@
 namespace rlk {
 
 // Mirrors rlkernels/kernels/token_loss_params.py.
-enum TokenObjective : int { kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6 };
+enum TokenObjective : int {
+  kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6,
+  kClipCov = 7,  // kClip, and on a chosen token A = 0 and the token counts as clipped on A's side
+  kKlCov = 8,    // kClip (the params without bounds: −A·w), plus chosen·|ℓ − ℓ_old| on a chosen token
+};
 enum KlEstimator : int { kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
 enum TokenStat : int {
   kStatLoss = 0,
@@ -66,6 +70,7 @@ struct TokenIn {
   T old_logp;
   bool has_ref;
   T ref_logp;
+  T chosen;  // Clip-Cov / KL-Cov: nonzero on a token of the call's choice (KL-Cov: its penalty's coefficient)
 };
 
 template <typename T>
@@ -92,12 +97,14 @@ struct TokenArrays {
   const T* adv;
   const T* old_logp;
   const T* ref_logp;
+  const T* chosen = nullptr;  // only Clip-Cov and KL-Cov read it (null: no token chosen)
 
   // Token n's inputs with its log-prob and entropy.
   RLK_HOST_DEVICE TokenIn<T> at(int64_t n, T logp, T entropy) const {
     return TokenIn<T>{logp, entropy, mask[n], weight[n], adv != nullptr ? adv[n] : T(0),
                       old_logp != nullptr, old_logp != nullptr ? old_logp[n] : T(0),
-                      ref_logp != nullptr, ref_logp != nullptr ? ref_logp[n] : T(0)};
+                      ref_logp != nullptr, ref_logp != nullptr ? ref_logp[n] : T(0),
+                      chosen != nullptr ? chosen[n] : T(0)};
   }
 };
 
@@ -124,7 +131,8 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   for (int j = 0; j < kNumStats; ++j) out.stats[j] = T(0);
   if (!in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
   const T c = p.log_ratio_clamp;
-  const T adv = in.adv;
+  const bool chosen = in.chosen != T(0);
+  const T adv = p.objective == kClipCov && chosen ? T(0) : in.adv;  // Clip-Cov: no gradient on a chosen token
 
   // Importance weight w = e^r, r = clamp(ℓ − ℓ_old, −c, c); dw = ∂w/∂ℓ.
   const T d = in.logp - (in.has_old ? in.old_logp : in.logp);
@@ -137,7 +145,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   const T lo = T(1) - p.clip_low, hi = T(1) + p.clip_high;
   const T w_clip = clamp_(w, lo, hi);
   bool clip_low = false, clip_high = false;
-  if (p.objective == kClip) {
+  if (p.objective == kClip || p.objective == kClipCov || p.objective == kKlCov) {
     const T neg_adv = -adv;
     // max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi); u on a tie (see the top).
     const T u = neg_adv * (w <= p.delta ? w : p.delta);
@@ -156,8 +164,12 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
         ds = T(0);
       }
     }
-    clip_low = w < lo && adv < T(0);
-    clip_high = w > hi && adv > T(0);
+    clip_low = (w < lo && adv < T(0)) || (p.objective == kClipCov && chosen && in.adv < T(0));
+    clip_high = (w > hi && adv > T(0)) || (p.objective == kClipCov && chosen && in.adv > T(0));
+    if (p.objective == kKlCov && chosen) {  // chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
+      s = s + in.chosen * (d < T(0) ? -d : d);
+      ds = ds + in.chosen * T((d > T(0)) - (d < T(0)));
+    }
   } else if (p.objective == kCispo) {
     ds = -w_clip * adv;  // the clamped weight is a constant: a scaled REINFORCE gradient
     s = ds * in.logp;

@@ -1,5 +1,6 @@
-// Checks of the arguments of policy_token_fwd and policy_token_loss, shared by the CPU and CUDA
-// bindings, and the ops' scalars turned into rlk::TokenLossParams. C++ with torch (never included by .cu files).
+// Checks of the arguments of policy_token_fwd, policy_token_loss and covariance_choice, shared by the CPU and CUDA
+// bindings, and the ops' scalars turned into rlk::TokenLossParams and rlk::CovarianceChoiceParams. C++ with torch
+// (never included by .cu files).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "rlkernels/covariance_choice.h"
 #include "rlkernels/token_loss.h"
 
 namespace rlk {
@@ -61,9 +63,9 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
                                      double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp,
                                      bool kl_bias_correction, double entropy_coef, double log_ratio_clamp,
                                      double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
-  TORCH_CHECK(objective >= kClip && objective <= kDro,
-              "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl) or 6 (dro), "
-              "got ", objective);
+  TORCH_CHECK(objective >= kClip && objective <= kKlCov,
+              "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl), 6 (dro), "
+              "7 (clip_cov) or 8 (kl_cov), got ", objective);
   TORCH_CHECK(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
               "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
   TORCH_CHECK(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
@@ -85,6 +87,40 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
   p.ratio_cap = static_cast<T>(check_scalar("ratio_cap", ratio_cap, 0.0, true, true));
   p.dro_beta = static_cast<T>(check_scalar("dro_beta", dro_beta, 0.0, false, false));
   return p;
+}
+
+// covariance_choice's inputs besides `logp` (N,) (checked by the backend: device, dtype T) and its scalars. At most
+// 2^31 − 1 tokens: the GPU kernels count them in 32 bits.
+template <typename T>
+CovarianceChoiceParams<T> covariance_choice_params(const at::Tensor& logp, const at::Tensor& adv,
+                                                   const std::optional<at::Tensor>& old_logp, const at::Tensor& mask,
+                                                   const std::optional<at::Tensor>& draws,
+                                                   const std::optional<at::Tensor>& weights, int64_t objective,
+                                                   double fraction, double cov_lb, double cov_ub, double clip_low,
+                                                   double clip_high, double log_ratio_clamp, double scale) {
+  const at::ScalarType acc = logp.scalar_type();
+  TORCH_CHECK(logp.size(0) <= INT32_MAX, "logp: expected at most 2^31 - 1 tokens, got ", logp.size(0));
+  check_token_tensor(adv, "adv", logp, "logp (N,)", acc);
+  check_token_tensor(mask, "mask", logp, "logp (N,)", at::kBool);
+  if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", logp, "logp (N,)", acc);
+  if (weights.has_value()) check_token_tensor(*weights, "weights", logp, "logp (N,)", acc);
+  TORCH_CHECK(objective == kChooseClipCov || objective == kChooseKlCov,
+              "objective: expected 0 (clip_cov) or 1 (kl_cov), got ", objective);
+  TORCH_CHECK(draws.has_value() == (objective == kChooseClipCov),
+              "draws: expected uniform draws for clip_cov and none for kl_cov");
+  if (draws.has_value()) check_token_tensor(*draws, "draws", logp, "logp (N,)", at::kFloat);
+  TORCH_CHECK(fraction > 0 && fraction <= 1, "fraction: expected a value in (0, 1], got ", fraction);
+  TORCH_CHECK(!std::isnan(cov_lb) && !std::isnan(cov_ub), "cov_lb, cov_ub: expected numbers, got ", cov_lb, ", ",
+              cov_ub);
+  TORCH_CHECK(std::isfinite(scale), "scale: expected a finite number, got ", scale);
+  return CovarianceChoiceParams<T>{int(objective),
+                                   fraction,
+                                   T(cov_lb),
+                                   T(cov_ub),
+                                   T(check_scalar("clip_low", clip_low, 0.0, false, true)),
+                                   T(check_scalar("clip_high", clip_high, -1.0, true, true)),
+                                   T(check_scalar("log_ratio_clamp", log_ratio_clamp, 0.0, true, true)),
+                                   T(scale)};
 }
 
 }  // namespace rlk

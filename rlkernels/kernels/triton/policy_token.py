@@ -49,7 +49,7 @@ def _policy_token_fwd_kernel(
     if HAS_REF:
         ref_logp = tl.where(valid, tl.load(ref_logp_ptr + row), 0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        l, old_logp, ref_logp, adv, h,
+        l, old_logp, ref_logp, adv, h, 0.0,
         clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
         log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
@@ -123,12 +123,12 @@ LOSS_BLOCK = 256  # tokens per program of `_policy_token_loss_kernel` (benchmark
 
 @triton.jit
 def _policy_token_loss_kernel(
-    logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
+    logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, chosen_ptr,
     grad_logp_ptr, grad_entropy_ptr, stats_ptr, n,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_ADV: tl.constexpr,
-    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_CHOSEN: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -148,8 +148,11 @@ def _policy_token_loss_kernel(
     ref_logp = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_REF:
         ref_logp = tl.load(ref_logp_ptr + i, mask=valid, other=0.0)
+    chosen = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_CHOSEN:
+        chosen = tl.load(chosen_ptr + i, mask=valid, other=0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        logp, old_logp, ref_logp, adv, h,
+        logp, old_logp, ref_logp, adv, h, chosen,
         clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
         log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
@@ -166,10 +169,11 @@ def _policy_token_loss_kernel(
     tl.store(stats_row + 6, h, mask=inside)
 
 
-def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, *, wrap=_plain):
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, *, wrap=_plain):
     """(grad_logp, grad_entropy, stats) of the per-token loss at fp32 log-probs ``logp (N,)``:
     fp32 (N,), (N,) and (N, 7). ``entropy=None``: H = 0; ``adv=None``: A = 0 (only the KL and
-    entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``."""
+    entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``; ``chosen`` as
+    `covariance_choice` gives it (None: no token chosen)."""
     if logp.dim() != 1 or logp.dtype != torch.float32:
         raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
     n, dev = logp.shape[0], logp.device
@@ -180,7 +184,8 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     mask = mask.to(device=dev, dtype=torch.bool).contiguous()
     logp, weight = logp.contiguous(), _row_vector(weight, n, dev, "weight")
     optional = {name: None if x is None else _row_vector(x, n, dev, name)
-                for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp))}
+                for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp),
+                                ("chosen", chosen))}
     grad_logp, grad_entropy = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
     if n == 0:
@@ -188,14 +193,14 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     p = params
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
     block = LOSS_BLOCK
+    given = {k: logp if x is None else x for k, x in optional.items()}  # absent: never read
     with _on_device(dev):
         wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
-            logp, *(logp if optional[k] is None else optional[k] for k in ("entropy",)), mask, weight,
-            *(logp if optional[k] is None else optional[k] for k in ("adv", "old_logp", "ref_logp")),  # absent: never read
+            logp, given["entropy"], mask, weight, given["adv"], given["old_logp"], given["ref_logp"], given["chosen"],
             grad_logp, grad_entropy, stats, n,
             *_loss_scalars(p),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_ENTROPY=entropy is not None, HAS_ADV=adv is not None,
-            HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
+            HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None, HAS_CHOSEN=chosen is not None,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, BLOCK=block,
         )
     return grad_logp, grad_entropy, stats

@@ -21,6 +21,8 @@ SAPO = tl.constexpr(P.SAPO)
 DPPO_TV = tl.constexpr(P.DPPO_TV)
 DPPO_KL = tl.constexpr(P.DPPO_KL)
 DRO = tl.constexpr(P.DRO)
+CLIP_COV = tl.constexpr(P.CLIP_COV)
+KL_COV = tl.constexpr(P.KL_COV)
 KL_NONE = tl.constexpr(P.KL_NONE)
 KL_K1 = tl.constexpr(P.KL_K1)
 KL_K2 = tl.constexpr(P.KL_K2)
@@ -67,7 +69,7 @@ def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_cl
     """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, ∂w/∂ℓ and d = ℓ − ℓ_old; flags as 0/1."""
     ratio_low = 1.0 - clip_low
     ratio_high = 1.0 + clip_high
-    if OBJECTIVE == CLIP:
+    if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV):  # KL-Cov: the params have no bounds
         # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
         unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
         d_unclipped = tl.where(w <= delta, -adv * dw, 0.0)
@@ -163,7 +165,7 @@ def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
 
 @triton.jit
 def token_loss(
-    logp, old_logp, ref_logp, adv, entropy,
+    logp, old_logp, ref_logp, adv, entropy, chosen,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_REF: tl.constexpr,
@@ -172,13 +174,22 @@ def token_loss(
     """(s, ∂s/∂ℓ, clip_low, clip_high, ratio, approx_kl, kl) of one token, where
     s = surrogate + β·k − c_H·H; ∂s/∂H = −c_H. Masked tokens must come in as zeros (as
     prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
-    HAS_REF."""
+    HAS_REF. ``chosen``: Clip-Cov's and KL-Cov's choice (`covariance_choice`), read by those only."""
     d = logp - old_logp
     r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
     dw = tl.where(r_passes, w, 0.0)
-    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_clip,
-                                           tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE)
+    surrogate_adv = adv
+    if OBJECTIVE == CLIP_COV:  # no gradient on a chosen token
+        surrogate_adv = tl.where(chosen != 0.0, 0.0, adv)
+    s, ds, clip_low, clip_high = surrogate(logp, old_logp, surrogate_adv, w, dw, d, clip_low, clip_high, delta,
+                                           dual_clip, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE)
+    if OBJECTIVE == CLIP_COV:  # a chosen token counts as clipped on A's side
+        clip_low = tl.where((chosen != 0.0) & (adv < 0), 1.0, clip_low)
+        clip_high = tl.where((chosen != 0.0) & (adv > 0), 1.0, clip_high)
+    if OBJECTIVE == KL_COV:  # + chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
+        s += tl.where(chosen != 0.0, chosen * tl.abs(d), 0.0)
+        ds += tl.where(chosen != 0.0, chosen * tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0)), 0.0)
     kl = 0.0
     if HAS_REF:
         kl, dkl = kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
