@@ -41,7 +41,7 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider $parallel \
   python_tests/test_kernel_contract.py python_tests/test_policy_token_kernel.py python_tests/test_policy_token_loss.py \
   python_tests/test_triton_policy_token.py python_tests/test_triton_fused.py python_tests/test_compile.py \
   python_tests/test_threads.py python_tests/test_precision.py python_tests/test_edge_inputs.py \
-  python_tests/test_token_logprobs.py python_tests/test_linear_path.py || status=1
+  python_tests/test_token_logprobs.py python_tests/test_linear_path.py python_tests/test_covariance_choice.py || status=1
 
 stage "crash triage"
 # On the first H200 run these tests killed their process (SIGSEGV) where the extension raises an
