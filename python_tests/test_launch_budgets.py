@@ -67,3 +67,34 @@ def test_sequence_level_budget(preset):
     c = launches.fused_policy_loss_count(preset, "cpu")
     assert c.names.get("rlkernels_C::policy_token_loss") == 2, c.names  # the KL and entropy terms, the surrogate
     assert c.ops <= 48, c.names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset,options", [
+    ("grpo", dict(top_entropy_quantile=0.2)), ("gspo", dict(top_entropy_quantile=0.2)),
+    ("grpo", dict(off_policy_mask=0.01)), ("grpo", dict(kl_bias_correction=True, kl_bias_ratio="sequence")),
+    ("cispo", dict(is_weights=True)), ("dro", dict(is_weights=True))])
+def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backend):
+    """Options whose terms couple a row's or the call's tokens (a quantile, row means), or weights a kernel does
+    not fold, take more ops on the general path, but still no host sync."""
+    import torch
+    import warnings
+
+    import rlkernels
+    config, targets, adv, mask, kw = launches.loss_inputs(preset)
+    options = dict(options)
+    if options.pop("is_weights", False):
+        kw["is_weights"] = torch.rand(targets.shape, generator=torch.Generator().manual_seed(0))
+    config = config.replace(**options)
+    if config.off_policy_mask is not None:
+        kw["rollout_logp"] = kw["old_logp"] + 0.05
+    logits = torch.randn(*targets.shape, 1000, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+
+    def call():
+        rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend=backend, **kw).loss.backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time "general path" warning
+        call()
+        c = launches.count(call)
+    assert c.syncs == 0, c.names

@@ -141,8 +141,8 @@ def _quantile(x, mask, q: float):
     to the host: sort with the others at +inf, then interpolate at q·(n − 1). +inf if none."""
     values = torch.where(mask, x, float("inf")).reshape(-1).sort().values
     pos = q * (mask.sum() - 1).clamp(min=0).to(x.dtype)
-    lo, hi = pos.floor().long(), pos.ceil().long()
-    low, high = values[lo], values[hi]
+    lo, hi = pos.floor(), pos.ceil()
+    low, high = values[torch.stack([lo, hi]).long()].unbind()  # a 1-d index: a 0-d one would be read on the host
     return torch.where(hi > lo, low + (high - low) * (pos - lo), low)
 
 
