@@ -144,6 +144,12 @@ TOKEN_CONFIGS = {
                                entropy_agg="token_mean", agg="seq_mean_token_mean"),
     "kl_cov+entropy_token_mean": dict(ratio="token", objective="kl_cov", kl_cov_ratio=0.2, entropy_coef=0.05,
                                       entropy_agg="token_mean", agg="constant", norm_length=9),
+    # surrogate weights that need the kernel's ℓ or H first (a row mean, a quantile): the token step of
+    # `ops/_sequence_step.py`, the surrogate times ω for any objective
+    "clip+off_policy_mask": dict(ratio="token", off_policy_mask=0.02, dual_clip=3.0, kl_estimator="k3", kl_coef=0.05),
+    "dppo_kl+top_entropy_quantile": dict(ratio="token", objective="dppo_kl", clip_low=0.2, clip_high=0.2,
+                                         top_entropy_quantile=0.4, entropy_coef=0.03, entropy_agg="token_mean"),
+    "dro+off_policy_mask": dict(ratio="token", objective="dro", dro_beta=0.5, off_policy_mask=0.0),
 }
 
 
@@ -283,8 +289,8 @@ def test_sliced_logits_are_read_in_place(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 # in the kernel (clip), the general path, and the sequence-level step (row-level and token-level surrogates)
-@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "gspo", "gspo_token", "gepo", "snis", "vespo", "fspo", "gmpo",
-                                  "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "cispo", "dro", "gspo", "gspo_token", "gepo", "snis", "vespo", "fspo",
+                                  "gmpo", "clip_cov", "kl_cov"])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_importance_weights_equal_the_composition(backend, name, per_row):
     """`is_weights` on both fused paths (logits, hidden states) = `policy_loss(..., is_weights=...)`:

@@ -76,7 +76,8 @@ def test_sequence_level_budget(preset):
     ("cispo", dict(is_weights=True)), ("dro", dict(is_weights=True))])
 def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backend):
     """Options whose terms couple a row's or the call's tokens (a quantile, row means), or weights a kernel does
-    not fold, take more ops on the general path, but still no host sync."""
+    not fold: no host sync; the token-level ones take the token step (two `policy_token_loss` calls), not the
+    autograd of `losses/` (the KL times a row's sequence ratio still does)."""
     import torch
     import warnings
 
@@ -98,3 +99,6 @@ def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backen
         call()
         c = launches.count(call)
     assert c.syncs == 0, c.names
+    if backend == "cpu" and config.ratio == "token" and config.kl_bias_ratio != "sequence":
+        assert c.names.get("rlkernels_C::policy_token_loss") == 2, c.names
+        assert c.ops <= 64, c.names

@@ -32,7 +32,9 @@ from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
-from .token_loss_params import log_band_params, row_bias_correction, surrogate_params, token_terms_params
+from .token_loss_params import (
+    log_band_params, row_bias_correction, surrogate_params, token_objective, token_terms_params,
+)
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
 _PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip"),
@@ -42,9 +44,10 @@ _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence
 
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
-    """Whether `sequence_step` takes this config with these kernels."""
-    return (hasattr(kernels, "policy_token_loss") and (config.ratio, config.objective) in _PER_ROW | _PER_TOKEN
-            and not row_bias_correction(config))
+    """Whether `sequence_step` takes this config with these kernels (and a token-level one that the forward kernel
+    does not: its surrogate weights need the kernel's ℓ or H, or are importance weights it cannot fold)."""
+    return (hasattr(kernels, "policy_token_loss") and not row_bias_correction(config)
+            and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN or token_objective(config)))
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig,
@@ -63,7 +66,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         token_terms_params(config))
 
     omega = _surrogate_weights(logp, entropy, inputs, config, high_entropy)  # (B, T) or None, 0 where masked
-    if (config.ratio, config.objective) in _PER_TOKEN:
+    if (config.ratio, config.objective) in _PER_TOKEN or config.ratio == "token":
         sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
     else:
         sur_grad, sums, ratio_max = _row_surrogate(kernels, rows, weights, omega, inputs, config)
@@ -177,6 +180,13 @@ def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tens
 def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
     """A per-token surrogate with a row's value: `policy_token_loss` over the tokens."""
     B, T = rows.mask.shape
+    if config.ratio == "token":  # the token's own surrogate times ω, for any objective: in its weight
+        grad, _, stats = kernels.policy_token_loss(
+            logp, None, rows.mask.reshape(-1), (weights if omega is None else weights * omega).reshape(-1),
+            inputs.flat("adv"), inputs.flat("old_logp"), None, surrogate_params(config, config.objective))
+        flags = stats[:, 1:3] if omega is None else stats[:, 1:3] * (omega > 0).reshape(-1, 1)  # §10
+        return grad, torch.cat([stats[:, 0].sum().reshape(1), flags.sum(0), stats[:, 3].sum().reshape(1)]), \
+            _max(stats[:, 3])
     adv = inputs.adv if omega is None else inputs.adv * omega  # ω folded into A: exact, see _loss_step.kernel_inputs
     c = config.log_ratio_clamp
     if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t

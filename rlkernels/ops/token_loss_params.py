@@ -27,11 +27,16 @@ def _bound(x: Optional[float]) -> float:
     return math.inf if x is None else float(x)
 
 
+def token_objective(config: PolicyLossConfig) -> bool:
+    """Whether the config's surrogate is one of the kernels' per-token objectives at the token's own ratio."""
+    return config.ratio == "token" and config.objective in _OBJECTIVES
+
+
 def kernel_supports(config: PolicyLossConfig) -> bool:
     """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
     the off-policy and entropy masks need row means or quantiles of the kernel's outputs first)."""
-    return (config.ratio == "token" and config.objective in _OBJECTIVES and config.off_policy_mask is None
-            and config.top_entropy_quantile is None and not row_bias_correction(config))
+    return (token_objective(config) and config.off_policy_mask is None and config.top_entropy_quantile is None
+            and not row_bias_correction(config))
 
 
 def covariance_supports(config: PolicyLossConfig) -> bool:
@@ -61,8 +66,11 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: 
         if not weighted or config.objective in _WEIGHTS_FOLD:
             return True
         what += " with is_weights"
-    if hasattr(kernels, "policy_token_loss") and covariance_supports(config):
-        return False  # the kernel's log-probs first, then the call's choice of tokens: no warning
+    if hasattr(kernels, "policy_token_loss") and (covariance_supports(config) or (
+            token_objective(config) and not row_bias_correction(config))):
+        # the kernel's log-probs first, then the call's choice of tokens (`_covariance_step`), or the surrogate
+        # weighted by what needs them, a row mean or a quantile, or by weights not folded (`_sequence_step`)
+        return False
     key = (backend, what)
     if config.ratio == "token" and backend != "torch" and key not in _warned:
         _warned.add(key)
