@@ -14,6 +14,10 @@ kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
   sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE with A·φ(w_i) or A·clamp(s_i); GMPO:
   the log-space clip of each token, from which its row's geometric mean is formed).
 
+Token-level configs come here too when their surrogate weights ω need ℓ or H first (the off-policy mask,
+`top_entropy_quantile`) or are importance weights that the forward kernel cannot fold into A: the token's
+own surrogate over the tokens, with the weight w_agg·ω.
+
 A surrogate is per row only when its loss is the same on every token of the row (then its
 aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
 SNIS's coefficient, VESPO's φ) is computed by the functions of `losses/surrogates.py`, the spec.
@@ -178,7 +182,8 @@ def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tens
 
 
 def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
-    """A per-token surrogate with a row's value: `policy_token_loss` over the tokens."""
+    """A per-token surrogate with a row's value, or a token-level one with weights ω: `policy_token_loss` over
+    the tokens."""
     B, T = rows.mask.shape
     if config.ratio == "token":  # the token's own surrogate times ω, for any objective: in its weight
         grad, _, stats = kernels.policy_token_loss(
