@@ -36,8 +36,9 @@ HAS_REF × bias correction, where a KL term needs ref log-probs and bias correct
 default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
 configuration a greedy set of combinations takes every value of every flag at least once. The flags
 change only the scalar loss after the row loop.
-Elementwise kernels: one configuration, as policy_token_loss launches it (BLOCK = LOSS_BLOCK = 256 tokens, Triton's
-default 4 warps), with no logits dtype. `_policy_token_loss_kernel`'s flags are the forward's plus
+Elementwise kernels: one configuration, as their launcher launches it (policy_token_loss: BLOCK = LOSS_BLOCK = 256
+tokens, Triton's default 4 warps; covariance_choice: one program of CHOICE_WARPS = 8 warps over BLOCK = CHOICE_BLOCK
+= 1024 tokens a step), with no logits dtype. `_policy_token_loss_kernel`'s flags are the forward's plus
 HAS_ENTROPY and HAS_ADV: 448 reachable combinations, of which the same greedy set (7: the default with
 entropy and advantages, then every value of every flag once) is compiled; there the flags are the whole
 kernel.
@@ -45,16 +46,17 @@ kernel.
 CUDA: every csrc/cuda/*.cu is compiled by nvcc with the real build's device flags; one row per kernel
 instantiation. `-fatbin` builds the device code only (the same cicc and ptxas runs as `-c`, without the
 host compile that python_tests/test_cuda_compile.py checks). A kernel is classified by its name:
-those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token, no template, dtype `-`) are
+those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token; covariance_choice_kernel: one block
+over the tokens; no template, dtype `-`) are
 elementwise; every other one walks rows in 16-byte packs (row_pass.cuh), so it must have 128-bit loads.
 
 Registers, stack frame and spill bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
 with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads from
 `cuobjdump -sass` of the binary (the CUDA toolkit's, else the one in Triton's wheel). Triton is skipped,
-with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 250
-Triton variants (14 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
-parallel (74 CUDA rows): about 260 s of CPU, 3-4 minutes on 2 cores (192 s measured). --quick: 20 Triton variants and the
-nvcc runs, 35 s on 2 idle cores (1.5 minutes on busy ones).
+with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 282
+Triton variants (22 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
+parallel (76 CUDA rows): 135 s measured on 2 cores. --quick: the streaming configurations and the
+elementwise kernels with their default flags, and the nvcc runs, 35 s on 2 idle cores (1.5 minutes on busy ones).
 """
 from __future__ import annotations
 
