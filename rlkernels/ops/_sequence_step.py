@@ -5,14 +5,15 @@ entropy terms plus a surrogate that couples the tokens of a row (docs/math.md §
 evaluated by the backend's `policy_token_loss` (the same per-token formula as the fused forward
 kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
 
-* the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate);
+* the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate), except that
+  SNIS's surrogate, REINFORCE like that call, comes in it as the advantage (`_snis`);
 * the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
   objective, or SAPO's gate, of the mean log-ratio; FSPO: the clip objective of the summed log-ratio
-  at its band's edge; SNIS: REINFORCE on Σ_t m ℓ with SNIS's coefficient as its advantage), its
-  derivative passed to the row's tokens through Σ_t m ℓ; or once over the tokens where the surrogate
-  is per token with a row's value (GSPO-token: the clip objective or SAPO's gate at the clamped
-  sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE with A·φ(w_i) or A·clamp(s_i); GMPO:
-  the log-space clip of each token, from which its row's geometric mean is formed).
+  at its band's edge), its derivative passed to the row's tokens through the row's mean or sum of ℓ;
+  or once over the tokens where the surrogate is per token with a row's value (GSPO-token: the clip
+  objective or SAPO's gate at the clamped sequence log-ratio; VESPO and sequence-level CISPO: REINFORCE
+  with A·φ(w_i) or A·clamp(s_i); GMPO: the log-space clip of each token, from which its row's geometric
+  mean is formed).
 
 Token-level configs come here too when their surrogate weights ω need ℓ or H first (the off-policy mask,
 `top_entropy_quantile`) or are importance weights that the forward kernel cannot fold into A: the token's
@@ -36,13 +37,13 @@ from ..losses.inputs import LossInputs
 from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
+from ._token_stats import loss_from_stats
 from .token_loss_params import (
     log_band_params, row_bias_correction, surrogate_params, token_objective, token_terms_params,
 )
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
-_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip"),
-            ("snis", "reinforce")}
+_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip")}
 _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo"),
               ("geometric", "clip")}
 
@@ -51,7 +52,8 @@ def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels (and a token-level one that the forward kernel
     does not: its surrogate weights need the kernel's ℓ or H, or are importance weights it cannot fold)."""
     return (hasattr(kernels, "policy_token_loss") and not row_bias_correction(config)
-            and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN or token_objective(config)))
+            and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
+                 or token_objective(config)))
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig,
@@ -65,11 +67,16 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
     rows = _Rows(logp.view(B, T), inputs, zero)
     weights = aggregation_weights(mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                                   norm_length=config.norm_length, dtype=logp.dtype, lengths=rows.lengths)
-    tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
-        logp, entropy, flat_mask, weights.view(-1), None, inputs.flat("old_logp"), inputs.flat("ref_logp"),
-        token_terms_params(config))
-
     omega = _surrogate_weights(logp, entropy, inputs, config, high_entropy)  # (B, T) or None, 0 where masked
+    adv, snis_ratio = _snis(rows, omega, inputs, config) if config.ratio == "snis" else (None, None)
+    tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
+        logp, entropy, flat_mask, weights.view(-1), adv, inputs.flat("old_logp"), inputs.flat("ref_logp"),
+        token_terms_params(config))
+    grad_h = tok_grad_h if config.entropy_coef != 0 else None
+    if snis_ratio is not None:  # its ratio statistic is the row's ρ_i on each token, not the token's own ratio
+        torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, 3].view(B, T))
+        return loss_from_stats(tok_stats, inputs), tok_grad, grad_h
+
     if (config.ratio, config.objective) in _PER_TOKEN or config.ratio == "token":
         sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
     else:
@@ -78,7 +85,6 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
     tok_sums = tok_stats.sum(0)
     sums = torch.cat([tok_sums[:1] + sums[:1], sums[1:4], tok_sums[4:]])
     metrics = metrics_from_sums(sums[1:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
-    grad_h = tok_grad_h if config.entropy_coef != 0 else None
     return LossOutput(sums[0], metrics), tok_grad + sur_grad, grad_h
 
 
@@ -88,7 +94,11 @@ class _Rows:
     def __init__(self, logp: Tensor, inputs: LossInputs, zero: Tensor):
         self.logp, self.mask, self.old_logp, self.zero = logp, inputs.mask, inputs.old_logp, zero
         self.lengths = self.mask.sum(-1, dtype=logp.dtype)  # L_i
-        self.divisor = self.lengths.clamp(min=1)
+
+    @functools.cached_property
+    def divisor(self) -> Tensor:
+        """max(L_i, 1)."""
+        return self.lengths.clamp(min=1)
 
     def masked_sum(self, x) -> Tensor:
         return torch.where(self.mask, x, self.zero).sum(-1)
@@ -129,6 +139,19 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
     return surrogate_weights(b, inputs, config, high_entropy)
 
 
+def _snis(rows: _Rows, omega, inputs: LossInputs, config):
+    """(A flat, ρ) of SNIS in the KL and entropy terms' call, REINFORCE: its loss −coef_i·S_i·W_i (S_i = Σ_t m ℓ,
+    W_i = Σ_t w_agg·ω) is −A·ℓ per token weighted w_agg, with A = coef_i·Σ_t m ω (w_agg is the same on every token
+    of a row, docs/math.md §8); ρ_i = e^clamp(Σ_t m (ℓ − ℓ_old)) is its ratio statistic."""
+    c = config.log_ratio_clamp
+    log_rho = rows.log_ratio_sum.clamp(-c, c)
+    coef = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, rows.lengths > 0,
+                          inputs.group_size)
+    counted = rows.lengths if omega is None else omega.sum(-1)
+    adv = coef[:, None] * counted[:, None].expand(rows.mask.shape)  # one product, already (B, T)
+    return adv.view(-1), torch.exp(log_rho)
+
+
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
     """A surrogate with one value per row: `policy_token_loss` over the rows, row i weighted W_i / L_i, so that
     its statistics count once per token (Σ_i L_i·stats_i) and its derivative w.r.t. a row mean is each token's."""
@@ -137,7 +160,6 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
     c = config.log_ratio_clamp
     x_old, params = None, None
     grad_scale = None  # ∂x/∂ℓ_t·L_i when x is not a row mean (the same on each of the row's tokens)
-    ratio = None  # the ratio statistic, when it is not the op's
     if config.ratio == "sequence_sum":  # FSPO: the clip objective of s = clamp(Σ_t m (ℓ − ℓ_old)) in the band ±c·√L
         # Only the edge on A's side binds: the clip objective at the ratio e^(s − edge) with bounds 1 and
         # advantage A·e^edge. The edge is clamped to [−c, c] (s lies there, so nothing changes; e^edge stays finite).
@@ -149,11 +171,6 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
         adv = inputs.adv_row * ratio_scale
         params = log_band_params(config, 0.0, 0.0, 2 * c + 1)  # |s − edge| ≤ 2c: the op clamps nothing more
         grad_scale = torch.where(raw == x, rows.lengths, rows.zero)  # where the clamp of s passes the gradient
-    elif config.ratio == "snis":  # −coef·S: REINFORCE with A = coef
-        log_rho = rows.log_ratio_sum.clamp(-c, c)
-        adv = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, valid, inputs.group_size)
-        x, objective, grad_scale = rows.logp_sum, "reinforce", rows.lengths
-        ratio = torch.where(valid, torch.exp(log_rho), rows.zero)
     elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
         (x, old_mean), objective, adv = rows.means(), "clip", inputs.adv_row
         x_old = gepo_log_expectation(old_mean, inputs.group, inputs.num_groups, valid, inputs.group_size)
@@ -165,9 +182,7 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
                                                    params or surrogate_params(config, objective))
     grad = rows.to_tokens(row_grad if grad_scale is None else row_grad * grad_scale)
     if config.ratio == "sequence_sum":
-        ratio = stats[:, 3] * ratio_scale
-    if ratio is not None:
-        stats = torch.cat([stats[:, :3], ratio[:, None]], 1)
+        stats[:, 3].mul_(ratio_scale)  # the ratio e^s, in place of the op's
     # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
     counted = None if omega is None else (omega > 0).sum(-1).to(stats.dtype)
     return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, 3])
