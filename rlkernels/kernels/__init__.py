@@ -75,7 +75,8 @@ Every backend module exposes the same two functions over flattened rows
     (H = 0); ``adv`` ``(N,)`` or ``None`` (A = 0: no surrogate, only the KL and entropy terms);
     the other inputs, the params and the three outputs as in ``policy_token_fwd``. The
     sequence-level losses call it once over the tokens for their KL and entropy terms and once
-    over the rows (or tokens) for their surrogate (``ops/_sequence_step.py``). Two more
+    over the rows (or tokens) for their surrogate (SNIS: its REINFORCE surrogate in the first
+    call, as its advantage) (``ops/_sequence_step.py``). Two more
     objectives read ``chosen (N,)`` (``None``: 0 everywhere), the output of ``covariance_choice``:
 
         CLIP_COV:  CLIP, except that where chosen ≠ 0: A = 0 in the surrogate (s = 0, no gradient)
