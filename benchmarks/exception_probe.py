@@ -17,7 +17,7 @@ fwd = torch.ops.rlkernels_C.token_logprobs_fwd
 z, y = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
 inf, one, mask = float("inf"), torch.ones(4), torch.ones(4, dtype=torch.bool)
 policy = lambda mask, clip_low: torch.ops.rlkernels_C.policy_token_fwd(
-    z, y, mask, one, one, None, None, 1.0, 0, clip_low, 0.2, inf, inf, 0, 0.0, inf, False, 0.0, 20.0)
+    z, y, mask, one, one, None, None, None, 1.0, 0, clip_low, 0.2, inf, inf, 0, 0.0, inf, False, 0.0, 20.0)
 """
 
 # (what is thrown, where, the call)

@@ -274,7 +274,7 @@ def _flag_domains():
     domains = {
         "NEED_ENTROPY": on_off, "HAS_H": on_off, "HAS_OLD": on_off, "HAS_REF": on_off,
         "HAS_ENTROPY": on_off, "HAS_ADV": on_off,
-        "HAS_CHOSEN": on_off, "HAS_WEIGHTS": on_off,
+        "HAS_CHOSEN": on_off, "HAS_IS_WEIGHTS": on_off,
         "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE, "sapo": P.SAPO,
                       "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO, "clip_cov": P.CLIP_COV,
                       "kl_cov": P.KL_COV},

@@ -215,21 +215,24 @@ def _loss_op_args(device):
         yield (torch.ops.rlkernels_C.token_logprobs_bwd_out.default,
                (flat, flat_targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap,
                 torch.empty_like(flat)))
-        for optional in ((old, ref), (None, None)):
+        omega = torch.rand(n, generator=g).to(device)
+        for optional in ((old, ref, omega), (None, None, None)):
             yield (torch.ops.rlkernels_C.policy_token_fwd.default,
                    (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, *scalars))
             yield (torch.ops.rlkernels_C.policy_token_loss.default,
-                   (logp, entropy, mask, weight, adv, *optional, None, *scalars))
-        yield torch.ops.rlkernels_C.policy_token_loss.default, (logp, None, mask, weight, None, old, None, None, *scalars)
+                   (logp, entropy, mask, weight, adv, *optional[:2], None, optional[2], *scalars))
+        yield (torch.ops.rlkernels_C.policy_token_loss.default,
+               (logp, None, mask, weight, None, old, None, None, None, *scalars))
         chosen = torch.where(mask, 0.3, 0.0)
         yield (torch.ops.rlkernels_C.policy_token_loss.default,
-               (logp, entropy, mask, weight, adv, old, ref, chosen, *_loss_scalars(covariance_params(presets.kl_cov()))))
+               (logp, entropy, mask, weight, adv, old, ref, chosen, omega,
+                *_loss_scalars(covariance_params(presets.kl_cov()))))
         for name, draws in (("kl_cov", None), ("clip_cov", torch.rand(n, generator=g).to(device))):
             p = covariance_choice_params(presets.get(name, clip_cov_lb=-1.0, kl_cov_ratio=0.3, clip_cov_ratio=0.3))
-            for optional in ((old, weight.abs()), (None, None)):
+            for old_logp in (old, None):
                 yield (torch.ops.rlkernels_C.covariance_choice.default,
-                       (logp, adv, optional[0], mask, draws, optional[1], int(p.objective), p.fraction, p.cov_lb,
-                        p.cov_ub, p.clip_low, p.clip_high, p.log_ratio_clamp, p.scale))
+                       (logp, adv, old_logp, mask, draws, int(p.objective), p.fraction, p.cov_lb, p.cov_ub, p.clip_low,
+                        p.clip_high, p.log_ratio_clamp, p.scale))
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled extension")

@@ -71,9 +71,10 @@ def test_sequence_level_budget(preset):
     ("grpo", dict(off_policy_mask=0.01)), ("grpo", dict(kl_bias_correction=True, kl_bias_ratio="sequence")),
     ("cispo", dict(is_weights=True)), ("dro", dict(is_weights=True))])
 def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backend):
-    """Options whose terms couple a row's or the call's tokens (a quantile, row means), or weights a kernel does
-    not fold: no host sync; the token-level ones take the token step (two `policy_token_loss` calls), not the
-    autograd of `losses/` (the KL times a row's sequence ratio still does)."""
+    """Options whose terms couple a row's or the call's tokens (a quantile, row means), and importance weights: no
+    host sync; the weights stay in the forward kernel, and the token-level options that need its outputs take the
+    token step (two `policy_token_loss` calls), not the autograd of `losses/` (the KL times a row's sequence ratio
+    still does)."""
     import torch
     import warnings
 
@@ -95,6 +96,8 @@ def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backen
         call()
         c = launches.count(call)
     assert c.syncs == 0, c.names
-    if backend == "cpu" and config.ratio == "token" and config.kl_bias_ratio != "sequence":
+    if backend == "cpu" and "is_weights" in kw:
+        assert c.names.get("rlkernels_C::policy_token_fwd") == 1 and c.ops <= 24, c.names
+    elif backend == "cpu" and config.ratio == "token" and config.kl_bias_ratio != "sequence":
         assert c.names.get("rlkernels_C::policy_token_loss") == 2, c.names
         assert c.ops <= 64, c.names

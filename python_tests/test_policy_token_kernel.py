@@ -205,7 +205,7 @@ def _kernel_args(case: Case, x: Inputs, device):
         return None if t is None else torch.where(flat_m, t.reshape(-1), math.nan).to(acc).to(device)
 
     return (x.logits.to(device), x.targets.to(device), flat_m.to(device), weights.reshape(-1).to(acc).to(device),
-            token_input(x.adv), token_input(x.old_logp), token_input(x.ref_logp))
+            token_input(x.adv), token_input(x.old_logp), token_input(x.ref_logp), None)  # is_weights: the fused tests
 
 
 BACKENDS = [
@@ -259,7 +259,7 @@ def test_empty_batch_and_all_masked(kernels, device):
     z = torch.zeros((), device=device)
     empty = kernels.policy_token_fwd(torch.zeros(0, 7, device=device), torch.zeros(0, dtype=torch.long, device=device),
                                      torch.zeros(0, dtype=torch.bool, device=device), z.new_zeros(0), z.new_zeros(0),
-                                     z.new_zeros(0), None, 1.0, params)
+                                     z.new_zeros(0), None, None, 1.0, params)
     assert [tuple(t.shape) for t in empty] == [(0,), (0,), (0, 2), (0,), (0,), (0, NUM_STATS)]
 
     gen = torch.Generator().manual_seed(7)
@@ -269,7 +269,7 @@ def test_empty_batch_and_all_masked(kernels, device):
     nan = torch.full((n,), math.nan, device=device)
     logp, entropy, lse_parts, grad_logp, grad_entropy, stats = kernels.policy_token_fwd(
         logits, targets, torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, device=device), nan, nan,
-        nan, 1.0, params)
+        nan, nan, 1.0, params)
     expected = torch_chunked.token_logprobs_fwd(logits.cpu().double(), targets.cpu(), 1.0, True)
     for actual, want in zip((logp, entropy, lse_parts), expected):  # the forward is still there for the backward
         torch.testing.assert_close(actual.cpu().double(), want, rtol=1e-5, atol=1e-5)
@@ -283,7 +283,7 @@ def _valid_args(n=4, vocab=10, dtype=torch.float32, device="cpu"):
     return dict(logits=torch.randn(n, vocab, generator=gen).to(dtype).to(device),
                 targets=torch.randint(0, vocab, (n,), generator=gen).to(device),
                 mask=torch.ones(n, dtype=torch.bool, device=device), weight=r().abs(), adv=r(), old_logp=r() - 3,
-                ref_logp=r() - 3)
+                ref_logp=r() - 3, is_weights=r().abs())
 
 
 def _call(kernels, args, temperature=1.0, **params):
@@ -311,6 +311,8 @@ def test_bad_tensors_name_the_argument():
         ("old_logp", dict(old_logp=a["old_logp"][:1])),
         ("ref_logp", dict(ref_logp=a["ref_logp"].bfloat16())),
         ("ref_logp", dict(ref_logp=torch.zeros(n + 1))),
+        ("is_weights", dict(is_weights=a["is_weights"].double())),
+        ("is_weights", dict(is_weights=a["is_weights"][:2])),
     ]
     for name, change in cases:
         with pytest.raises((RuntimeError, ValueError, TypeError), match=f"{name}:"):
@@ -335,7 +337,8 @@ def test_bad_scalars_name_the_argument():
     w = torch.exp(unbounded[0] - a["old_logp"])
     torch.testing.assert_close(unbounded[5][:, STATS.index("ratio")], w)
     dk3 = torch.expm1(a["ref_logp"] - unbounded[0])  # ∂k3/∂Δ, and ∂Δ/∂ℓ = −1
-    torch.testing.assert_close(unbounded[3], a["weight"] * (-a["adv"] * w - 0.1 * dk3))
+    # ω times the surrogate only, not the KL term
+    torch.testing.assert_close(unbounded[3], a["weight"] * (-a["adv"] * w * a["is_weights"] - 0.1 * dk3))
 
 
 @pytest.mark.skipif(not _CUDA_OK, reason=_CUDA_REASON)

@@ -85,3 +85,23 @@ def test_inplace_overwrites_logits_with_the_gradient(dtype):
     torch.testing.assert_close(out.loss, expected.loss)
     torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)  # same kernel, same values
     assert x.grad.data_ptr() == buffer.data_ptr()  # no second N × V buffer
+
+
+@pytest.mark.parametrize("name", ["grpo", "cispo", "dro"])
+def test_importance_weights_in_the_forward_kernel(name):
+    """ω in the Triton forward kernel: the surrogate times ω, its clip flags where ω > 0 (a fifth are 0)."""
+    logits, targets, adv, mask, config, kw = _case(name, 33, torch.float32)
+    w = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) * 1.5
+    kw = dict(kw, is_weights=w.masked_fill(w < 0.3, 0.0).to(DEVICE))
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.8, backend="triton", **kw)
+    (2.5 * fused.loss).backward()
+    composed, grad = _composed(logits, targets, adv, mask, config, kw)
+    # a clone: for fp32 logits `_composed`'s leaf is the logits themselves, whose .grad would accumulate
+    unweighted, _ = _composed(logits.detach().clone(), targets, adv, mask, config,
+                              {k: v for k, v in kw.items() if k != "is_weights"})
+    assert not torch.allclose(unweighted.loss, composed.loss), "the weights change the loss"
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x.grad, grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-7, msg=key)

@@ -103,7 +103,7 @@ def spec(logits, targets, mask, adv, old, ref, temperature, config, logp=None):
 def run_kernel(logits, targets, mask, weight, adv, old, ref, temperature, config):
     flat = lambda t: None if t is None else t.reshape(-1).float().to(DEVICE)  # noqa: E731
     outs = tk.policy_token_fwd(logits.to(DEVICE), targets.to(DEVICE), mask.reshape(-1).to(DEVICE),
-                               flat(weight), flat(adv), flat(old), flat(ref), temperature,
+                               flat(weight), flat(adv), flat(old), flat(ref), None, temperature,
                                token_loss_params(config))
     names = ("logp", "entropy", "lse_parts", "grad_logp", "grad_entropy", "stats")
     return {name: out.cpu() for name, out in zip(names, outs)}
@@ -255,5 +255,5 @@ def test_no_rows():
     empty = torch.empty(0, device=DEVICE)
     outs = tk.policy_token_fwd(logits, torch.empty(0, dtype=torch.int64, device=DEVICE),
                                torch.empty(0, dtype=torch.bool, device=DEVICE), empty, empty,
-                               None, empty, 1.0, token_loss_params(PolicyLossConfig()))
+                               None, empty, None, 1.0, token_loss_params(PolicyLossConfig()))
     assert [tuple(o.shape) for o in outs] == [(0,), (0,), (0, 2), (0,), (0,), (0, NUM_STATS)]

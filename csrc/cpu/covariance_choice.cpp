@@ -20,9 +20,8 @@ namespace rlk_cpu {
 namespace {
 
 at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, const std::optional<at::Tensor>& old_logp,
-                                 const at::Tensor& mask, const std::optional<at::Tensor>& draws,
-                                 const std::optional<at::Tensor>& weights, int64_t objective, double fraction,
-                                 double cov_lb, double cov_ub, double clip_low, double clip_high,
+                                 const at::Tensor& mask, const std::optional<at::Tensor>& draws, int64_t objective,
+                                 double fraction, double cov_lb, double cov_ub, double clip_low, double clip_high,
                                  double log_ratio_clamp, double scale) {
   TORCH_CHECK(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
   TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
@@ -33,11 +32,11 @@ at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, 
   at::Tensor out = at::zeros({N}, logp.options());
   AT_DISPATCH_FLOATING_TYPES(logp.scalar_type(), "covariance_choice", [&] {
     using Key = typename rlk::OrderedBits<scalar_t>::type;
-    const auto p = rlk::covariance_choice_params<scalar_t>(logp, adv, old_logp, mask, draws, weights, objective,
+    const auto p = rlk::covariance_choice_params<scalar_t>(logp, adv, old_logp, mask, draws, objective,
                                                            fraction, cov_lb, cov_ub, clip_low, clip_high,
                                                            log_ratio_clamp, scale);
     const scalar_t *l = logp.const_data_ptr<scalar_t>(), *a = adv.const_data_ptr<scalar_t>();
-    const scalar_t *old = rlk::optional_ptr<scalar_t>(old_logp), *omega = rlk::optional_ptr<scalar_t>(weights);
+    const scalar_t* old = rlk::optional_ptr<scalar_t>(old_logp);
     const float* u = rlk::optional_ptr<float>(draws);
     const bool* m = mask.const_data_ptr<bool>();
     // The means over the masked tokens, summed in double and rounded to the accumulation dtype (the spec's).
@@ -61,10 +60,7 @@ at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, 
     const int64_t k = std::min<int64_t>(rlk::choice_size(count, fraction), int64_t(eligible.size()));
     if (k < int64_t(eligible.size())) std::nth_element(eligible.begin(), eligible.begin() + k, eligible.end());
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t n = eligible[j].second;
-      o[n] = omega != nullptr ? p.scale * omega[n] : p.scale;
-    }
+    for (int64_t j = 0; j < k; ++j) o[eligible[j].second] = p.scale;
   });
   return out;
 }
@@ -73,10 +69,9 @@ at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, 
 }  // namespace rlk_cpu
 
 TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
-  // Clip-Cov's (objective 0, with uniform `draws`) or KL-Cov's (1) tokens of a call: `scale` (times `weights`)
-  // on each chosen token, 0 elsewhere, in the dtype of logp.
-  m.def("covariance_choice(Tensor logp, Tensor adv, Tensor? old_logp, Tensor mask, Tensor? draws, Tensor? weights,"
-        " int objective, float fraction, float cov_lb, float cov_ub, float clip_low, float clip_high,"
+  // Clip-Cov's (objective 0, with uniform `draws`) or KL-Cov's (1) tokens of a call: `scale` on each chosen token,
+  // 0 elsewhere, in the dtype of logp.
+  m.def("covariance_choice(Tensor logp, Tensor adv, Tensor? old_logp, Tensor mask, Tensor? draws, int objective, float fraction, float cov_lb, float cov_ub, float clip_low, float clip_high,"
         " float log_ratio_clamp, float scale) -> Tensor");
 }
 

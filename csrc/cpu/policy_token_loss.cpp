@@ -23,7 +23,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
-    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen, int64_t objective,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen,
+    const std::optional<at::Tensor>& is_weights, int64_t objective,
     double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
     double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
     double sapo_tau_neg, double ratio_cap, double dro_beta) {
@@ -36,6 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
   if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", acc);
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, acc);
   if (chosen.has_value()) rlk::check_token_tensor(*chosen, "chosen", logp, "logp (N,)", acc);
+  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logp, "logp (N,)", acc);
   const int64_t N = logp.size(0);
   const auto opts = logp.options();
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -48,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     if (N == 0) return;
     const rlk::TokenArrays<scalar_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<scalar_t>(),
                                         rlk::optional_ptr<scalar_t>(adv), rlk::optional_ptr<scalar_t>(old_logp),
-                                        rlk::optional_ptr<scalar_t>(ref_logp), rlk::optional_ptr<scalar_t>(chosen)};
+                                        rlk::optional_ptr<scalar_t>(ref_logp), rlk::optional_ptr<scalar_t>(chosen),
+                                        rlk::optional_ptr<scalar_t>(is_weights)};
     const scalar_t *l_p = logp.const_data_ptr<scalar_t>(), *h_p = rlk::optional_ptr<scalar_t>(entropy);
     scalar_t* gl_p = grad_logp.mutable_data_ptr<scalar_t>();
     scalar_t* ge_p = grad_entropy.mutable_data_ptr<scalar_t>();
@@ -68,9 +71,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
 
 TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
   // The per-token policy loss at given log-probs (N,); the scalars are those of policy_token_fwd.
-  // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them. Returns (grad_logp, grad_entropy, stats).
+  // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
+  // 1). Returns (grad_logp, grad_entropy, stats).
   m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
-        " Tensor? ref_logp, Tensor? chosen, int objective, float clip_low, float clip_high, float delta, float dual_clip,"
+        " Tensor? ref_logp, Tensor? chosen, Tensor? is_weights, int objective, float clip_low, float clip_high, float delta, float dual_clip,"
         " int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction, float entropy_coef,"
         " float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap, float dro_beta)"
         " -> (Tensor, Tensor, Tensor)");

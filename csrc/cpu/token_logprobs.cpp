@@ -456,7 +456,7 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
     double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
     double dro_beta) {
@@ -468,6 +468,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   rlk::check_softcap(softcap);
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, acc);
+  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "logits (N, V)", acc);
   const auto opts = logits.options().dtype(acc);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -484,7 +485,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     const rlk::TokenArrays<acc_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<acc_t>(),
                                      adv.const_data_ptr<acc_t>(), rlk::optional_ptr<acc_t>(old_logp),
-                                     rlk::optional_ptr<acc_t>(ref_logp)};
+                                     rlk::optional_ptr<acc_t>(ref_logp), nullptr,
+                                     rlk::optional_ptr<acc_t>(is_weights)};
     acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
     acc_t* ent_p = entropy.mutable_data_ptr<acc_t>();
     acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
@@ -522,10 +524,11 @@ TORCH_LIBRARY(rlkernels_C, m) {
   m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature, float softcap, Tensor(a!) out) -> ()");
   // The forward plus the per-token policy loss; the scalars are those of
-  // rlkernels/kernels/token_loss_params.py. Returns (logp, entropy, lse_parts, grad_logp, grad_entropy, stats).
+  // rlkernels/kernels/token_loss_params.py; is_weights: ω of the surrogate (None: 1). Returns (logp, entropy,
+  // lse_parts, grad_logp, grad_entropy, stats).
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
-        " Tensor? ref_logp, float temperature, float softcap, int objective, float clip_low, float clip_high, float delta,"
-        " float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
+        " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, int objective, float clip_low,"
+        " float clip_high, float delta, float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
         " float entropy_coef, float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap,"
         " float dro_beta) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -116,7 +116,7 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
     double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
     double dro_beta) {
@@ -124,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "logits (N, V)", at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
       entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
@@ -134,7 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
   if (N == 0) return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
-                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp)};
+                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp), nullptr,
+                       rlk::optional_ptr<float>(is_weights)};
   const TokenOutputs out{logp.mutable_data_ptr<float>(),      entropy.mutable_data_ptr<float>(),
                          lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
@@ -148,7 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
-    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen, int64_t objective,
+    const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen,
+    const std::optional<at::Tensor>& is_weights, int64_t objective,
     double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
     double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
     double sapo_tau_neg, double ratio_cap, double dro_beta) {
@@ -159,6 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", at::kFloat);
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   if (chosen.has_value()) rlk::check_token_tensor(*chosen, "chosen", logp, "logp (N,)", at::kFloat);
+  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logp, "logp (N,)", at::kFloat);
   const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
       objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
       entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
@@ -169,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   if (N == 0) return {grad_logp, grad_entropy, stats};
   const auto ptr = [](const std::optional<at::Tensor>& t) { return rlk::optional_ptr<float>(t); };
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), ptr(adv), ptr(old_logp),
-                       ptr(ref_logp), ptr(chosen)};
+                       ptr(ref_logp), ptr(chosen), ptr(is_weights)};
   const c10::cuda::CUDAGuard guard(logp.device());
   C10_CUDA_CHECK(policy_token_loss(N, logp.const_data_ptr<float>(), ptr(entropy), in, params,
                                    grad_logp.mutable_data_ptr<float>(), grad_entropy.mutable_data_ptr<float>(),
@@ -180,14 +184,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
 // Clip-Cov's or KL-Cov's chosen tokens at given fp32 log-probs (N,).
 at::Tensor covariance_choice_cuda(const at::Tensor& logp, const at::Tensor& adv,
                                   const std::optional<at::Tensor>& old_logp, const at::Tensor& mask,
-                                  const std::optional<at::Tensor>& draws, const std::optional<at::Tensor>& weights,
-                                  int64_t objective, double fraction, double cov_lb, double cov_ub, double clip_low,
-                                  double clip_high, double log_ratio_clamp, double scale) {
+                                  const std::optional<at::Tensor>& draws, int64_t objective, double fraction,
+                                  double cov_lb, double cov_ub, double clip_low, double clip_high,
+                                  double log_ratio_clamp, double scale) {
   TORCH_CHECK(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
   TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
   TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
               logp.sizes());
-  const auto params = rlk::covariance_choice_params<float>(logp, adv, old_logp, mask, draws, weights, objective,
+  const auto params = rlk::covariance_choice_params<float>(logp, adv, old_logp, mask, draws, objective,
                                                            fraction, cov_lb, cov_ub, clip_low, clip_high,
                                                            log_ratio_clamp, scale);
   const int64_t N = logp.size(0);
@@ -195,7 +199,7 @@ at::Tensor covariance_choice_cuda(const at::Tensor& logp, const at::Tensor& adv,
   if (N == 0) return out;
   const auto ptr = [](const std::optional<at::Tensor>& t) { return rlk::optional_ptr<float>(t); };
   const ChoiceInputs in{logp.const_data_ptr<float>(), adv.const_data_ptr<float>(), ptr(old_logp),
-                        mask.const_data_ptr<bool>(), ptr(draws), ptr(weights)};
+                        mask.const_data_ptr<bool>(), ptr(draws)};
   const c10::cuda::CUDAGuard guard(logp.device());
   C10_CUDA_CHECK(covariance_choice(N, in, params, out.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return out;

@@ -25,7 +25,8 @@ __device__ inline rlk::Candidate<float> candidate_at(const ChoiceInputs& in, con
                         mean_adv, mean_logp);
 }
 
-__global__ void __launch_bounds__(kThreads)
+// One block per launch: registers for 1024 threads (64 each), not for two blocks an SM (32 each: sm_80 spilled).
+__global__ void __launch_bounds__(kThreads, 1)
     covariance_choice_kernel(int64_t n, ChoiceInputs in, rlk::CovarianceChoiceParams<float> p, float* __restrict__ out) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   using Scan = cub::BlockScan<int, kThreads>;
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
     Scan(temp.scan).ExclusiveSum(tie, rank, ties);
     __syncthreads();  // before the next chunk's scan reuses the storage
     const bool take = eligible && (take_all || key < threshold || (tie && taken + rank < need));
-    if (i < n) out[i] = take ? (in.weights != nullptr ? p.scale * in.weights[i] : p.scale) : 0.0f;
+    if (i < n) out[i] = take ? p.scale : 0.0f;
     taken += ties;
   }
 }

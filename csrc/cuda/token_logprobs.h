@@ -82,19 +82,18 @@ cudaError_t policy_token_loss(int64_t n, const float* logp, const float* entropy
                               const rlk::TokenLossParams<float>& params, float* grad_logp, float* grad_entropy,
                               float* stats, cudaStream_t stream);
 
-// The inputs of covariance_choice, fp32 device arrays of n elements (the mask bool); old_logp, draws (Clip-Cov
-// only) and weights may be null.
+// The inputs of covariance_choice, fp32 device arrays of n elements (the mask bool); old_logp and draws (Clip-Cov
+// only) may be null.
 struct ChoiceInputs {
   const float* logp;
   const float* adv;
   const float* old_logp;
   const bool* mask;
   const float* draws;
-  const float* weights;
 };
 
 // Clip-Cov's or KL-Cov's chosen tokens of rlkernels/covariance_choice.h into out[n] (fp32 device memory): scale
-// (times the weight) on each, 0 elsewhere (the contract is `covariance_choice` in rlkernels/kernels/__init__.py).
+// on each, 0 elsewhere (the contract is `covariance_choice` in rlkernels/kernels/__init__.py).
 // One block; n < 2^31. Returns the launch error, if any.
 cudaError_t covariance_choice(int64_t n, const ChoiceInputs& in, const rlk::CovarianceChoiceParams<float>& params,
                               float* out, cudaStream_t stream);

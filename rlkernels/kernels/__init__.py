@@ -26,12 +26,13 @@ Every backend module exposes the same two functions over flattened rows
     write into instead of a new one; it may be ``logits`` itself (every element is read before
     it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
 
-``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0)``
+``policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params, softcap=0.0)``
 ``-> (logp, entropy, lse_parts, grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
     The forward above plus the token-level policy loss of docs/math.md, in the same program
     that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each
     token (0 where masked); ``adv (N,)`` the advantage A; ``old_logp (N,)`` ℓ_old or ``None``
-    (on-policy: ℓ_old = ℓ, no gradient through it); ``ref_logp (N,)`` ℓ_ref or ``None``; all
+    (on-policy: ℓ_old = ℓ, no gradient through it); ``ref_logp (N,)`` ℓ_ref or ``None``;
+    ``is_weights (N,)`` the surrogate's importance weights ω ≥ 0 or ``None`` (ω = 1); all
     contiguous in the accumulation dtype (fp32; fp64 for fp64 logits). ``params`` is a
     ``kernels.token_loss_params.TokenLossParams``. With ℓ the log-prob and H the entropy of a
     row (c = log_ratio_clamp; inf means "no bound"):
@@ -51,6 +52,7 @@ Every backend module exposes the same two functions over flattened rows
                    s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 outside;
                    clip_low = outside and A < 0,  clip_high = outside and A > 0
         DRO:       s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
+        ω:         s and ∂s/∂ℓ of the surrogate above times ω; clip_low = clip_high = false where ω = 0
         KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                    is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
                    (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w under kl_bias_correction
@@ -68,7 +70,7 @@ Every backend module exposes the same two functions over flattened rows
     outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
     on the device).
 
-``policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None)``
+``policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, is_weights=None)``
 ``-> (grad_logp, grad_entropy, stats)`` (backends cpu, cuda, triton)
     The per-token loss of ``policy_token_fwd`` at given log-probs, without logits: ``logp (N,)``
     in the accumulation dtype (fp32; cpu also fp64), contiguous; ``entropy (N,)`` or ``None``
@@ -84,10 +86,10 @@ Every backend module exposes the same two functions over flattened rows
         KL_COV:    CLIP (with every bound inf: s = −A·w), plus chosen·|ℓ − ℓ_old| where chosen ≠ 0
                    (the difference unclamped; its derivative sign(ℓ − ℓ_old), 0 at 0)
 
-``covariance_choice(logp, adv, old_logp, mask, draws, weights, params) -> chosen`` (backends cpu, cuda, triton)
+``covariance_choice(logp, adv, old_logp, mask, draws, params) -> chosen`` (backends cpu, cuda, triton)
     Clip-Cov's and KL-Cov's choice of tokens (docs/math.md §5) in one launch. ``logp``, ``adv``
     ``(N,)`` in the accumulation dtype, ``old_logp`` ``(N,)`` or ``None`` (on-policy), ``mask (N,)``
-    bool, ``weights`` ``(N,)`` or ``None``; ``params`` a ``token_loss_params.CovarianceChoiceParams``.
+    bool; ``params`` a ``token_loss_params.CovarianceChoiceParams``.
     Over the masked tokens (n of them), with means of A and ℓ summed in float64 and rounded to
     the dtype, Cov = (A − mean A)·(ℓ − mean ℓ) in the dtype, and k = max(⌊n·fraction⌋, 1) in float64:
     CHOOSE_CLIP_COV takes ``draws (N,)`` fp32 uniform; the candidates are the tokens with
@@ -95,5 +97,5 @@ Every backend module exposes the same two functions over flattened rows
     ≤ −A·w, w = e^clamp(ℓ − ℓ_old, ±log_ratio_clamp)), and the min(k, candidates) of smallest draw
     are chosen. CHOOSE_KL_COV (``draws=None``): the k tokens of largest Cov (NaN largest, −0 = +0,
     as torch.sort). Ties go to the first position. Returns ``chosen (N,)`` in the dtype of logp:
-    ``scale`` (times ``weights``) on each chosen token, 0 elsewhere. At most 2^31 − 1 tokens.
+    ``scale`` on each chosen token, 0 elsewhere. At most 2^31 − 1 tokens.
 """

@@ -53,24 +53,25 @@ def _loss_scalars(p):
             float(p.ratio_cap), float(p.dro_beta))
 
 
-def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0):
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
+                     softcap=0.0):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
     loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_fwd(
-        logits, targets, mask, weight, adv, old_logp, ref_logp, float(temperature), float(softcap),
+        logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, float(temperature), float(softcap),
         *_loss_scalars(params))
 
 
-def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None):
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, is_weights=None):
     """(grad_logp, grad_entropy, stats) of the per-token policy loss at log-probs `logp (N,)`; see
     rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_loss(
-        logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, *_loss_scalars(params))
+        logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, *_loss_scalars(params))
 
 
-def covariance_choice(logp, adv, old_logp, mask, draws, weights, params):
+def covariance_choice(logp, adv, old_logp, mask, draws, params):
     """Clip-Cov's or KL-Cov's tokens (N,) of a `CovarianceChoiceParams`; see rlkernels/kernels/__init__.py."""
     p = params
     return torch.ops.rlkernels_C.covariance_choice(
-        logp, adv, old_logp, mask, draws, weights, int(p.objective), float(p.fraction), float(p.cov_lb),
+        logp, adv, old_logp, mask, draws, int(p.objective), float(p.fraction), float(p.cov_lb),
         float(p.cov_ub), float(p.clip_low), float(p.clip_high), float(p.log_ratio_clamp), float(p.scale))

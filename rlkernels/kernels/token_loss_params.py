@@ -46,4 +46,4 @@ class CovarianceChoiceParams:
     clip_low: float  # Clip-Cov: PPO's clip bounds 1 − clip_low, 1 + clip_high; a clipped token is no candidate
     clip_high: float
     log_ratio_clamp: float
-    scale: float  # a chosen token's output (times its importance weight)
+    scale: float  # a chosen token's output

@@ -10,7 +10,8 @@ tokens in one launch, and the loss is per token again (objectives CLIP_COV and K
   clipped on A's side.
 * KL-Cov: −A·w (the clip objective without bounds), plus kl_cov_coef·|ℓ − ℓ_old| on the chosen tokens.
 
-Importance weights ω enter as for the other token-level losses (ω·A; the penalty times ω).
+Importance weights ω multiply the surrogate in the kernel, as for the other token-level losses (the penalty
+is part of it).
 """
 from __future__ import annotations
 
@@ -33,17 +34,16 @@ def evaluates(kernels, config: PolicyLossConfig) -> bool:
 def covariance_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):
     """(the loss and metrics, ∂loss/∂ℓ flat, ∂loss/∂H flat or None) at flat `(N,)` log-probs and entropies."""
     mask, adv = inputs.mask.reshape(-1), inputs.flat("adv")
-    omega = inputs.flat("is_weights")
-    chosen = _chosen(kernels, logp, mask, adv, omega, inputs, config)
+    chosen = _chosen(kernels, logp, mask, adv, inputs, config)
     weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                                   norm_length=config.norm_length, dtype=logp.dtype)
     grad, grad_h, stats = kernels.policy_token_loss(
-        logp, entropy, mask, weights.view(-1), adv if omega is None else adv * omega, inputs.flat("old_logp"),
-        inputs.flat("ref_logp"), covariance_params(config), chosen=chosen)
+        logp, entropy, mask, weights.view(-1), adv, inputs.flat("old_logp"), inputs.flat("ref_logp"),
+        covariance_params(config), chosen=chosen, is_weights=inputs.flat("is_weights"))
     return loss_from_stats(stats, inputs), grad, grad_h if config.entropy_coef != 0 else None
 
 
-def _chosen(kernels, logp, mask, adv, omega, inputs: LossInputs, config: PolicyLossConfig):
+def _chosen(kernels, logp, mask, adv, inputs: LossInputs, config: PolicyLossConfig):
     """The chosen tokens' values of `covariance_choice` (N,), or None where no token's loss changes."""
     old = inputs.flat("old_logp")
     if config.objective == "kl_cov" and (old is None or config.kl_cov_coef == 0):
@@ -53,6 +53,6 @@ def _chosen(kernels, logp, mask, adv, omega, inputs: LossInputs, config: PolicyL
         w = torch.ones_like(logp) if old is None else torch.exp((logp - old).clamp(-config.log_ratio_clamp,
                                                                                    config.log_ratio_clamp))
         flags = clip_cov_tokens(w.view(B, T), inputs.adv, logp.view(B, T), inputs.mask, config).reshape(-1)
-        return flags.to(logp.dtype) if omega is None else torch.where(flags, omega, 0.0)
+        return flags.to(logp.dtype)
     draws = torch.rand(mask.shape, dtype=torch.float32, device=mask.device) if config.objective == "clip_cov" else None
-    return kernels.covariance_choice(logp, adv, old, mask, draws, omega, covariance_choice_params(config))
+    return kernels.covariance_choice(logp, adv, old, mask, draws, covariance_choice_params(config))

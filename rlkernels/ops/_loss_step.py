@@ -22,15 +22,11 @@ from .token_loss_params import token_loss_params
 
 
 def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
-    """([mask, weight, adv, old_logp, ref_logp] flat `(N,)`, `TokenLossParams`) for `policy_token_fwd`."""
+    """([mask, weight, adv, old_logp, ref_logp, is_weights] flat `(N,)`, `TokenLossParams`) for `policy_token_fwd`."""
     weights = aggregation_weights(inputs.mask, config.agg, num_items=inputs.num_items, num_seqs=inputs.num_seqs,
                                   norm_length=config.norm_length, dtype=inputs.dtype).view(-1)
-    # Importance weights ω ≥ 0 enter as ω·A: the surrogates `kernel_evaluates` admits with weights are
-    # positively homogeneous in A (so s(ω·A) = ω·s(A), and its derivative), and their clip flags, which
-    # need the sign of A, then count only tokens with ω > 0, as docs/math.md §10 defines them.
-    adv = inputs.adv if inputs.is_weights is None else inputs.adv * inputs.is_weights
-    per_row = [inputs.mask.reshape(-1), weights, adv.reshape(-1).contiguous(), inputs.flat("old_logp"),
-               inputs.flat("ref_logp")]
+    per_row = [inputs.mask.reshape(-1), weights, inputs.flat("adv"), inputs.flat("old_logp"), inputs.flat("ref_logp"),
+               inputs.flat("is_weights")]
     return per_row, token_loss_params(config)
 
 

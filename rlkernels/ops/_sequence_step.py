@@ -16,8 +16,7 @@ kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
   mean is formed).
 
 Token-level configs come here too when their surrogate weights ω need ℓ or H first (the off-policy mask,
-`top_entropy_quantile`) or are importance weights that the forward kernel cannot fold into A: the token's
-own surrogate over the tokens, with the weight w_agg·ω.
+`top_entropy_quantile`): the token's own surrogate over the tokens, times ω in the op.
 
 A surrogate is per row only when its loss is the same on every token of the row (then its
 aggregation is W_i·loss_i, W_i = Σ_t w_agg·ω). What the row values are (means, group log-sums,
@@ -50,7 +49,7 @@ _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence
 
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels (and a token-level one that the forward kernel
-    does not: its surrogate weights need the kernel's ℓ or H, or are importance weights it cannot fold)."""
+    does not: its surrogate weights need the kernel's ℓ or H)."""
     return (hasattr(kernels, "policy_token_loss") and not row_bias_correction(config)
             and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
                  or token_objective(config)))
@@ -200,14 +199,14 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     """A per-token surrogate with a row's value, or a token-level one with weights ω: `policy_token_loss` over
     the tokens."""
     B, T = rows.mask.shape
-    if config.ratio == "token":  # the token's own surrogate times ω, for any objective: in its weight
+    if config.ratio == "token":  # the token's own surrogate, times ω in the kernel (its flags where ω > 0)
         grad, _, stats = kernels.policy_token_loss(
-            logp, None, rows.mask.reshape(-1), (weights if omega is None else weights * omega).reshape(-1),
-            inputs.flat("adv"), inputs.flat("old_logp"), None, surrogate_params(config, config.objective))
-        flags = stats[:, 1:3] if omega is None else stats[:, 1:3] * (omega > 0).reshape(-1, 1)  # §10
-        return grad, torch.cat([stats[:, 0].sum().reshape(1), flags.sum(0), stats[:, 3].sum().reshape(1)]), \
-            _max(stats[:, 3])
-    adv = inputs.adv if omega is None else inputs.adv * omega  # ω folded into A: exact, see _loss_step.kernel_inputs
+            logp, None, rows.mask.reshape(-1), weights.reshape(-1), inputs.flat("adv"), inputs.flat("old_logp"),
+            None, surrogate_params(config, config.objective), is_weights=None if omega is None else omega.reshape(-1))
+        return grad, stats[:, :4].sum(0), _max(stats[:, 3])
+    # ω folded into A: exact for these surrogates (the clip objective, SAPO's gate, REINFORCE scale with A for
+    # ω ≥ 0, and their clip flags, by A's sign, then count only where ω > 0, docs/math.md §10)
+    adv = inputs.adv if omega is None else inputs.adv * omega
     c = config.log_ratio_clamp
     if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
         log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)

@@ -84,7 +84,7 @@ def fused_linear_policy_loss(
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
                               mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
     grads = head.new_grads(*need)
-    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config, is_weights is not None):
+    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config):
         out, logp, entropy, grads = _one_pass(head, grads, inputs, config)
     else:
         out, logp, entropy, grads = _two_passes(head, grads, inputs, config)

@@ -76,7 +76,7 @@ def fused_policy_loss(
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = with_softcap(_backend.kernels(name), check_softcap(softcap))
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    in_kernel = kernel_evaluates(kernels, name, config, weighted=is_weights is not None)
+    in_kernel = kernel_evaluates(kernels, name, config)
     # Without a gradient the fused kernel still pays: its statistics are the loss and the metrics,
     # one launch where the composition makes ~60 (on a GPU the forward was host-bound).
     if not needs_grad and not in_kernel:

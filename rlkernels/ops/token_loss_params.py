@@ -16,10 +16,6 @@ from ..losses.policy_loss import separate_entropy_bonus
 
 _OBJECTIVES = {"clip": k.CLIP, "cispo": k.CISPO, "reinforce": k.REINFORCE, "sapo": k.SAPO, "dppo_tv": k.DPPO_TV,
                "dppo_kl": k.DPPO_KL, "dro": k.DRO}
-# Objectives whose loss and clip flags scale with ω·A for ω ≥ 0 (positively homogeneous in A, flags by its sign),
-# so that the kernels take importance weights folded into the advantage (`_loss_step.kernel_inputs`). Not CISPO
-# (its flags ignore A) nor DRO (its penalty ½β(ℓ − ℓ_old)² does not scale with A).
-_WEIGHTS_FOLD = ("clip", "reinforce", "sapo", "dppo_tv", "dppo_kl")
 _KL = {"k1": k.KL_K1, "k2": k.KL_K2, "k3": k.KL_K3}
 
 
@@ -53,23 +49,19 @@ def row_bias_correction(config: PolicyLossConfig) -> bool:
 _warned = set()
 
 
-def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig, weighted: bool = False) -> bool:
-    """Whether backend `kernels` evaluate this config's loss in their forward (`weighted`: with
-    importance weights, which they take folded into the advantage: exact for the objectives of
-    `_WEIGHTS_FOLD`, whose surrogate and clip statistics scale with ω·A, see `kernel_inputs`). Says once per
-    (backend, what) when a compiled backend leaves a token-level loss to the general path (a new
-    objective its kernels do not implement yet): same values, more launches."""
+def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
+    """Whether backend `kernels` evaluate this config's loss in their forward (importance weights included: the
+    kernels take ω per token). Says once per (backend, what) when a compiled backend leaves a token-level loss to
+    the general path (a new objective its kernels do not implement yet): same values, more launches."""
     masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
     masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
     what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
-        if not weighted or config.objective in _WEIGHTS_FOLD:
-            return True
-        what += " with is_weights"
+        return True
     if hasattr(kernels, "policy_token_loss") and (covariance_supports(config) or (
             token_objective(config) and not row_bias_correction(config))):
         # the kernel's log-probs first, then the call's choice of tokens (`_covariance_step`), or the surrogate
-        # weighted by what needs them, a row mean or a quantile, or by weights not folded (`_sequence_step`)
+        # weighted by what needs them, a row mean or a quantile (`_sequence_step`)
         return False
     key = (backend, what)
     if config.ratio == "token" and backend != "torch" and key not in _warned:

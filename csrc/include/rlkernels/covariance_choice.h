@@ -21,7 +21,7 @@ struct CovarianceChoiceParams {
   double fraction;    // k = max(⌊fraction·N⌋, 1) tokens are chosen, N the masked ones
   T cov_lb, cov_ub;   // Clip-Cov: a candidate's covariance lies in (cov_lb, cov_ub)
   T clip_low, clip_high, log_ratio_clamp;  // Clip-Cov: a token PPO's clip clips is no candidate
-  T scale;            // a chosen token's output, times its importance weight when there are some
+  T scale;            // a chosen token's output
 };
 
 template <typename T> struct OrderedBits;

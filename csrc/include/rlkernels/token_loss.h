@@ -70,7 +70,8 @@ struct TokenIn {
   T old_logp;
   bool has_ref;
   T ref_logp;
-  T chosen;  // Clip-Cov / KL-Cov: nonzero on a token of the call's choice (KL-Cov: its penalty's coefficient)
+  T chosen = T(0);     // Clip-Cov / KL-Cov: nonzero on a token of the call's choice (KL-Cov: its penalty's coefficient)
+  T is_weight = T(1);  // ω ≥ 0: the surrogate's importance weight
 };
 
 template <typename T>
@@ -98,13 +99,14 @@ struct TokenArrays {
   const T* old_logp;
   const T* ref_logp;
   const T* chosen = nullptr;  // only Clip-Cov and KL-Cov read it (null: no token chosen)
+  const T* is_weights = nullptr;  // ω (null: 1)
 
   // Token n's inputs with its log-prob and entropy.
   RLK_HOST_DEVICE TokenIn<T> at(int64_t n, T logp, T entropy) const {
     return TokenIn<T>{logp, entropy, mask[n], weight[n], adv != nullptr ? adv[n] : T(0),
                       old_logp != nullptr, old_logp != nullptr ? old_logp[n] : T(0),
                       ref_logp != nullptr, ref_logp != nullptr ? ref_logp[n] : T(0),
-                      chosen != nullptr ? chosen[n] : T(0)};
+                      chosen != nullptr ? chosen[n] : T(0), is_weights != nullptr ? is_weights[n] : T(1)};
   }
 };
 
@@ -209,6 +211,11 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     ds = -adv;
     s = ds * in.logp;
   }
+  // ω times the surrogate (not the KL and entropy terms); a token it weighs 0 is not counted as clipped.
+  s = s * in.is_weight;
+  ds = ds * in.is_weight;
+  clip_low = clip_low && in.is_weight > T(0);
+  clip_high = clip_high && in.is_weight > T(0);
 
   // KL to the reference: Δ = clamp(ℓ_ref − ℓ, −c, c); kl is the statistic.
   T kl = T(0);

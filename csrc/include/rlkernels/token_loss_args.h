@@ -94,8 +94,7 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
 template <typename T>
 CovarianceChoiceParams<T> covariance_choice_params(const at::Tensor& logp, const at::Tensor& adv,
                                                    const std::optional<at::Tensor>& old_logp, const at::Tensor& mask,
-                                                   const std::optional<at::Tensor>& draws,
-                                                   const std::optional<at::Tensor>& weights, int64_t objective,
+                                                   const std::optional<at::Tensor>& draws, int64_t objective,
                                                    double fraction, double cov_lb, double cov_ub, double clip_low,
                                                    double clip_high, double log_ratio_clamp, double scale) {
   const at::ScalarType acc = logp.scalar_type();
@@ -103,7 +102,6 @@ CovarianceChoiceParams<T> covariance_choice_params(const at::Tensor& logp, const
   check_token_tensor(adv, "adv", logp, "logp (N,)", acc);
   check_token_tensor(mask, "mask", logp, "logp (N,)", at::kBool);
   if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", logp, "logp (N,)", acc);
-  if (weights.has_value()) check_token_tensor(*weights, "weights", logp, "logp (N,)", acc);
   TORCH_CHECK(objective == kChooseClipCov || objective == kChooseKlCov,
               "objective: expected 0 (clip_cov) or 1 (kl_cov), got ", objective);
   TORCH_CHECK(draws.has_value() == (objective == kChooseClipCov),

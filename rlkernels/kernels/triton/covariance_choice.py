@@ -52,9 +52,9 @@ def _candidate(i, n, logp_ptr, adv_ptr, old_ptr, mask_ptr, draws_ptr, mean_adv, 
 
 @triton.jit
 def _covariance_choice_kernel(
-    logp_ptr, adv_ptr, old_ptr, mask_ptr, draws_ptr, weights_ptr, out_ptr, n,
+    logp_ptr, adv_ptr, old_ptr, mask_ptr, draws_ptr, out_ptr, n,
     cov_lb, cov_ub, clip_low, clip_high, log_ratio_clamp, scale,
-    FRACTION: tl.constexpr, CHOICE: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+    FRACTION: tl.constexpr, CHOICE: tl.constexpr, HAS_OLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK).to(tl.int64)
     sum_adv = tl.zeros([BLOCK], dtype=tl.float64)
@@ -103,15 +103,12 @@ def _covariance_choice_kernel(
         rank = taken + tl.cumsum(tie.to(tl.int64), axis=0) - tie.to(tl.int64)
         take = eligible & (take_all | (key < prefix) | (tie & (rank < need)))
         taken += tl.sum(tie.to(tl.int64), axis=0)
-        value = tl.zeros([BLOCK], dtype=tl.float32) + scale
-        if HAS_WEIGHTS:
-            value = value * tl.load(weights_ptr + i, mask=i < n, other=0.0)
-        tl.store(out_ptr + i, tl.where(take, value, 0.0), mask=i < n)
+        tl.store(out_ptr + i, tl.where(take, scale, 0.0), mask=i < n)
 
 
-def covariance_choice(logp, adv, old_logp, mask, draws, weights, params, *, wrap=_plain):
-    """Clip-Cov's (with fp32 uniform ``draws``) or KL-Cov's chosen tokens: fp32 (N,), ``params.scale`` (times
-    ``weights``) on each, 0 elsewhere. ``params``: a ``CovarianceChoiceParams``."""
+def covariance_choice(logp, adv, old_logp, mask, draws, params, *, wrap=_plain):
+    """Clip-Cov's (with fp32 uniform ``draws``) or KL-Cov's chosen tokens: fp32 (N,), ``params.scale`` on each, 0
+    elsewhere. ``params``: a ``CovarianceChoiceParams``."""
     if logp.dim() != 1 or logp.dtype != torch.float32:
         raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
     n, dev = logp.shape[0], logp.device
@@ -127,17 +124,17 @@ def covariance_choice(logp, adv, old_logp, mask, draws, weights, params, *, wrap
         raise ValueError(f"fraction: expected a value in (0, 1], got {p.fraction}")
     mask = mask.to(device=dev, dtype=torch.bool).contiguous()
     logp, adv = logp.contiguous(), _row_vector(adv, n, dev, "adv")
-    old, draws, weights = (None if x is None else _row_vector(x, n, dev, name)
-                           for name, x in (("old_logp", old_logp), ("draws", draws), ("weights", weights)))
+    old, draws = (None if x is None else _row_vector(x, n, dev, name)
+                  for name, x in (("old_logp", old_logp), ("draws", draws)))
     out = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return out
     with _on_device(dev):
         wrap(_covariance_choice_kernel)[(1,)](
             logp, adv, logp if old is None else old, mask, logp if draws is None else draws,  # absent: never read
-            logp if weights is None else weights, out, n,
+            out, n,
             float(p.cov_lb), float(p.cov_ub), float(p.clip_low), float(p.clip_high), float(p.log_ratio_clamp),
-            float(p.scale), FRACTION=float(p.fraction), CHOICE=int(p.objective), HAS_OLD=old is not None, HAS_WEIGHTS=weights is not None,
+            float(p.scale), FRACTION=float(p.fraction), CHOICE=int(p.objective), HAS_OLD=old is not None,
             BLOCK=CHOICE_BLOCK, num_warps=CHOICE_WARPS,
         )
     return out

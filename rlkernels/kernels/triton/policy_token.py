@@ -19,13 +19,14 @@ from .token_logprobs import (
 
 @triton.jit
 def _policy_token_fwd_kernel(
-    logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr,
+    logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr,
     logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
     V, stride_row, inv_temp, cap, inv_cap,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_IS_WEIGHTS: tl.constexpr, BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
     target = tl.load(targets_ptr + row)
@@ -48,8 +49,11 @@ def _policy_token_fwd_kernel(
     ref_logp = 0.0
     if HAS_REF:
         ref_logp = tl.where(valid, tl.load(ref_logp_ptr + row), 0.0)
+    is_weight = 1.0
+    if HAS_IS_WEIGHTS:
+        is_weight = tl.where(valid, tl.load(is_weights_ptr + row), 0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        l, old_logp, ref_logp, adv, h, 0.0,
+        l, old_logp, ref_logp, adv, h, 0.0, is_weight,
         clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
         log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
@@ -74,13 +78,13 @@ def _loss_scalars(p):
             float(p.sapo_tau_neg), float(p.ratio_cap), float(p.dro_beta))
 
 
-def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, temperature, params, softcap=0.0,
-                     *, wrap=_plain):
+def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
+                     softcap=0.0, *, wrap=_plain):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats): fp32 (N,) each but
     lse_parts (N, 2) = [m, log s] and stats (N, 7).
 
-    ``old_logp=None``: on-policy; ``ref_logp=None``: no reference (kl = 0). ``params``: a
-    ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
+    ``old_logp=None``: on-policy; ``ref_logp=None``: no reference (kl = 0); ``is_weights=None``: ω = 1.
+    ``params``: a ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
     """
     _check_logits(logits, targets)
     n, vocab = logits.shape
@@ -90,7 +94,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     mask = mask.to(device=dev, dtype=torch.bool).contiguous()
     weight = _row_vector(weight, n, dev, "weight")
     adv = _row_vector(adv, n, dev, "adv")
-    has_old, has_ref = old_logp is not None, ref_logp is not None
+    has_old, has_ref, has_is_weights = old_logp is not None, ref_logp is not None, is_weights is not None
     logp, entropy, grad_logp, grad_entropy = (
         torch.empty(n, dtype=torch.float32, device=dev) for _ in range(4))
     lse_parts = torch.empty(n, 2, dtype=torch.float32, device=dev)
@@ -98,6 +102,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     # Never read when absent.
     old_logp = _row_vector(old_logp, n, dev, "old_logp") if has_old else adv
     ref_logp = _row_vector(ref_logp, n, dev, "ref_logp") if has_ref else adv
+    is_weights = _row_vector(is_weights, n, dev, "is_weights") if has_is_weights else adv
     if n == 0:
         return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
     p = params
@@ -107,11 +112,11 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, tem
     cap, has_cap = cap_args(softcap)
     with _on_device(dev):
         wrap(_policy_token_fwd_kernel)[(n,)](
-            logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp,
+            logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp, is_weights,
             logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
             vocab, logits.stride(0), 1.0 / float(temperature), *cap,
             *_loss_scalars(p),
-            OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref,
+            OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref, HAS_IS_WEIGHTS=has_is_weights,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
             BLOCK_V=block, num_warps=warps,
         )
@@ -123,13 +128,13 @@ LOSS_BLOCK = 256  # tokens per program of `_policy_token_loss_kernel` (benchmark
 
 @triton.jit
 def _policy_token_loss_kernel(
-    logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, chosen_ptr,
+    logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, chosen_ptr, is_weights_ptr,
     grad_logp_ptr, grad_entropy_ptr, stats_ptr, n,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_ADV: tl.constexpr,
-    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_CHOSEN: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_CHOSEN: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
@@ -151,8 +156,11 @@ def _policy_token_loss_kernel(
     chosen = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_CHOSEN:
         chosen = tl.load(chosen_ptr + i, mask=valid, other=0.0)
+    is_weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
+    if HAS_IS_WEIGHTS:
+        is_weight = tl.load(is_weights_ptr + i, mask=valid, other=0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        logp, old_logp, ref_logp, adv, h, chosen,
+        logp, old_logp, ref_logp, adv, h, chosen, is_weight,
         clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
         log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
@@ -169,11 +177,12 @@ def _policy_token_loss_kernel(
     tl.store(stats_row + 6, h, mask=inside)
 
 
-def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, *, wrap=_plain):
+def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, is_weights=None, *,
+                      wrap=_plain):
     """(grad_logp, grad_entropy, stats) of the per-token loss at fp32 log-probs ``logp (N,)``:
     fp32 (N,), (N,) and (N, 7). ``entropy=None``: H = 0; ``adv=None``: A = 0 (only the KL and
     entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``; ``chosen`` as
-    `covariance_choice` gives it (None: no token chosen)."""
+    `covariance_choice` gives it (None: no token chosen); ``is_weights`` ω (None: 1)."""
     if logp.dim() != 1 or logp.dtype != torch.float32:
         raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
     n, dev = logp.shape[0], logp.device
@@ -185,7 +194,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     logp, weight = logp.contiguous(), _row_vector(weight, n, dev, "weight")
     optional = {name: None if x is None else _row_vector(x, n, dev, name)
                 for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp),
-                                ("chosen", chosen))}
+                                ("chosen", chosen), ("is_weights", is_weights))}
     grad_logp, grad_entropy = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
     stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
     if n == 0:
@@ -197,10 +206,12 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     with _on_device(dev):
         wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
             logp, given["entropy"], mask, weight, given["adv"], given["old_logp"], given["ref_logp"], given["chosen"],
+            given["is_weights"],
             grad_logp, grad_entropy, stats, n,
             *_loss_scalars(p),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_ENTROPY=entropy is not None, HAS_ADV=adv is not None,
             HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None, HAS_CHOSEN=chosen is not None,
+            HAS_IS_WEIGHTS=is_weights is not None,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, BLOCK=block,
         )
     return grad_logp, grad_entropy, stats

@@ -165,7 +165,7 @@ def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
 
 @triton.jit
 def token_loss(
-    logp, old_logp, ref_logp, adv, entropy, chosen,
+    logp, old_logp, ref_logp, adv, entropy, chosen, is_weight,
     clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
     tau_pos, tau_neg, ratio_cap, dro_beta,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_REF: tl.constexpr,
@@ -174,7 +174,8 @@ def token_loss(
     """(s, ∂s/∂ℓ, clip_low, clip_high, ratio, approx_kl, kl) of one token, where
     s = surrogate + β·k − c_H·H; ∂s/∂H = −c_H. Masked tokens must come in as zeros (as
     prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
-    HAS_REF. ``chosen``: Clip-Cov's and KL-Cov's choice (`covariance_choice`), read by those only."""
+    HAS_REF. ``chosen``: Clip-Cov's and KL-Cov's choice (`covariance_choice`), read by those only;
+    ``is_weight``: ω ≥ 0, the surrogate's importance weight (1: none)."""
     d = logp - old_logp
     r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
@@ -190,6 +191,11 @@ def token_loss(
     if OBJECTIVE == KL_COV:  # + chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
         s += tl.where(chosen != 0.0, chosen * tl.abs(d), 0.0)
         ds += tl.where(chosen != 0.0, chosen * tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0)), 0.0)
+    # ω times the surrogate (not the KL and entropy terms); a token it weighs 0 is not counted as clipped.
+    s = s * is_weight
+    ds = ds * is_weight
+    clip_low = tl.where(is_weight > 0, clip_low, 0.0)
+    clip_high = tl.where(is_weight > 0, clip_high, 0.0)
     kl = 0.0
     if HAS_REF:
         kl, dkl = kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
