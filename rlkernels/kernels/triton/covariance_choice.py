@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
+from .policy_token import token_rows
 from .token_loss import clamp
-from .token_logprobs import INTERPRET, _on_device, _plain, _row_vector
+from .token_logprobs import _on_device, _plain, _row_vector
 
 CHOOSE_KL_COV = tl.constexpr(P.CHOOSE_KL_COV)
 CHOICE_BLOCK, CHOICE_WARPS = 1024, 8  # tokens per step of the one program, its warps (benchmarks/gpu_static.py reads them)
@@ -109,20 +110,13 @@ def _covariance_choice_kernel(
 def covariance_choice(logp, adv, old_logp, mask, draws, params, *, wrap=_plain):
     """Clip-Cov's (with fp32 uniform ``draws``) or KL-Cov's chosen tokens: fp32 (N,), ``params.scale`` on each, 0
     elsewhere. ``params``: a ``CovarianceChoiceParams``."""
-    if logp.dim() != 1 or logp.dtype != torch.float32:
-        raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
-    n, dev = logp.shape[0], logp.device
-    if dev.type != "cuda" and not INTERPRET:
-        raise ValueError(f"logp: the triton backend needs a CUDA tensor, got one on {dev}")
-    if mask.shape != (n,):
-        raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
+    n, dev, mask = token_rows(logp, mask)
     p = params
     kl_cov = p.objective == P.CHOOSE_KL_COV
     if (draws is None) != kl_cov:
         raise ValueError("draws: expected uniform draws for clip_cov and none for kl_cov")
     if not 0 < p.fraction <= 1:
         raise ValueError(f"fraction: expected a value in (0, 1], got {p.fraction}")
-    mask = mask.to(device=dev, dtype=torch.bool).contiguous()
     logp, adv = logp.contiguous(), _row_vector(adv, n, dev, "adv")
     old, draws = (None if x is None else _row_vector(x, n, dev, name)
                   for name, x in (("old_logp", old_logp), ("draws", draws)))

@@ -123,6 +123,18 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
 
 
+def token_rows(logp, mask):
+    """(N, device, mask as contiguous bool) of per-token fp32 values `logp (N,)` and their mask, checked."""
+    if logp.dim() != 1 or logp.dtype != torch.float32:
+        raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
+    n, dev = logp.shape[0], logp.device
+    if dev.type != "cuda" and not INTERPRET:
+        raise ValueError(f"logp: the triton backend needs a CUDA tensor, got one on {dev}")
+    if mask.shape != (n,):
+        raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
+    return n, dev, mask.to(device=dev, dtype=torch.bool).contiguous()
+
+
 LOSS_BLOCK = 256  # tokens per program of `_policy_token_loss_kernel` (benchmarks/gpu_static.py reads it)
 
 
@@ -183,14 +195,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     fp32 (N,), (N,) and (N, 7). ``entropy=None``: H = 0; ``adv=None``: A = 0 (only the KL and
     entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``; ``chosen`` as
     `covariance_choice` gives it (None: no token chosen); ``is_weights`` ω (None: 1)."""
-    if logp.dim() != 1 or logp.dtype != torch.float32:
-        raise ValueError(f"logp: expected an fp32 tensor of shape (N,), got {logp.dtype} {tuple(logp.shape)}")
-    n, dev = logp.shape[0], logp.device
-    if dev.type != "cuda" and not INTERPRET:
-        raise ValueError(f"logp: the triton backend needs a CUDA tensor, got one on {dev}")
-    if mask.shape != (n,):
-        raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
-    mask = mask.to(device=dev, dtype=torch.bool).contiguous()
+    n, dev, mask = token_rows(logp, mask)
     logp, weight = logp.contiguous(), _row_vector(weight, n, dev, "weight")
     optional = {name: None if x is None else _row_vector(x, n, dev, name)
                 for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp),
