@@ -1,8 +1,9 @@
 """The logits arguments shared by the ops on logits: their checks, and their rows as kernel blocks."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,22 +29,101 @@ def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str
     return temperature
 
 
-def row_blocks(logits: Tensor, in_place: bool = True) -> List[Tuple[int, int, Tensor]]:
-    """`logits (..., V)` as `(start, end, block)`: 2-D `(end − start, V)` blocks holding the
-    flattened rows start:end, which the kernels can read where they are. The whole tensor when it
-    is contiguous; with `in_place`, the blocks `logits[b]` of a `(B, T, V)` slice whose blocks are
-    contiguous (`model(x).logits[:, :-1]`), so that its N × V values are not copied; otherwise
-    one contiguous copy."""
-    vocab = logits.shape[-1]
-    if in_place and not logits.is_contiguous() and logits.dim() == 3 and logits.shape[0] > 0 and logits[0].is_contiguous():
-        blocks = list(logits.unbind(0))
-    else:
-        blocks = [logits.reshape(-1, vocab).contiguous()]
+@dataclasses.dataclass
+class LogitsRows:
+    """A logits argument `(..., V)` as the kernels read it, and where its gradient goes.
+
+    `blocks`: `(start, end, block)`, 2-D contiguous `(end − start, V)` views holding the flattened rows
+    start:end, read where they lie. `grad_input`: the tensor autograd is handed ∂ of: the logits, or the
+    parent they are a box of (`model(x).logits[:, :-1]`: the (B, T + 1, V) output), so that autograd does
+    not zero-fill a parent-sized gradient and copy ours into it (2 passes over N × V, and a second
+    parent-sized buffer). `box`: the logits' place in `grad_input` (None: the logits themselves)."""
+
+    logits: Tensor  # detached
+    blocks: List[Tuple[int, int, Tensor]]
+    grad_input: Tensor
+    box: Optional[Tuple[slice, ...]] = None
+
+    def new_grad(self) -> Tuple[Tensor, List[Tensor]]:
+        """A new gradient of `grad_input`'s shape, and its blocks where the kernels write the rows of
+        `blocks`; the parent's rows outside the box are zeroed (a few strided fills, no sync)."""
+        logits = self.logits
+        grad = torch.empty(self.grad_input.shape, dtype=logits.dtype, device=logits.device)
+        if self.box is None:
+            flat = grad.view(-1, logits.shape[-1])
+            return grad, [flat[s:e] for s, e, _ in self.blocks]
+        for k in range(len(self.box) - 1):  # outside the box along dim k, inside it along the dims before
+            inner, (start, stop), size = self.box[:k], (self.box[k].start, self.box[k].stop), grad.shape[k]
+            for outside in (slice(0, start), slice(stop, size)):
+                if outside.stop > outside.start:
+                    grad[inner + (outside,)].zero_()
+        return grad, [block for _, _, block in _blocks(_pieces(grad[self.box].view(logits.shape)))]
+
+
+def logits_rows(logits: Tensor, in_place: bool = True, to_parent: bool = False) -> LogitsRows:
+    """The rows of `logits (..., V)`. With `in_place`, a view whose rows lie in contiguous runs
+    (`logits[:, :-1]`, `logits[:, -C - 1:-1]`, `logits[a:b]`) is read block by block where it lies;
+    otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the parent of a box
+    view that autograd would give it to anyway (`LogitsRows.grad_input`)."""
+    vocab, detached = logits.shape[-1], logits.detach()
+    pieces = _pieces(detached) if in_place else None
+    if pieces is None:
+        return LogitsRows(detached, _blocks([detached.reshape(-1, vocab).contiguous()]), logits)
+    rows = LogitsRows(detached, _blocks(pieces), logits)
+    parent = logits._base
+    if to_parent and parent is not None and logits.grad_fn is not None and parent.requires_grad:
+        box = _box(logits, parent)
+        if box is not None:
+            rows.grad_input, rows.box = parent, box
+    return rows
+
+
+def _blocks(pieces: List[Tensor]) -> List[Tuple[int, int, Tensor]]:
     out, start = [], 0
-    for block in blocks:
-        out.append((start, start + block.shape[0], block))
-        start += block.shape[0]
+    for piece in pieces:
+        out.append((start, start + piece.shape[0], piece))
+        start += piece.shape[0]
     return out
+
+
+def _pieces(x: Tensor) -> Optional[List[Tensor]]:
+    """`x (..., V)` as 2-D contiguous `(rows, V)` views in row order (one per index of the leading dims
+    before the largest contiguous tail), or None when its rows do not lie in contiguous runs."""
+    if x.is_contiguous():
+        return [x.view(-1, x.shape[-1])]
+    if x.dim() <= 2:
+        return None
+    out = []
+    for sub in x.unbind(0):
+        part = _pieces(sub)
+        if part is None:
+            return None
+        out += part
+    return out
+
+
+def _box(view: Tensor, parent: Tensor) -> Optional[Tuple[slice, ...]]:
+    """`view` as `parent[box]` (up to dims of size 1) with a slice of unit step per dim of a contiguous
+    parent and whole rows of V, or None (a permuted, stepped or reinterpreted view)."""
+    vocab = view.shape[-1]
+    if not parent.is_contiguous() or parent.dtype != view.dtype or parent.shape[-1] != vocab:
+        return None
+    offset, starts = view.storage_offset() - parent.storage_offset(), []
+    for stride in parent.stride():  # contiguous: the offset splits into one start per dim
+        starts.append(offset // stride)
+        offset %= stride
+    lengths, last = [1] * parent.dim(), -1
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            continue
+        dims = [k for k in range(last + 1, parent.dim()) if parent.stride(k) == stride and parent.shape[k] > 1]
+        if not dims:
+            return None
+        last = dims[0]
+        lengths[last] = size
+    if starts[-1] != 0 or lengths[-1] != vocab or any(s + n > size for s, n, size in zip(starts, lengths, parent.shape)):
+        return None
+    return tuple(slice(s, s + n) for s, n in zip(starts, lengths))
 
 
 def run_blocks(kernel, blocks, per_row, *args):

@@ -29,7 +29,7 @@ from ._loss_step import kernel_inputs, row_grads, with_entropy_bonus
 from ._token_stats import loss_from_stats
 from .._checks import check_softcap
 from .._dtypes import acc_dtype
-from ._rows import check_logits_args, row_blocks, run_blocks, with_softcap
+from ._rows import check_logits_args, logits_rows, run_blocks, with_softcap
 from .token_logprobs import token_logprobs
 from .token_loss_params import kernel_evaluates
 
@@ -86,16 +86,17 @@ def fused_policy_loss(
     acc = acc_dtype(logits)
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc, device=logits.device, mask=mask,
                               advantages=advantages, what="logits (B, T, V)", **loss_kwargs)
-    blocks = row_blocks(logits.detach())  # a (B, T, V) slice is read block by block, not copied
+    rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
+    blocks = rows.blocks
     flat_targets = targets.reshape(-1).to(torch.int64)
     if in_kernel:
-        out, logp, rows = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+        out, logp, per_row = _kernel_loss(kernels, blocks, flat_targets, inputs, config, temperature)
     else:
-        out, logp, rows = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
+        out, logp, per_row = _general_loss(kernels, blocks, flat_targets, inputs, config, temperature)
     loss = out.loss
     if needs_grad:
-        loss = deferred_logits_grad(loss, logits, blocks, flat_targets, rows, temperature, kernels, inplace)
-    return LossOutput(loss, out.metrics, logp.view(targets.shape), rows[1].view(targets.shape))
+        loss = deferred_logits_grad(loss, rows, flat_targets, per_row, temperature, kernels, inplace)
+    return LossOutput(loss, out.metrics, logp.view(targets.shape), per_row[1].view(targets.shape))
 
 
 def _composed(logits, targets, advantages, mask, config, temperature, softcap, backend, loss_kwargs):

@@ -19,7 +19,9 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_softcap, check_tensor
 from . import _c_ops
-from ._rows import check_logits_args, row_blocks, run_blocks
+from ._logits_grad import logits_grad
+from ._precomputed_grad import refuse_create_graph
+from ._rows import check_logits_args, logits_rows, run_blocks, with_softcap
 
 _OPS = {}
 _DEFINE_LOCK = threading.Lock()
@@ -99,10 +101,41 @@ def token_logprobs(
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    # Blocks only without autograd (old / reference log-probs): with it, per-block ops would make
-    # each block's backward a full-size gradient; under torch.compile one op keeps the graph simple.
-    in_place = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and logits.requires_grad))
-    logp, entropy, _ = run_blocks(_OPS[name], row_blocks(logits, in_place), [flat_targets], temperature, softcap,
-                                  return_entropy)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if torch.compiler.is_compiling() or (needs_grad and logits.is_contiguous() and logits._base is None):
+        # one op over the rows, with its registered autograd (under torch.compile: one op keeps the graph simple)
+        logp, entropy, _ = _OPS[name](logits.reshape(-1, logits.shape[-1]).contiguous(), flat_targets, temperature,
+                                      softcap, return_entropy)
+    elif not needs_grad:  # old / reference log-probs: a slice is read block by block where it lies
+        logp, entropy, _ = run_blocks(_OPS[name], logits_rows(logits).blocks, [flat_targets], temperature, softcap,
+                                      return_entropy)
+    else:  # a view with autograd: read in place, the gradient written once into the parent's shape
+        rows = logits_rows(logits, to_parent=True)
+        logp, entropy = _ViewLogprobs.apply(rows.grad_input, rows, flat_targets, temperature, return_entropy,
+                                            with_softcap(_backend.kernels(name), softcap))
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
+
+
+class _ViewLogprobs(torch.autograd.Function):
+    """token_logprobs of the rows of a view (`_rows.LogitsRows`), differentiable w.r.t. `grad_input`:
+    the parent of a box view gets its gradient from one pass of the backward kernel, without autograd's
+    zero-filled parent-sized copy of a view-shaped gradient (docs/design.md §4)."""
+
+    @staticmethod
+    def forward(ctx, grad_input, rows, targets, temperature, need_entropy, kernels):
+        logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, rows.blocks, [targets], temperature,
+                                              need_entropy)
+        ctx.save_for_backward(grad_input, lse_parts, entropy)  # saved: a later in-place change is refused
+        ctx.rows, ctx.targets, ctx.temperature, ctx.need_entropy, ctx.kernels = (
+            rows, targets, temperature, need_entropy, kernels)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        refuse_create_graph()
+        _, lse_parts, entropy = ctx.saved_tensors
+        g = torch.zeros_like(lse_parts[:, 0]) if grad_logp is None else grad_logp.contiguous()
+        h = grad_entropy.contiguous() if ctx.need_entropy and grad_entropy is not None else None
+        grad = logits_grad(ctx.rows, ctx.kernels, ctx.targets, lse_parts, entropy, g, h, ctx.temperature)
+        return grad, None, None, None, None, None

@@ -1,0 +1,277 @@
+"""Memory traffic and GEMM FLOPs of the loss head, from the code's own op sequence, and the time they model.
+
+    python -m benchmarks.traffic                       # N = 8192, V = 151936, H = 4096, bf16
+    python -m benchmarks.traffic --n 2048 --vocab 32768 --json traffic.json
+
+On a GPU the loss head is streaming plus matmuls: its time is about its bytes over HBM bandwidth plus its
+GEMM FLOPs over the matmul rate. Each path (token_logprobs, fused_policy_loss token- and sequence-level,
+fused_linear_policy_loss; logits contiguous and as the `model(x).logits[:, :-1]` slice of a (B, T+1, V)
+tensor) runs forward + backward on fake tensors (no memory, no arithmetic: real sizes on any machine) under
+a TorchDispatchMode that adds up, for every op that is not a view:
+* bytes: each tensor argument it reads and each tensor it writes, at its own size (a view of a big tensor
+  counts its elements, not its storage's). A custom op (a kernel) reads its tensor inputs and writes its
+  outputs and its mutated arguments; an aten op also reads an argument it updates in place, except the
+  outputs of `out=` ops and the targets of `fill_`, `zero_` and `copy_`, which it only writes;
+* FLOPs: 2·m·n·k for every `mm`, `addmm`, `bmm`, `baddbmm`, `addmm.dtype_out` (the head's GEMMs).
+It also keeps the peak of live bytes allocated by the counted ops (fake tensors free like real ones),
+above what existed before the call.
+
+The modelled time is bytes / 4.27 TB/s + FLOPs / 760 TFLOP/s, the copy bandwidth and bf16 dense matmul
+rate measured on an H200 (benchmarks/RESULTS.md). Passes are bytes over N·V·b (b the logits' element size):
+the logits path's floor is 3 (read forward, read and write backward); the hidden-state path's FLOP floor is
+3·2·N·H·V (the logits, ∂hidden and ∂W products).
+
+The inputs are fake CPU tensors and the backend is `cpu`, whose op sequence is the `cuda` backend's: both
+call the extension's same ops (`rlkernels_C::*`, with fake implementations), chosen by the tensors' device.
+(Fake CUDA tensors would need a CUDA build of torch: its custom-op dispatch takes a CUDA device guard.)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.launches import FREE
+
+HBM_BYTES_PER_S = 4.27e12
+MATMUL_FLOPS_PER_S = 760e12
+GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")
+WRITE_ONLY = ("fill_", "zero_", "copy_")
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Bytes read and written, GEMM FLOPs and the peak of live allocated bytes of the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = self.written = self.flops = 0
+        self.live = self.peak = 0
+        self.by_op: Dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if func.namespace == "prim" or (func.namespace == "aten" and (func.is_view or name in FREE)):
+            self._track(out)
+            return out
+        schema = func._schema
+        read = written = 0
+        mutated = set()
+        for arg, value in zip(schema.arguments, [*args, *[kwargs.get(a.name) for a in schema.arguments[len(args):]]]):
+            for t in _tensors(value):
+                is_write = arg.alias_info is not None and arg.alias_info.is_write
+                if is_write:
+                    mutated.add(id(t))
+                    written += _nbytes(t)
+                aten_reads = func.namespace == "aten" and not arg.kwarg_only and name not in WRITE_ONLY
+                if not is_write or aten_reads:
+                    read += _nbytes(t)
+        written += sum(_nbytes(t) for t in _tensors(out) if id(t) not in mutated and not _aliases(t, args, kwargs))
+        if name in GEMMS:
+            self.flops += _gemm_flops(name, args)
+        self.read, self.written = self.read + read, self.written + written
+        key = f"{func.namespace}::{name}"
+        self.by_op[key] = self.by_op.get(key, 0) + read + written
+        self._track(out)
+        return out
+
+    def _track(self, out):
+        """Count each new storage once while it lives (views share their base's storage)."""
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in _SEEN:
+                continue
+            size = storage.nbytes()
+            _SEEN.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key, size):
+        _SEEN.discard(key)
+        self.live -= size
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+_SEEN = set()
+
+
+def _aliases(t, args, kwargs) -> bool:
+    ptr = t.untyped_storage()._cdata
+    return any(ptr == x.untyped_storage()._cdata for x in _tensors([*args, *kwargs.values()]))
+
+
+def _gemm_flops(name: str, args) -> int:
+    a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+@dataclasses.dataclass
+class Traffic:
+    path: str
+    bytes: int
+    flops: int
+    peak_bytes: int
+    passes: float  # bytes over N·V·b
+    gemm_ratio: Optional[float]  # FLOPs over 3·2·N·H·V (hidden-state path)
+    model_ms: float
+    by_op: Dict[str, int]
+
+
+def measure(fn: Callable[[], None]) -> TrafficCounter:
+    """Run `fn` (which builds its inputs and runs forward + backward) under the counter."""
+    with TrafficCounter() as counter:
+        fn()
+    return counter
+
+
+def _shapes(n: int, batch: int):
+    if n % batch:
+        raise ValueError(f"--n: expected a multiple of the batch {batch}, got {n}")
+    return batch, n // batch
+
+
+def _logits_inputs(n, vocab, dtype, batch, sliced, device):
+    b, t = _shapes(n, batch)
+    if sliced:  # the Hugging Face pattern: the model's (B, T + 1, V) logits, shifted
+        parent = torch.empty(b, t + 1, vocab, dtype=dtype, device=device, requires_grad=True)
+        return parent, parent[:, :-1]
+    logits = torch.empty(b, t, vocab, dtype=dtype, device=device, requires_grad=True)
+    return logits, logits
+
+
+def _loss_args(n, batch, device):
+    b, t = _shapes(n, batch)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    zeros = torch.zeros(b, t, device=device)
+    targets = torch.zeros(b, t, dtype=torch.int64, device=device)
+    return targets, torch.zeros(b, device=device), mask, dict(old_logp=zeros, ref_logp=zeros)
+
+
+def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, device: str, batch: int = 8
+          ) -> Dict[str, Callable]:
+    """Name → a function that runs that path's forward + backward on freshly made (fake) inputs."""
+    import rlkernels
+    from rlkernels import presets
+
+    def logprobs(sliced):
+        def run():
+            leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
+            targets = _loss_args(n, batch, device)[0]
+            logp, entropy = rlkernels.token_logprobs(logits, targets, return_entropy=True, backend=backend)
+            (logp.sum() + entropy.sum()).backward()
+        return run
+
+    def fused(preset, sliced):
+        def run():
+            leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
+            targets, adv, mask, kw = _loss_args(n, batch, device)
+            rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
+                                        **kw).loss.backward()
+        return run
+
+    def linear(preset):
+        def run():
+            b, t = _shapes(n, batch)
+            h = torch.empty(b, t, hidden, dtype=dtype, device=device, requires_grad=True)
+            w = torch.empty(vocab, hidden, dtype=dtype, device=device, requires_grad=True)
+            targets, adv, mask, kw = _loss_args(n, batch, device)
+            rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
+                                               **kw).loss.backward()
+        return run
+
+    return {
+        "token_logprobs": logprobs(False),
+        "token_logprobs, sliced": logprobs(True),
+        "fused_policy_loss grpo": fused("grpo", False),
+        "fused_policy_loss grpo, sliced": fused("grpo", True),
+        "fused_policy_loss gspo": fused("gspo", False),
+        "fused_policy_loss gspo, sliced": fused("gspo", True),
+        "fused_linear_policy_loss grpo": linear("grpo"),
+        "fused_linear_policy_loss gspo": linear("gspo"),
+    }
+
+
+def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu",
+          only: Optional[List[str]] = None) -> List[Traffic]:
+    """The traffic of each path on fake CPU tensors."""
+    rows = []
+    element = torch.empty(0, dtype=dtype).element_size()
+    for name, run in paths(n, vocab, hidden, dtype, backend, "cpu").items():
+        if only and name not in only:
+            continue
+        with FakeTensorMode():
+            counter = measure(run)
+        linear = name.startswith("fused_linear")
+        rows.append(Traffic(
+            path=name, bytes=counter.bytes, flops=counter.flops, peak_bytes=counter.peak,
+            passes=counter.bytes / (n * vocab * element),
+            gemm_ratio=counter.flops / (3 * 2 * n * hidden * vocab) if linear else None,
+            model_ms=1e3 * (counter.bytes / HBM_BYTES_PER_S + counter.flops / MATMUL_FLOPS_PER_S),
+            by_op=dict(sorted(counter.by_op.items(), key=lambda kv: -kv[1])),
+        ))
+    return rows
+
+
+def table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
+    floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
+    lines = [f"N = {n}, V = {vocab}, H = {hidden}, {str(dtype).replace('torch.', '')}; H200 model: "
+             f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s; 3-GEMM floor {floor_ms:.2f} ms",
+             "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | modelled ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r.gemm_ratio is None else f"{r.gemm_ratio:.3f}"
+        lines.append(f"| {r.path} | {r.passes:.2f} | {r.bytes / 1e9:.2f} | {ratio} | {r.peak_bytes / 1e9:.2f} | "
+                     f"{r.model_ms:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=8192, help="tokens (rows of logits)")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--backend", default="cpu", help="whose op sequence (cpu: the cuda backend's)")
+    parser.add_argument("--ops", action="store_true", help="also print each path's bytes by op")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = model(args.n, args.vocab, args.hidden, dtype, args.backend)
+    print(table(rows, args.n, args.vocab, args.hidden, dtype))
+    if args.ops:
+        for r in rows:
+            print(f"\n{r.path}:")
+            for op, b in r.by_op.items():
+                print(f"  {b / 1e9:10.3f} GB  {op}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Bytes over the logits, counted (`benchmarks.traffic`: a TorchDispatchMode over forward + backward on fake
+tensors), and the views of logits read in place with their gradient handed to the parent.
+
+The floor of the logits path is 3 passes over N·V·b: read forward, read and write backward. A slice such as
+`model(x).logits[:, :-1]` must not add autograd's zero-filled parent-sized gradient and copy (7 and 5 passes
+before: a clone of the slice for token_logprobs, `slice_backward` for both ops). The parent's rows outside
+the slice are written once (zeros): that is the gradient autograd needs there.
+"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import rlkernels
+from benchmarks import traffic
+from rlkernels import _backend, presets
+
+N, V, H, B = 512, 4096, 64, 8
+BACKENDS = [b for b in ("cpu", "triton") if _backend.backend_info()[b]["available"]
+            and (b != "triton" or _backend._device_ok("triton", torch.device("cpu")))]
+# Counted on the cpu backend's op sequence, which is the cuda backend's (the same extension ops). The
+# Triton backend launches its kernels from Python, not as ops a dispatch mode sees.
+COUNTED = [b for b in ("cpu",) if b in BACKENDS]
+LOGITS_PATHS = ["token_logprobs", "fused_policy_loss grpo", "fused_policy_loss gspo"]
+
+
+@pytest.mark.parametrize("backend", COUNTED)
+@pytest.mark.parametrize("path", LOGITS_PATHS)
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_path_makes_three_passes(backend, path, sliced, dtype):
+    name = path + (", sliced" if sliced else "")
+    (row,) = traffic.model(N, V, H, dtype, backend, only=[name])
+    outside = B / N if sliced else 0.0  # the parent's rows past the slice: one write of zeros
+    size = N * V * torch.empty(0, dtype=dtype).element_size()
+    per_token = 512 * N  # the (N,) per-token vectors: targets, mask, log-probs, derivatives, statistics
+    assert row.bytes <= (3.0 + outside) * size + per_token, row.by_op
+    # the logits (or their parent) and one gradient of that size; no second N × V buffer
+    assert row.peak_bytes <= 2 * size * (1 + outside) + 0.05 * size, row.by_op
+
+
+def test_counter_counts_what_an_op_reads_and_writes():
+    with FakeTensorMode():
+        x, y = torch.empty(100, 10), torch.empty(10, 20)
+        with traffic.TrafficCounter() as c:
+            z = x @ y          # reads 1000 + 200, writes 2000 floats; 2·100·10·20 FLOPs
+            z[:, :5].zero_()   # writes 500 floats (a view counts its own elements)
+            z.add_(1.0)        # reads and writes 2000
+    assert c.read == 4 * (1200 + 2000) and c.written == 4 * (2000 + 500 + 2000)
+    assert c.flops == 2 * 100 * 10 * 20
+
+
+def _views():
+    """(parent shape, view of it) pairs: boxes (read in place, gradient to the parent) and others."""
+    return {
+        "shifted": ((3, 9, 33), lambda p: p[:, :-1]),
+        "completion": ((3, 9, 33), lambda p: p[:, -5:-1]),
+        "rows": ((20, 33), lambda p: p[4:11]),
+        "batch": ((4, 6, 33), lambda p: p[1:3]),
+        "select": ((4, 6, 33), lambda p: p[2]),
+        "4-d": ((2, 3, 5, 33), lambda p: p[:, 1:, :-1]),
+        "stepped": ((3, 9, 33), lambda p: p[:, ::2]),
+        "transposed": ((3, 9, 33), lambda p: p.transpose(0, 1)[:-1]),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("view", list(_views()))
+def test_views_match_a_contiguous_copy(backend, view):
+    shape, make = _views()[view]
+    g = torch.Generator().manual_seed(len(view))
+    parent = torch.randn(*shape, generator=g).requires_grad_(True)
+    logits = make(parent)
+    targets = torch.randint(0, shape[-1], logits.shape[:-1], generator=g)
+    w = torch.randn(logits.shape[:-1], generator=g)
+    copy = logits.detach().clone().requires_grad_(True)
+    grads = []
+    for x in (logits, copy):
+        logp, entropy = rlkernels.token_logprobs(x, targets, temperature=0.7, return_entropy=True, backend=backend)
+        (w * logp + entropy.cos()).sum().backward()
+    expected = torch.zeros_like(parent)
+    make(expected).copy_(copy.grad)
+    torch.testing.assert_close(parent.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("preset", ["grpo", "gspo"])
+def test_fused_loss_on_a_slice_used_twice(backend, preset):
+    """The slice's own graph (another use of it) and the parent's gradient from the kernel add up."""
+    g = torch.Generator().manual_seed(7)
+    parent = torch.randn(4, 7, 40, generator=g).requires_grad_(True)
+    targets = torch.randint(0, 40, (4, 6), generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    adv, old = torch.randn(4, generator=g), -torch.rand(4, 6, generator=g)
+    grads = []
+    for make in (lambda p: p[:, :-1], lambda p: p[:, :-1].contiguous()):
+        parent.grad = None
+        logits = make(parent)
+        out = rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), old_logp=old, ref_logp=old,
+                                          backend=backend)
+        (out.loss + 0.1 * logits.square().mean()).backward()
+        grads.append(parent.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_changing_the_parent_after_the_forward_is_refused():
+    parent = torch.randn(2, 5, 11, requires_grad=True)
+    base = parent * 1.0
+    logp = rlkernels.token_logprobs(base[:, :-1], torch.zeros(2, 4, dtype=torch.long), backend="cpu")
+    with torch.no_grad():
+        base.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()
