@@ -20,7 +20,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .workloads import Case, Inputs, make_inputs
+from .workloads import OPS, Case, Inputs, make_inputs
 
 CLIP, KL_COEF = 0.2, 0.04  # presets.grpo()
 ENTROPY_CHUNK_ROWS = 128   # TRL's entropy_from_logits works through the rows in chunks
@@ -62,6 +62,10 @@ def grpo_loss(logp, inputs: Inputs):
 
 
 def _eager(op):
+    if op == "grpo_sliced":
+        grpo = _eager("grpo")
+        return lambda logits, inputs: grpo(logits[:, :-1], inputs)
+
     def from_logits(logits, inputs):
         logp = selective_log_softmax(logits, inputs.targets)
         if op == "token_logprobs":
@@ -110,9 +114,10 @@ def _rlkernels(backend):
         kw = dict(old_logp=inputs.old_logp, ref_logp=inputs.ref_logp, backend=backend)
         if case.op == "token_logprobs":
             return lambda logits: rlkernels.token_logprobs(logits, inputs.targets, backend=backend).sum()
-        if case.op == "grpo":
-            return lambda logits: rlkernels.fused_policy_loss(logits, inputs.targets, inputs.advantages, inputs.mask,
-                                                              config, **kw).loss
+        if case.op in ("grpo", "grpo_sliced"):
+            cut = slice(None, -1) if case.op == "grpo_sliced" else slice(None)
+            return lambda logits: rlkernels.fused_policy_loss(logits[:, cut], inputs.targets, inputs.advantages,
+                                                              inputs.mask, config, **kw).loss
         return lambda hidden, weight: rlkernels.fused_linear_policy_loss(
             hidden, weight, inputs.targets, inputs.advantages, inputs.mask, config, **kw).loss
 
@@ -127,20 +132,20 @@ def _rlkernels(backend):
         if backend == "cuda" and device.type != "cuda" or backend == "cpu" and device.type != "cpu":
             return f"runs on {backend} tensors only"
         return None
-    return Provider(f"rlkernels-{backend}", ("token_logprobs", "grpo", "grpo_linear"), build, unavailable)
+    return Provider(f"rlkernels-{backend}", OPS, build, unavailable)
 
 
 def _liger_unavailable(device, op):
     if importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed (pip install liger-kernel)"
-    if op == "grpo" and device.type != "cuda":
+    if op in ("grpo", "grpo_sliced") and device.type != "cuda":
         return "Liger's Triton GRPO loss runs on CUDA only"
     return None
 
 
 def _build_liger(case, inputs):
     mask, T = inputs.mask, inputs.targets.shape[1]
-    if case.op == "grpo":
+    if case.op in ("grpo", "grpo_sliced"):  # Liger takes the (B, T + 1, V) logits either way
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
         def step(logits):
@@ -161,9 +166,9 @@ def _build_liger(case, inputs):
 def all_providers():
     from rlkernels._backend import BACKENDS
 
-    return [Provider("eager", ("token_logprobs", "grpo", "grpo_linear"), _build_eager),
-            Provider("compile", ("token_logprobs", "grpo", "grpo_linear"), _build_compile),
-            Provider("liger", ("grpo", "grpo_linear"), _build_liger, _liger_unavailable, extra_position=True),
+    return [Provider("eager", OPS, _build_eager),
+            Provider("compile", OPS, _build_compile),
+            Provider("liger", ("grpo", "grpo_sliced", "grpo_linear"), _build_liger, _liger_unavailable, extra_position=True),
             *[_rlkernels(b) for b in BACKENDS]]
 
 
@@ -179,7 +184,7 @@ def runnable(op: str, device: torch.device, names=None):
 
 def prepare(case: Case, provider: Provider, device):
     """(step, leaves, inputs): `step()` runs the op once (and its backward in fwd+bwd mode)."""
-    inputs = make_inputs(case, device, extra_position=provider.extra_position and case.op == "grpo")
+    inputs = make_inputs(case, device, extra_position=provider.extra_position and case.op in ("grpo", "grpo_sliced"))
     backward = case.mode == "fwd+bwd"
     leaves = [x.requires_grad_(backward) for x in inputs.leaves()]
     fn = provider.build(case, inputs)

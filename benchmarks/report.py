@@ -85,7 +85,7 @@ def cases(args):
 
 def run_one(case, provider, device, args):
     row = dict(op=case.op, mode=case.mode, provider=provider.name, vocab=case.vocab, n=case.n, dtype=case.dtype,
-               hidden=case.hidden, bytes=case.bytes_moved(), flops=case.flops())
+               hidden=case.hidden, batch=case.shape[0], bytes=case.bytes_moved(), flops=case.flops())
     try:
         step, leaves, inputs = prepare(case, provider, device)
         row["ms"] = measure.time_ms(step, leaves, device, args.reps)
@@ -104,6 +104,23 @@ def machine_limits(device, dtypes):
     """Bandwidth, and the matmul rate of each dtype in `dtypes`."""
     return {"bandwidth": measure.read_bandwidth(device),
             "matmul": {d: measure.matmul_rate(device, DTYPES[d]) for d in dtypes}}
+
+
+def add_model(rows):
+    """The traffic model's time (benchmarks/traffic.py) beside each rlkernels row: what the code's own op
+    sequence must take on an H200 (its bytes over 4.27 TB/s plus its GEMM FLOPs over 760 TFLOP/s)."""
+    from . import traffic
+
+    cache = {}
+    for row in rows:
+        if "ms" not in row or not row["provider"].startswith("rlkernels-") or row["op"] not in traffic.REPORT_PATHS:
+            continue
+        key = (row["op"], row["mode"], row["n"], row["vocab"], row["hidden"], row["dtype"], row["batch"])
+        if key not in cache:
+            (cache[key],) = traffic.model(row["n"], row["vocab"], row["hidden"] or 1, DTYPES[row["dtype"]],
+                                          only=[traffic.REPORT_PATHS[row["op"]]], batch=row["batch"],
+                                          backward=row["mode"] == "fwd+bwd")
+        row["model_ms"] = cache[key].model_ms
 
 
 def add_roofline(rows, limits):
@@ -148,6 +165,7 @@ def run(args):
     limits = {"bandwidth": max(before["bandwidth"], after["bandwidth"]),
               "matmul": {d: max(before["matmul"][d], after["matmul"][d]) for d in dtypes}}
     add_roofline(rows, limits)
+    add_model(rows)
     return rows, skipped, limits, device
 
 
@@ -171,14 +189,14 @@ def _fmt(x, spec):
 
 def table(rows, only=None):
     speed = _speedups(rows)
-    lines = ["| op | mode | V | N | provider | ms | extra peak MB | vs eager | vs compile | roofline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | mode | V | N | provider | ms | modelled H200 ms | extra peak MB | vs eager | vs compile | roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ms" not in r or (only and not only(r)):
             continue
         s = speed[id(r)]
         lines.append(f"| {r['op']} | {r['mode']} | {r['vocab']} | {r['n']} | {r['provider']} | {r['ms']:.2f} | "
-                     f"{r['peak_mb']:.0f} | {_fmt(s.get('eager'), '.2f')}× | {_fmt(s.get('compile'), '.2f')}× | "
+                     f"{_fmt(r.get('model_ms'), '.3g')} | {r['peak_mb']:.0f} | {_fmt(s.get('eager'), '.2f')}× | {_fmt(s.get('compile'), '.2f')}× | "
                      f"{r['roofline']:.0%} |")
     return lines
 

@@ -151,7 +151,7 @@ def measure(fn: Callable[[], None]) -> TrafficCounter:
 
 def _shapes(n: int, batch: int):
     if n % batch:
-        raise ValueError(f"--n: expected a multiple of the batch {batch}, got {n}")
+        raise ValueError(f"n: expected a multiple of the batch {batch}, got {n}")
     return batch, n // batch
 
 
@@ -172,26 +172,29 @@ def _loss_args(n, batch, device):
     return targets, torch.zeros(b, device=device), mask, dict(old_logp=zeros, ref_logp=zeros)
 
 
-def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, device: str, batch: int = 8
-          ) -> Dict[str, Callable]:
-    """Name → a function that runs that path's forward + backward on freshly made (fake) inputs."""
+def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, device: str, batch: int = 8,
+          backward: bool = True) -> Dict[str, Callable]:
+    """Name → a function that runs that path (forward, + backward by default) on freshly made (fake) inputs."""
     import rlkernels
     from rlkernels import presets
+
+    def finish(loss):
+        if backward:
+            loss.backward()
 
     def logprobs(sliced):
         def run():
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets = _loss_args(n, batch, device)[0]
-            logp, entropy = rlkernels.token_logprobs(logits, targets, return_entropy=True, backend=backend)
-            (logp.sum() + entropy.sum()).backward()
+            finish(rlkernels.token_logprobs(logits, targets, backend=backend).sum())
         return run
 
     def fused(preset, sliced):
         def run():
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets, adv, mask, kw = _loss_args(n, batch, device)
-            rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
-                                        **kw).loss.backward()
+            finish(rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
+                                               **kw).loss)
         return run
 
     def linear(preset):
@@ -200,8 +203,8 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             h = torch.empty(b, t, hidden, dtype=dtype, device=device, requires_grad=True)
             w = torch.empty(vocab, hidden, dtype=dtype, device=device, requires_grad=True)
             targets, adv, mask, kw = _loss_args(n, batch, device)
-            rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
-                                               **kw).loss.backward()
+            finish(rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
+                                                      **kw).loss)
         return run
 
     return {
@@ -216,12 +219,17 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
     }
 
 
+# the benchmark report's ops (benchmarks/workloads.py) as paths here
+REPORT_PATHS = {"token_logprobs": "token_logprobs", "grpo": "fused_policy_loss grpo",
+                "grpo_sliced": "fused_policy_loss grpo, sliced", "grpo_linear": "fused_linear_policy_loss grpo"}
+
+
 def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu",
-          only: Optional[List[str]] = None) -> List[Traffic]:
-    """The traffic of each path on fake CPU tensors."""
+          only: Optional[List[str]] = None, batch: int = 8, backward: bool = True) -> List[Traffic]:
+    """The traffic of each path (or of those named in `only`) on fake CPU tensors, `batch` rows of N / batch."""
     rows = []
     element = torch.empty(0, dtype=dtype).element_size()
-    for name, run in paths(n, vocab, hidden, dtype, backend, "cpu").items():
+    for name, run in paths(n, vocab, hidden, dtype, backend, "cpu", batch, backward).items():
         if only and name not in only:
             continue
         with FakeTensorMode():

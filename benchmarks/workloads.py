@@ -4,6 +4,8 @@ Ops (each forward-only, or forward + backward to the logits / hidden states and 
   token_logprobs  log p(target) of every token from (B, T, V) logits
   grpo            GRPO's loss (presets.grpo: clip 0.2, k3 KL to a reference at β 0.04,
                   per-row token mean then batch mean) from logits; entropy computed too (TRL logs it)
+  grpo_sliced     the same from `logits[:, :-1]` of (B, T + 1, V) logits, as a Hugging Face model gives
+                  them (the gradient is the (B, T + 1, V) parent's)
   grpo_linear     the same loss from hidden states (B, T, H) and a head weight (V, H)
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Optional
 
 import torch
 
-OPS = ("token_logprobs", "grpo", "grpo_linear")
+OPS = ("token_logprobs", "grpo", "grpo_sliced", "grpo_linear")
 MODES = ("fwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,7 +58,7 @@ class Inputs:
     mask: torch.Tensor
     old_logp: torch.Tensor
     ref_logp: torch.Tensor
-    logits: Optional[torch.Tensor] = None   # (B, T, V), or (B, T + 1, V) with `extra_position`
+    logits: Optional[torch.Tensor] = None   # (B, T, V), or (B, T + 1, V) with `extra_position` (grpo_sliced)
     hidden: Optional[torch.Tensor] = None   # (B, T, H)
     weight: Optional[torch.Tensor] = None   # (V, H)
 
@@ -68,7 +70,7 @@ class Inputs:
 def make_inputs(case: Case, device, *, extra_position: bool = False, seed: int = 0) -> Inputs:
     """Random inputs; old and reference log-probs within ~0.1 of the current policy's, so ratios
     sit near 1 and both sides of the clip are exercised. `extra_position` appends one logits
-    position per row (Liger's Triton loss takes (B, T + 1, V) and drops the last)."""
+    position per row (Liger's Triton loss takes (B, T + 1, V) and drops the last; grpo_sliced always)."""
     import rlkernels
 
     B, T = case.shape
@@ -84,6 +86,7 @@ def make_inputs(case: Case, device, *, extra_position: bool = False, seed: int =
             logp = rlkernels.linear_token_logprobs(hidden, weight, targets)
         inputs.update(hidden=hidden, weight=weight)
     else:
+        extra_position = extra_position or case.op == "grpo_sliced"
         logits = (2 * torch.randn(B, T + extra_position, case.vocab, device=device, generator=g)).to(dtype)
         with torch.no_grad():
             logp = rlkernels.token_logprobs(logits[:, :T], targets)
