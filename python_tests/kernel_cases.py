@@ -1,6 +1,7 @@
 """Case builders, fp64 references and error bounds of the kernel-contract tests
 (test_kernel_contract.py: `token_logprobs_fwd` / `token_logprobs_bwd` of every backend), and the
-bad token-loss scalars of test_policy_token_kernel.py and test_policy_token_loss.py."""
+bad token-loss scalars and the NaN checks of test_policy_token_kernel.py, test_policy_token_loss.py and
+test_triton_policy_token.py."""
 from typing import NamedTuple, Optional
 
 import functools
@@ -361,3 +362,20 @@ def close_to(x, points):
 def kl_term(delta, estimator):
     """The KL estimate of (clamped) Δ before its kl_clamp."""
     return {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[estimator]
+
+
+# NaN in a per-token input of the token loss: each output NaN exactly where the spec's is (torch's min, max and
+# clamp keep a NaN; a gradient that a clamp stops is 0, even through a NaN factor).
+def with_nans(t, mask):
+    """A copy of `t` with NaN on every other token that `mask` keeps."""
+    t = t.clone()
+    t.view(-1)[torch.nonzero(mask.reshape(-1))[::2, 0]] = math.nan
+    return t
+
+
+def assert_same_nans(name, actual, expected):
+    """`actual` is NaN where `expected` is and nowhere else."""
+    actual = actual.detach().cpu()
+    wrong = torch.nonzero((actual.isnan() != expected.isnan()).reshape(-1))[:5, 0].tolist()
+    assert not wrong, (f"{name}: NaN-ness unlike the spec's at {wrong}: got {actual.reshape(-1)[wrong].tolist()}, "
+                       f"want {expected.reshape(-1)[wrong].tolist()}")

@@ -88,6 +88,7 @@ def _grid(shapes, dtypes, temperatures):
 # All but the cpu's out-of-range targets (a GPU backend does not read target values on the host:
 # its logp is NaN), and the fp64 logits that cpu and torch take.
 _C_REFUSES = frozenset(BAD_INPUTS) - {"targets-out-of-range", "targets-on-cpu", "logits-fp64"}
+_C_TYPE_ERRORS = (("logits-int64", TypeError), ("targets-float", TypeError))  # a dtype (docs/design.md §8)
 _FULL_FWD = _grid(SHAPES, DTYPES, [1.0, 0.7])
 _FULL_BWD = tuple((s, d, 0.8, h) for s in SHAPES for d in DTYPES for h in (True, False))
 _OUT = tuple((s, d) for s in SHAPES[:4] for d in DTYPES)
@@ -97,8 +98,8 @@ _TRITON_DT = [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7),
 BACKENDS = [
     Backend("cpu", cpu, "cpu", cpu.available(), (*DTYPES, FP64), ExactBounds,
             fwd_cases=_FULL_FWD, bwd_cases=_FULL_BWD, out_cases=_OUT,
-            refuses=_C_REFUSES | {"targets-out-of-range"}, refuses_out=tuple(BAD_OUT),
-            errors=(RuntimeError, ValueError, TypeError)),
+            refuses=_C_REFUSES | {"targets-out-of-range"}, refuses_out=tuple(BAD_OUT), errors=ValueError,
+            errors_of=_C_TYPE_ERRORS, out_error=ValueError),
     # Pure PyTorch: no code that depends on alignment; the rows may be strided; no argument checks
     # (ops/ validates the inputs).
     Backend("torch", torch_chunked, "cpu", torch_chunked.available(), (*DTYPES, FP64), ExactBounds,
@@ -116,14 +117,17 @@ BACKENDS = [
                                "entropy-empty", "logits-half-transposed"}),
             refuses_out=("shape", "stride"), errors=ValueError,
             errors_of=(("logits-int64", TypeError), ("logits-fp64", TypeError)), out_error=ValueError,
-            misaligned=False, exact_shift=False, strided_rows=True, nan_for_bad_targets=True,
+            # Rows aligned or not, out= aligned like them (16-byte vectors) or not (element by element).
+            out_cases=tuple((s, d) for s in [(9, 7), (5, 1029)] for d in DTYPES),
+            exact_shift=False, strided_rows=True, nan_for_bad_targets=True,
             marks=(pytest.mark.filterwarnings("error::RuntimeWarning"),)),
     Backend("cuda", cuda, "cuda", cuda.available(), tuple(DTYPES), ExactBounds,
             fwd_cases=_grid(CUDA_SHAPES, DTYPES, [1.0, 0.7]),
             bwd_cases=tuple((s, d, 0.8, h) for s in CUDA_SHAPES for d in DTYPES for h in (True, False)),
             out_cases=tuple((s, d) for s in [(9, 7), (13, 4099), (4, 32769)] for d in DTYPES),
-            refuses=_C_REFUSES | {"targets-on-cpu", "logits-fp64"}, refuses_out=tuple(BAD_OUT),
-            nan_for_bad_targets=True, marks=(pytest.mark.gpu,)),
+            refuses=_C_REFUSES | {"targets-on-cpu", "logits-fp64"}, refuses_out=tuple(BAD_OUT), errors=ValueError,
+            errors_of=_C_TYPE_ERRORS + (("logits-fp64", TypeError),), out_error=ValueError, nan_for_bad_targets=True,
+            marks=(pytest.mark.gpu,)),
 ]
 _BY_NAME = {b.name: b for b in BACKENDS}
 
@@ -234,7 +238,8 @@ def test_backward_out_rejects_bad_buffers(backend, case):
     # The backward's row inputs as the forward gives them (their values are not read before the checks).
     targets, lse_parts, entropy, g = backend.to(torch.randint(0, 100, (4,)), torch.zeros(4, 2), torch.zeros(4),
                                                 torch.randn(4))
-    with pytest.raises(backend.out_error, match="out:"):
+    error = TypeError if case in ("bf16", "fp16") else backend.out_error  # a dtype (docs/design.md §8)
+    with pytest.raises(error, match="out:"):
         backend.kernels.token_logprobs_bwd(logits, targets, lse_parts, entropy, g, None, 1.0, out=out)
 
 

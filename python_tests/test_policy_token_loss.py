@@ -37,7 +37,9 @@ from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
 from rlkernels.ops.token_loss_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
-from kernel_cases import BAD_LOSS_SCALARS, close_to, kl_term, uniform_away  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    BAD_LOSS_SCALARS, assert_same_nans, close_to, kl_term, uniform_away, with_nans,
+)
 
 try:
     from rlkernels.kernels import triton as tk  # noqa: E402
@@ -434,6 +436,47 @@ def test_nan_logp_keeps_its_gradient_nan(backend, acc):
         assert torch.equal(a[keep], b[keep])
 
 
+# Configs whose old_logp, ref_logp or advantages hold NaN: every objective, each KL estimator, clamp and the bias
+# correction, δ, the dual clip and the log-ratio clamp. (min(w, δ) once took δ for a NaN w: grpo's loss was ±inf.)
+NAN_CASES = {
+    "grpo": _case(ref=True, kl_estimator="k3", kl_coef=0.04),
+    "clip_delta_dual_k1_clamp_bias": _case(delta=1.5, dual_clip=2.0, ref=True, kl_estimator="k1", kl_coef=0.1,
+                                           kl_clamp=0.2, kl_bias_correction=True, entropy_coef=0.01),
+    "clip_log_ratio_clamp_k2": _case(log_ratio_clamp=0.5, ref=True, kl_estimator="k2", kl_coef=0.1),
+    "cispo_k3": _case(objective="cispo", clip_low=0.2, clip_high=0.4, ref=True, kl_estimator="k3", kl_coef=0.1),
+    "sapo_k3_clamp": _case(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, ref=True, kl_estimator="k3",
+                           kl_coef=0.05, kl_clamp=0.1),
+    "dppo_tv": _case(objective="dppo_tv", clip_low=0.05, clip_high=0.03, ref=True, kl_estimator="k1", kl_coef=0.1),
+    "dppo_kl_cap": _case(objective="dppo_kl", clip_low=0.05, clip_high=0.03, ratio_cap=1.5, ref=True,
+                         kl_estimator="k2", kl_coef=0.1),
+    "dro": _case(objective="dro", dro_beta=0.3, ref=True, kl_estimator="k2", kl_coef=0.1),
+    "reinforce_k3_bias": _case(objective="reinforce", ref=True, kl_estimator="k3", kl_coef=0.1,
+                               kl_bias_correction=True, log_ratio_clamp=1.0),
+    "kl_metric_only": _case(ref=True, kl_estimator="k2", kl_coef=0.0),
+}
+
+
+@pytest.mark.parametrize("backend, acc", BACKENDS)
+@pytest.mark.parametrize("name", list(NAN_CASES))
+def test_nan_inputs_give_the_spec_nans(name, backend, acc):
+    """NaN in old_logp, ref_logp or the advantages of some unmasked tokens: the gradients, the loss and every
+    statistic NaN exactly where the spec's are, the other values the spec's."""
+    case = NAN_CASES[name]
+    kernels, device = _backend(backend)
+    for field in ("old", "ref", "adv"):
+        x = _inputs(case, acc, _seed(name), TRITON_SHAPE if backend == "triton" else (B, T))
+        setattr(x, field, with_nans(getattr(x, field), x.mask))
+        spec = _spec(case, x)
+        grad_logp, grad_entropy, stats = kernels.policy_token_loss(*_op_args(x, acc, device), case.params)
+        columns = [("grad_logp", grad_logp, spec.grad_logp), ("grad_entropy", grad_entropy, spec.grad_entropy)]
+        columns += [(f"stats[:, {j}] ({col})", stats[:, j], spec.stats[:, j]) for j, col in enumerate(STATS)]
+        for col, actual, expected in columns:
+            assert_same_nans(f"NaN {field}, {col}", actual, expected)
+            nan = expected.isnan()
+            _close(f"NaN {field}, {col}", actual.cpu().double().masked_fill(nan, 0), expected.masked_fill(nan, 0),
+                   acc == torch.float64)
+
+
 @pytest.mark.parametrize("backend, acc", BACKENDS)
 def test_zero_entropy_coef_ignores_entropy(backend, acc):
     """With c_H = 0 the loss has no entropy term (`per_token_loss` skips it): a non-finite H of an
@@ -492,27 +535,28 @@ def _names(name):
 
 
 def _bad_tensors(a):
+    """(argument, exception, change): a dtype is a TypeError, a shape or layout a ValueError (docs/design.md §8)."""
     n, dev = a["logp"].shape[0], a["logp"].device
     strided = lambda: torch.zeros(n, 2, dtype=a["logp"].dtype, device=dev)[:, 0]  # noqa: E731  not contiguous
     return [
-        ("logp", dict(logp=a["logp"].half())),
-        ("logp", dict(logp=a["logp"].long())),
-        ("logp", dict(logp=a["logp"][None])),
-        ("logp", dict(logp=strided())),
-        ("entropy", dict(entropy=a["entropy"].double())),
-        ("entropy", dict(entropy=a["entropy"][:3])),
-        ("entropy", dict(entropy=strided())),
-        ("mask", dict(mask=a["mask"].float())),
-        ("mask", dict(mask=a["mask"][:3])),
-        ("weight", dict(weight=a["weight"].double())),
-        ("weight", dict(weight=a["weight"][:, None])),
-        ("weight", dict(weight=strided())),
-        ("adv", dict(adv=a["adv"].half())),
-        ("adv", dict(adv=a["adv"][None])),
-        ("old_logp", dict(old_logp=a["old_logp"].double())),
-        ("old_logp", dict(old_logp=a["old_logp"][:1])),
-        ("ref_logp", dict(ref_logp=a["ref_logp"].bfloat16())),
-        ("ref_logp", dict(ref_logp=torch.zeros(n + 1, dtype=a["logp"].dtype, device=dev))),
+        ("logp", TypeError, dict(logp=a["logp"].half())),
+        ("logp", TypeError, dict(logp=a["logp"].long())),
+        ("logp", ValueError, dict(logp=a["logp"][None])),
+        ("logp", ValueError, dict(logp=strided())),
+        ("entropy", TypeError, dict(entropy=a["entropy"].double())),
+        ("entropy", ValueError, dict(entropy=a["entropy"][:3])),
+        ("entropy", ValueError, dict(entropy=strided())),
+        ("mask", TypeError, dict(mask=a["mask"].float())),
+        ("mask", ValueError, dict(mask=a["mask"][:3])),
+        ("weight", TypeError, dict(weight=a["weight"].double())),
+        ("weight", ValueError, dict(weight=a["weight"][:, None])),
+        ("weight", ValueError, dict(weight=strided())),
+        ("adv", TypeError, dict(adv=a["adv"].half())),
+        ("adv", ValueError, dict(adv=a["adv"][None])),
+        ("old_logp", TypeError, dict(old_logp=a["old_logp"].double())),
+        ("old_logp", ValueError, dict(old_logp=a["old_logp"][:1])),
+        ("ref_logp", TypeError, dict(ref_logp=a["ref_logp"].bfloat16())),
+        ("ref_logp", ValueError, dict(ref_logp=torch.zeros(n + 1, dtype=a["logp"].dtype, device=dev))),
     ]
 
 
@@ -520,14 +564,14 @@ def _bad_tensors(a):
 def test_cpu_bad_tensors_name_the_argument():
     a = _valid_args()
     _call(cpu, a)  # valid as they are
-    for name, change in _bad_tensors(a):
-        with pytest.raises((RuntimeError, ValueError, TypeError), match=_names(name)):
+    for name, error, change in _bad_tensors(a):
+        with pytest.raises(error, match=_names(name)):
             _call(cpu, {**a, **change})
     # fp64 log-probs take fp64 per-token inputs: fp32 ones are refused, not converted.
     a64 = _valid_args(acc=torch.float64)
     _call(cpu, a64)
     for name in ("entropy", "weight", "adv", "old_logp", "ref_logp"):
-        with pytest.raises((RuntimeError, TypeError), match=_names(name) + ".*Double"):
+        with pytest.raises(TypeError, match=_names(name) + ".*Double"):
             _call(cpu, {**a64, name: a64[name].float()})
 
 
@@ -537,7 +581,7 @@ def test_cpu_bad_scalars_name_the_argument(n):
     """Refused on every batch, the empty one too."""
     a = _valid_args(n)
     for name, change in BAD_LOSS_SCALARS:
-        with pytest.raises((RuntimeError, ValueError, TypeError), match=_names(name)):
+        with pytest.raises(ValueError, match=_names(name)):
             _call(cpu, a, **change)
 
 
@@ -564,12 +608,12 @@ def test_triton_bad_tensors_name_the_argument():
 def test_cuda_bad_tensors_and_devices_name_the_argument():
     a = _valid_args(device="cuda")
     _call(cuda, a)
-    for name, change in _bad_tensors(a):
-        with pytest.raises((RuntimeError, ValueError, TypeError), match=_names(name)):
+    for name, error, change in _bad_tensors(a):
+        with pytest.raises(error, match=_names(name)):
             _call(cuda, {**a, **change})
     for name in ("entropy", "mask", "weight", "adv", "old_logp", "ref_logp"):
-        with pytest.raises(RuntimeError, match=_names(name) + ": expected a tensor on cuda"):
+        with pytest.raises(ValueError, match=_names(name) + ": expected a tensor on cuda"):
             _call(cuda, {**a, name: a[name].cpu()})
     # CPU log-probs with CUDA inputs go to the CUDA implementation, which names them.
-    with pytest.raises(RuntimeError, match=_names("logp")):
+    with pytest.raises(ValueError, match=_names("logp")):
         _call(cuda, {**a, "logp": a["logp"].cpu()})

@@ -30,6 +30,8 @@ from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
 from rlkernels.ops.token_loss_params import token_loss_params  # noqa: E402
 
+from kernel_cases import assert_same_nans, with_nans  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 ON_CPU = not torch.cuda.is_available()
@@ -158,6 +160,32 @@ def test_matches_autograd_of_losses(request, dtype, temperature, vocab, has_old,
     for name, value in actual.items():
         assert value.dtype == torch.float32, name
         torch.testing.assert_close(value.double(), expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(delta=1.3, dual_clip=1.5, kl_estimator="k3", kl_coef=0.1, kl_clamp=0.2, kl_bias_correction=True,
+                      entropy_coef=0.01), id="clip-delta-dual-k3-clamp-bias"),
+    pytest.param(dict(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_estimator="k2", kl_coef=0.1),
+                 id="sapo-k2"),
+    pytest.param(dict(objective="dppo_kl", clip_low=0.05, clip_high=0.05, ratio_cap=1.5, kl_estimator="k1",
+                      kl_coef=0.1), id="dppo-kl-cap-k1"),
+])
+def test_nan_inputs_give_the_spec_nans(request, config):
+    """NaN in ℓ_old, ℓ_ref or A of some unmasked tokens: the gradients, the loss and every statistic NaN exactly
+    where the spec's are, the other values the spec's (test_policy_token_loss.py runs every objective)."""
+    config = PolicyLossConfig(log_ratio_clamp=2.0, **config)
+    seed = sum(map(ord, request.node.callspec.id))
+    for field in ("adv", "old", "ref"):
+        logits, targets, mask, *per_token = make_inputs(seed, 200, torch.float32, config.log_ratio_clamp)
+        inputs = dict(zip(("adv", "old", "ref"), per_token))
+        inputs[field] = with_nans(inputs[field], mask)
+        expected, weight = spec(logits, targets, mask, *inputs.values(), 1.0, config)
+        actual = run_kernel(logits, targets, mask, weight, *inputs.values(), 1.0, config)
+        for name in ("grad_logp", "grad_entropy", "stats"):
+            assert_same_nans(f"NaN {field}, {name}", actual[name], expected[name])
+            nan = expected[name].isnan()
+            torch.testing.assert_close(actual[name].double().masked_fill(nan, 0), expected[name].masked_fill(nan, 0),
+                                       rtol=RTOL, atol=ATOL, msg=f"NaN {field}, {name}")
 
 
 def test_cases_reach_every_branch():

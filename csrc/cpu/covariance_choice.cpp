@@ -1,7 +1,6 @@
 // CPU implementation of `covariance_choice` (the contract is in rlkernels/kernels/__init__.py): Clip-Cov's
 // and KL-Cov's tokens, the k eligible tokens of smallest key of rlkernels/covariance_choice.h. One op where
 // the same choice in PyTorch takes ~30 (means, covariance, a sort for the ranks).
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -13,7 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "rlkernels/checks.h"
 #include "rlkernels/covariance_choice.h"
+#include "rlkernels/dispatch.h"
 #include "rlkernels/token_loss_args.h"
 
 namespace rlk_cpu {
@@ -23,14 +24,15 @@ at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, 
                                  const at::Tensor& mask, const std::optional<at::Tensor>& draws, int64_t objective,
                                  double fraction, double cov_lb, double cov_ub, double clip_low, double clip_high,
                                  double log_ratio_clamp, double scale) {
-  TORCH_CHECK(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
-  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
-                   "logp: expected dtype float32 or float64, got ", logp.scalar_type());
-  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
-              logp.sizes());
+  RLK_CHECK_VALUE(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
+  RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
+                 "logp: expected dtype float32 or float64, got ", logp.scalar_type());
+  RLK_CHECK_VALUE(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+                  logp.sizes());
   const int64_t N = logp.size(0);
   at::Tensor out = at::zeros({N}, logp.options());
-  AT_DISPATCH_FLOATING_TYPES(logp.scalar_type(), "covariance_choice", [&] {
+  rlk::dispatch_floating<false>(logp.scalar_type(), "logp", [&](auto zero) {
+    using scalar_t = decltype(zero);
     using Key = typename rlk::OrderedBits<scalar_t>::type;
     const auto p = rlk::covariance_choice_params<scalar_t>(logp, adv, old_logp, mask, draws, objective,
                                                            fraction, cov_lb, cov_ub, clip_low, clip_high,

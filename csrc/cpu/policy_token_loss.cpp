@@ -3,7 +3,6 @@
 // sequence-level losses evaluate their row-level (or token-level) surrogate with it once the
 // forward pass has given every log-prob: one launch where the same math in PyTorch with its
 // autograd takes ~30.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +13,8 @@
 #include <optional>
 #include <tuple>
 
+#include "rlkernels/checks.h"
+#include "rlkernels/dispatch.h"
 #include "rlkernels/token_loss.h"
 #include "rlkernels/token_loss_args.h"
 
@@ -28,11 +29,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
     double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
     double sapo_tau_neg, double ratio_cap, double dro_beta) {
-  TORCH_CHECK(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
-  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
-                   "logp: expected dtype float32 or float64, got ", logp.scalar_type());
-  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
-              logp.sizes());
+  RLK_CHECK_VALUE(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
+  RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
+                 "logp: expected dtype float32 or float64, got ", logp.scalar_type());
+  RLK_CHECK_VALUE(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+                  logp.sizes());
   const at::ScalarType acc = logp.scalar_type();
   if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", acc);
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, acc);
@@ -42,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
   const auto opts = logp.options();
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
-  AT_DISPATCH_FLOATING_TYPES(acc, "policy_token_loss", [&] {
+  rlk::dispatch_floating<false>(acc, "logp", [&](auto zero) {
+    using scalar_t = decltype(zero);
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
     const rlk::TokenLossParams<scalar_t> params = rlk::token_loss_params<scalar_t>(
         objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,

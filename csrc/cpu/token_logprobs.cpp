@@ -7,7 +7,6 @@
 // sums are rescaled once; a second sweep, served from L1, adds e^d and e^d·d, d = (z − m)/τ, per
 // lane. Memory traffic is one read of the logits; exp is evaluated once per element.
 // Backward, per row: one read of the logits, one write of the gradient.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -30,6 +29,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "rlkernels/checks.h"
+#include "rlkernels/dispatch.h"
 #include "rlkernels/grad_out_check.h"
 #include "rlkernels/op_args.h"
 #include "rlkernels/row_math.h"
@@ -310,11 +311,11 @@ at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDoubl
 int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(V, 1)); }
 
 void check_logits(const at::Tensor& logits) {
-  TORCH_CHECK(logits.device().is_cpu(), "logits: expected a CPU tensor, got ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
-  TORCH_CHECK(is_supported_float(logits.scalar_type()),
-              "logits: expected dtype float32, bfloat16, float16 or float64, got ", logits.scalar_type());
-  TORCH_CHECK(logits.is_contiguous(), "logits: expected a contiguous tensor");
+  RLK_CHECK_VALUE(logits.device().is_cpu(), "logits: expected a CPU tensor, got ", logits.device());
+  RLK_CHECK_VALUE(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  RLK_CHECK_TYPE(is_supported_float(logits.scalar_type()),
+                 "logits: expected dtype float32, bfloat16, float16 or float64, got ", logits.scalar_type());
+  RLK_CHECK_VALUE(logits.is_contiguous(), "logits: expected a contiguous tensor");
 }
 
 // targets (N,) int64 (int32 accepted) on the CPU, every value in [0, V) (read here: no device to
@@ -324,7 +325,7 @@ at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
   const int64_t N = logits.size(0), V = logits.size(1);
   const int64_t* p = t.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK_VALUE(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
+    RLK_CHECK_VALUE(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
   }
   return t;
 }
@@ -346,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, double temperature, double softcap, bool need_entropy) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
   rlk::check_softcap(softcap);
@@ -356,7 +357,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
   if (N == 0) return {logp, entropy, lse_parts};
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
+  rlk::dispatch_floating<true>(logits.scalar_type(), "logits", [&](auto zero) {
+    using scalar_t = decltype(zero);
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t* y = tgt.const_data_ptr<int64_t>();
@@ -384,7 +386,7 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
                              const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                              at::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
   rlk::check_softcap(softcap);
@@ -399,7 +401,8 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
   }
   if (N == 0) return;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
+  rlk::dispatch_floating<true>(logits.scalar_type(), "logits", [&](auto zero) {
+    using scalar_t = decltype(zero);
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     scalar_t* gz = grad.mutable_data_ptr<scalar_t>();
@@ -445,7 +448,7 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
                                 const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                                 const at::Tensor& out) {
   check_logits(logits);
-  TORCH_CHECK(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
+  RLK_CHECK_VALUE(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
   rlk::check_grad_out(logits, out);
   at::Tensor grad = out;
   token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
@@ -462,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     double dro_beta) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
   rlk::check_softcap(softcap);
@@ -474,7 +477,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "policy_token_fwd", [&] {
+  rlk::dispatch_floating<true>(logits.scalar_type(), "logits", [&](auto zero) {
+    using scalar_t = decltype(zero);
     using acc_t = typename Io<scalar_t>::acc_t;
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
     const rlk::TokenLossParams<acc_t> params = rlk::token_loss_params<acc_t>(

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "rlkernels/checks.h"
 #include "rlkernels/grad_out_check.h"
 #include "rlkernels/op_args.h"
 #include "rlkernels/token_loss_args.h"
@@ -28,7 +29,7 @@ Dtype dtype_of(const at::Tensor& t, const char* name) {
     case at::kBFloat16: return Dtype::kBFloat16;
     case at::kHalf: return Dtype::kFloat16;
     default:
-      TORCH_CHECK(false, name, ": expected dtype float32, bfloat16 or float16 on CUDA, got ", t.scalar_type());
+      RLK_CHECK_TYPE(false, name, ": expected dtype float32, bfloat16 or float16 on CUDA, got ", t.scalar_type());
   }
 }
 
@@ -38,11 +39,11 @@ Rows rows_of(const at::Tensor& t, const char* name) {
 }
 
 void check_logits(const at::Tensor& logits) {
-  TORCH_CHECK(logits.is_cuda(), "logits: expected a CUDA tensor, got ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  RLK_CHECK_VALUE(logits.is_cuda(), "logits: expected a CUDA tensor, got ", logits.device());
+  RLK_CHECK_VALUE(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
   dtype_of(logits, "logits");
-  TORCH_CHECK(logits.is_contiguous(), "logits: expected a contiguous tensor");
-  TORCH_CHECK(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  RLK_CHECK_VALUE(logits.is_contiguous(), "logits: expected a contiguous tensor");
+  RLK_CHECK_VALUE(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
 }
 
 Head head_of(double temperature, double softcap) {
@@ -106,7 +107,8 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
                                  const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                                  const at::Tensor& out) {
   check_logits(logits);
-  TORCH_CHECK(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ", out.device());
+  RLK_CHECK_VALUE(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ",
+                  out.device());
   rlk::check_grad_out(logits, out);
   bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, out);
 }
@@ -155,10 +157,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
     double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
     double sapo_tau_neg, double ratio_cap, double dro_beta) {
-  TORCH_CHECK(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
-  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
-  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
-              logp.sizes());
+  RLK_CHECK_VALUE(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
+  RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
+  RLK_CHECK_VALUE(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+                  logp.sizes());
   if (entropy.has_value()) rlk::check_token_tensor(*entropy, "entropy", logp, "logp (N,)", at::kFloat);
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   if (chosen.has_value()) rlk::check_token_tensor(*chosen, "chosen", logp, "logp (N,)", at::kFloat);
@@ -187,10 +189,10 @@ at::Tensor covariance_choice_cuda(const at::Tensor& logp, const at::Tensor& adv,
                                   const std::optional<at::Tensor>& draws, int64_t objective, double fraction,
                                   double cov_lb, double cov_ub, double clip_low, double clip_high,
                                   double log_ratio_clamp, double scale) {
-  TORCH_CHECK(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
-  TORCH_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
-  TORCH_CHECK(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
-              logp.sizes());
+  RLK_CHECK_VALUE(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
+  RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
+  RLK_CHECK_VALUE(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
+                  logp.sizes());
   const auto params = rlk::covariance_choice_params<float>(logp, adv, old_logp, mask, draws, objective,
                                                            fraction, cov_lb, cov_ub, clip_low, clip_high,
                                                            log_ratio_clamp, scale);

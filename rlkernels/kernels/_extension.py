@@ -4,9 +4,13 @@ Its ops `torch.ops.rlkernels_C.*` have a CPU and (in a CUDA build) a CUDA implem
 dispatcher picks by the tensors' device, so both backends call the same wrappers. When the
 extension is missing (a pure-Python install, a failed build, a CPU without the instruction set
 it was compiled for) the import error is kept for `available()` to report.
+
+The extension raises every argument error as a RuntimeError whose message starts with the Python
+class it stands for (csrc/include/rlkernels/checks.h); `python_errors` raises that class instead.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -27,12 +31,35 @@ def missing_reason() -> Optional[str]:
     return None
 
 
+_ERRORS = {"ValueError: ": ValueError, "TypeError: ": TypeError}
+
+
+def python_errors(op):
+    """`op` (a call of the extension's ops) raising their argument errors as the ValueError or TypeError
+    that their message names, with the rest of the message; other errors as they are."""
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            message = str(e)
+            for prefix, error in _ERRORS.items():
+                if message.startswith(prefix):
+                    raise error(message[len(prefix):]) from None
+            raise
+
+    return call
+
+
+@python_errors
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
     """(logp, entropy, lse_parts) of (N, V) logits; see rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.token_logprobs_fwd(logits, targets, float(temperature), float(softcap),
                                                     bool(need_entropy))
 
 
+@python_errors
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
                        softcap=0.0):
     """grad_logits (N, V) in the dtype of logits, written into `out` when given (it may be `logits`
@@ -53,6 +80,7 @@ def _loss_scalars(p):
             float(p.ratio_cap), float(p.dro_beta))
 
 
+@python_errors
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
                      softcap=0.0):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats) of (N, V) logits and the per-token policy
@@ -62,6 +90,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
         *_loss_scalars(params))
 
 
+@python_errors
 def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, is_weights=None):
     """(grad_logp, grad_entropy, stats) of the per-token policy loss at log-probs `logp (N,)`; see
     rlkernels/kernels/__init__.py."""
@@ -69,6 +98,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
         logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, *_loss_scalars(params))
 
 
+@python_errors
 def covariance_choice(logp, adv, old_logp, mask, draws, params):
     """Clip-Cov's or KL-Cov's tokens (N,) of a `CovarianceChoiceParams`; see rlkernels/kernels/__init__.py."""
     p = params

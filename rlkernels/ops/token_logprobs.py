@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_softcap, check_tensor
+from ..kernels._extension import python_errors
 from . import _c_ops
 from ._logits_grad import logits_grad
 from ._precomputed_grad import refuse_create_graph
@@ -101,13 +102,15 @@ def token_logprobs(
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    # The cpu kernel checks the target values: a ValueError, not a RuntimeError (traced: raised as the graph runs).
+    op = _OPS[name] if torch.compiler.is_compiling() else python_errors(_OPS[name])
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if torch.compiler.is_compiling() or (needs_grad and logits.is_contiguous() and logits._base is None):
         # one op over the rows, with its registered autograd (under torch.compile: one op keeps the graph simple)
-        logp, entropy, _ = _OPS[name](logits.reshape(-1, logits.shape[-1]).contiguous(), flat_targets, temperature,
-                                      softcap, return_entropy)
+        logp, entropy, _ = op(logits.reshape(-1, logits.shape[-1]).contiguous(), flat_targets, temperature, softcap,
+                              return_entropy)
     elif not needs_grad:  # old / reference log-probs: a slice is read block by block where it lies
-        logp, entropy, _ = run_blocks(_OPS[name], logits_rows(logits).blocks, [flat_targets], temperature, softcap,
+        logp, entropy, _ = run_blocks(op, logits_rows(logits).blocks, [flat_targets], temperature, softcap,
                                       return_entropy)
     else:  # a view with autograd: read in place, the gradient written once into the parent's shape
         rows = logits_rows(logits, to_parent=True)

@@ -5,34 +5,34 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-
 #include <cmath>
 #include <cstdint>
+
+#include "rlkernels/checks.h"
 
 namespace rlk {
 
 // targets (N,) int64 (int32 accepted) on the logits' device; returns an int64 contiguous copy or view.
 inline at::Tensor check_targets_shape(const at::Tensor& targets, const at::Tensor& logits) {
   const int64_t N = logits.size(0);
-  TORCH_CHECK(targets.device() == logits.device(), "targets: expected a tensor on ", logits.device(), " (that of logits), got ",
-              targets.device());
-  TORCH_CHECK(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
-              "targets: expected dtype int64, got ", targets.scalar_type());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == N, "targets: expected shape (", N,
-              ",) matching logits (N, V), got ", targets.sizes());
+  RLK_CHECK_VALUE(targets.device() == logits.device(), "targets: expected a tensor on ", logits.device(),
+                  " (that of logits), got ", targets.device());
+  RLK_CHECK_TYPE(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
+                 "targets: expected dtype int64, got ", targets.scalar_type());
+  RLK_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == N, "targets: expected shape (", N,
+                  ",) matching logits (N, V), got ", targets.sizes());
   return targets.to(at::kLong).contiguous();
 }
 
 inline double check_temperature(double temperature) {
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
-              temperature);
+  RLK_CHECK_VALUE(temperature > 0 && std::isfinite(temperature), "temperature: expected a finite value > 0, got ",
+                  temperature);
   return temperature;
 }
 
 inline double check_softcap(double softcap) {
-  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap: expected a finite value >= 0 (0: no cap), got ",
-              softcap);
+  RLK_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap), "softcap: expected a finite value >= 0 (0: no cap), got ",
+                  softcap);
   return softcap;
 }
 
@@ -41,12 +41,12 @@ inline double check_softcap(double softcap) {
 inline at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType acc,
                                    bool pair = false) {
   const int64_t N = logits.size(0);
-  TORCH_CHECK(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(), " (that of logits), got ",
-              t.device());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
+  RLK_CHECK_VALUE(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(),
+                  " (that of logits), got ", t.device());
+  RLK_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
   const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
-  TORCH_CHECK(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
-              t.sizes());
+  RLK_CHECK_VALUE(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
+                  t.sizes());
   return t.to(acc).contiguous();
 }
 

@@ -10,6 +10,9 @@
 //     so taking all of it from u is the same. Only the dual clip's min(s, −dual_clip·A) can tie
 //     with a branch of another slope (torch: half of ∂s/∂ℓ); there we keep s, the unclipped
 //     branch, as the kink's one-sided derivative.
+//   * NaN as torch: min, max and clamp of a NaN are NaN (and max passes the gradient to both
+//     branches); a gradient that a clamp or a select stops is 0, even where the factor it would
+//     have multiplied (w, A) is NaN or inf; where torch multiplies by a 0/1 mask, so do we.
 // "No bound" is +inf (1 − inf = −inf, min(w, inf) = w), so the formula has no special cases.
 #pragma once
 
@@ -23,7 +26,7 @@ namespace rlk {
 // Mirrors rlkernels/kernels/token_loss_params.py.
 enum TokenObjective : int {
   kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6,
-  kClipCov = 7,  // kClip, and on a chosen token A = 0 and the token counts as clipped on A's side
+  kClipCov = 7,  // kClip, and a chosen token has loss 0 and counts as clipped on A's side
   kKlCov = 8,    // kClip (the params without bounds: −A·w), plus chosen·|ℓ − ℓ_old| on a chosen token
 };
 enum KlEstimator : int { kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
@@ -119,6 +122,16 @@ RLK_HOST_DEVICE inline T clamp_(T x, T lo, T hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
+// torch.minimum and torch.maximum: NaN if either is.
+template <typename T>
+RLK_HOST_DEVICE inline T min_(T a, T b) {
+  return a <= b || a != a ? a : b;
+}
+template <typename T>
+RLK_HOST_DEVICE inline T max_(T a, T b) {
+  return a >= b || a != a ? a : b;
+}
+
 // Where torch.clamp passes the gradient: the closed interval (false for NaN).
 template <typename T>
 RLK_HOST_DEVICE inline bool passes_(T x, T lo, T hi) {
@@ -134,13 +147,15 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   if (!in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
   const T c = p.log_ratio_clamp;
   const bool chosen = in.chosen != T(0);
-  const T adv = p.objective == kClipCov && chosen ? T(0) : in.adv;  // Clip-Cov: no gradient on a chosen token
+  const T adv = in.adv;
 
-  // Importance weight w = e^r, r = clamp(ℓ − ℓ_old, −c, c); dw = ∂w/∂ℓ.
+  // Importance weight w = e^r, r = clamp(ℓ − ℓ_old, −c, c). A gradient g with respect to w reaches ℓ
+  // as through_w(g): torch's exp multiplies it by w, then the clamp passes it or gives 0.
   const T d = in.logp - (in.has_old ? in.old_logp : in.logp);
   const T r = clamp_(d, -c, c);
   const T w = exp_(r);
-  const T dw = passes_(d, -c, c) ? w : T(0);
+  const bool r_passes = passes_(d, -c, c);
+  const auto through_w = [&](T g) { return r_passes ? g * w : T(0); };
 
   // The surrogate s and ds = ∂s/∂ℓ.
   T s, ds;
@@ -150,25 +165,26 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   if (p.objective == kClip || p.objective == kClipCov || p.objective == kKlCov) {
     const T neg_adv = -adv;
     // max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi); u on a tie (see the top).
-    const T u = neg_adv * (w <= p.delta ? w : p.delta);
+    const T u = neg_adv * min_(w, p.delta);
     const T k = neg_adv * w_clip;
-    if (k > u) {
-      s = k;
-      ds = passes_(w, lo, hi) ? neg_adv * dw : T(0);
-    } else {
-      s = u;
-      ds = w <= p.delta ? neg_adv * dw : T(0);
-    }
+    const T du = w <= p.delta ? neg_adv : T(0), dk = passes_(w, lo, hi) ? neg_adv : T(0);  // ∂/∂w
+    const bool nan = u != u || k != k;
+    s = max_(u, k);
+    ds = through_w(k > u ? dk : (nan ? du + dk : du));
     if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
       const T cap = -p.dual_clip * adv;
       if (cap < s) {
         s = cap;
-        ds = T(0);
+        ds = through_w(T(0));
       }
     }
-    clip_low = (w < lo && adv < T(0)) || (p.objective == kClipCov && chosen && in.adv < T(0));
-    clip_high = (w > hi && adv > T(0)) || (p.objective == kClipCov && chosen && in.adv > T(0));
-    if (p.objective == kKlCov && chosen) {  // chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
+    clip_low = (w < lo && adv < T(0)) || (p.objective == kClipCov && chosen && adv < T(0));
+    clip_high = (w > hi && adv > T(0)) || (p.objective == kClipCov && chosen && adv > T(0));
+    if (p.objective == kClipCov && chosen) {  // the spec's where(chosen, 0, s): no gradient, whatever w and A
+      s = T(0);
+      ds = T(0);
+    }
+    if (p.objective == kKlCov && chosen) {  // chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d), 0 at 0 and NaN
       s = s + in.chosen * (d < T(0) ? -d : d);
       ds = ds + in.chosen * T((d > T(0)) - (d < T(0)));
     }
@@ -182,7 +198,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     const T tau = adv > T(0) ? p.sapo_tau_pos : p.sapo_tau_neg;
     const T sig = T(1) / (T(1) + exp_(-tau * (w - T(1))));
     s = -adv * sig * (T(4) / tau);
-    ds = -adv * T(4) * sig * (T(1) - sig) * dw;
+    ds = through_w(-adv * T(4) * sig * (T(1) - sig));
   } else if (p.objective == kDppoTv || p.objective == kDppoKl) {
     // −A·sg(min(w, cap))·ℓ on the tokens inside the trust region of a divergence between the
     // Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p), p = e^ℓ; no gradient outside.
@@ -199,7 +215,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
       inside_neg = kl <= p.clip_low || prob >= prob_old;
     }
     const bool inside = adv > T(0) ? inside_pos : inside_neg;
-    ds = inside ? -adv * clamp_(w, T(0), p.ratio_cap) : T(0);
+    ds = -adv * clamp_(w, T(0), p.ratio_cap) * T(inside);  // times the 0/1 mask, as the spec: NaN stays NaN
     s = ds * in.logp;
     clip_low = !inside && adv < T(0);
     clip_high = !inside && adv > T(0);
@@ -237,13 +253,16 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
         k = em1 - delta;
         dk = em1;
       }
-      if (!passes_(k, -p.kl_clamp, p.kl_clamp)) dk = T(0);
+      // In torch's order: the clamp of k passes its gradient (·w with the bias correction) or 0, then times dk.
+      const bool k_passes = passes_(k, -p.kl_clamp, p.kl_clamp);
       k = clamp_(k, -p.kl_clamp, p.kl_clamp);
-      T dk_ratio = T(0);  // ∂(k·w)/∂ℓ through w = k·dw
+      T dk_ratio = T(0);  // ∂(k·w)/∂ℓ through w
       if (p.kl_bias_correction) {  // times w, with its gradient
-        dk_ratio = k * dw;
+        dk_ratio = through_w(k);
+        dk = (k_passes ? w : T(0)) * dk;
         k = k * w;
-        dk = dk * w;
+      } else {
+        dk = (k_passes ? T(1) : T(0)) * dk;
       }
       kl = k;
       s = s + p.kl_coef * k;

@@ -4,12 +4,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>
 #include <optional>
 
+#include "rlkernels/checks.h"
 #include "rlkernels/covariance_choice.h"
 #include "rlkernels/token_loss.h"
 
@@ -20,13 +20,13 @@ namespace rlk {
 // caller that keeps these in the wrong dtype.
 inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& rows, const char* rows_name,
                                at::ScalarType dtype) {
-  TORCH_CHECK(t.device() == rows.device(), name, ": expected a tensor on ", rows.device(), " (that of ", rows_name,
-              "), got ", t.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", rows.scalar_type(), " ",
-                   rows_name, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == rows.size(0), name, ": expected shape (", rows.size(0), ",) matching ",
-              rows_name, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  RLK_CHECK_VALUE(t.device() == rows.device(), name, ": expected a tensor on ", rows.device(), " (that of ", rows_name,
+                  "), got ", t.device());
+  RLK_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", rows.scalar_type(), " ",
+                 rows_name, ", got ", t.scalar_type());
+  RLK_CHECK_VALUE(t.dim() == 1 && t.size(0) == rows.size(0), name, ": expected shape (", rows.size(0), ",) matching ",
+                  rows_name, ", got ", t.sizes());
+  RLK_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
 // mask (bool) and weight, adv, old_logp, ref_logp (the accumulation dtype `acc`); absent optionals
@@ -50,10 +50,10 @@ inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
 
 // `value` ≥ low (> low when strict); +inf is allowed only where it means "no bound".
 inline double check_scalar(const char* name, double value, double low, bool strict, bool inf_ok) {
-  TORCH_CHECK_VALUE(!std::isnan(value), name, ": expected a number, got nan");
-  TORCH_CHECK_VALUE(inf_ok || std::isfinite(value), name, ": expected a finite number, got ", value);
-  TORCH_CHECK_VALUE(strict ? value > low : value >= low, name, ": expected a value ", strict ? ">" : ">=", " ", low,
-              ", got ", value);
+  RLK_CHECK_VALUE(!std::isnan(value), name, ": expected a number, got nan");
+  RLK_CHECK_VALUE(inf_ok || std::isfinite(value), name, ": expected a finite number, got ", value);
+  RLK_CHECK_VALUE(strict ? value > low : value >= low, name, ": expected a value ", strict ? ">" : ">=", " ", low,
+                  ", got ", value);
   return value;
 }
 
@@ -63,12 +63,12 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
                                      double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp,
                                      bool kl_bias_correction, double entropy_coef, double log_ratio_clamp,
                                      double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
-  TORCH_CHECK(objective >= kClip && objective <= kKlCov,
-              "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl), 6 (dro), "
-              "7 (clip_cov) or 8 (kl_cov), got ", objective);
-  TORCH_CHECK(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
-              "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
-  TORCH_CHECK(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
+  RLK_CHECK_VALUE(objective >= kClip && objective <= kKlCov,
+                  "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl), "
+                  "6 (dro), 7 (clip_cov) or 8 (kl_cov), got ", objective);
+  RLK_CHECK_VALUE(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
+                  "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
+  RLK_CHECK_VALUE(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
   TokenLossParams<T> p;
   p.objective = static_cast<int>(objective);
   p.clip_low = static_cast<T>(check_scalar("clip_low", clip_low, 0.0, false, true));
@@ -98,19 +98,19 @@ CovarianceChoiceParams<T> covariance_choice_params(const at::Tensor& logp, const
                                                    double fraction, double cov_lb, double cov_ub, double clip_low,
                                                    double clip_high, double log_ratio_clamp, double scale) {
   const at::ScalarType acc = logp.scalar_type();
-  TORCH_CHECK(logp.size(0) <= INT32_MAX, "logp: expected at most 2^31 - 1 tokens, got ", logp.size(0));
+  RLK_CHECK_VALUE(logp.size(0) <= INT32_MAX, "logp: expected at most 2^31 - 1 tokens, got ", logp.size(0));
   check_token_tensor(adv, "adv", logp, "logp (N,)", acc);
   check_token_tensor(mask, "mask", logp, "logp (N,)", at::kBool);
   if (old_logp.has_value()) check_token_tensor(*old_logp, "old_logp", logp, "logp (N,)", acc);
-  TORCH_CHECK(objective == kChooseClipCov || objective == kChooseKlCov,
-              "objective: expected 0 (clip_cov) or 1 (kl_cov), got ", objective);
-  TORCH_CHECK(draws.has_value() == (objective == kChooseClipCov),
-              "draws: expected uniform draws for clip_cov and none for kl_cov");
+  RLK_CHECK_VALUE(objective == kChooseClipCov || objective == kChooseKlCov,
+                  "objective: expected 0 (clip_cov) or 1 (kl_cov), got ", objective);
+  RLK_CHECK_VALUE(draws.has_value() == (objective == kChooseClipCov),
+                  "draws: expected uniform draws for clip_cov and none for kl_cov");
   if (draws.has_value()) check_token_tensor(*draws, "draws", logp, "logp (N,)", at::kFloat);
-  TORCH_CHECK(fraction > 0 && fraction <= 1, "fraction: expected a value in (0, 1], got ", fraction);
-  TORCH_CHECK(!std::isnan(cov_lb) && !std::isnan(cov_ub), "cov_lb, cov_ub: expected numbers, got ", cov_lb, ", ",
-              cov_ub);
-  TORCH_CHECK(std::isfinite(scale), "scale: expected a finite number, got ", scale);
+  RLK_CHECK_VALUE(fraction > 0 && fraction <= 1, "fraction: expected a value in (0, 1], got ", fraction);
+  RLK_CHECK_VALUE(!std::isnan(cov_lb) && !std::isnan(cov_ub), "cov_lb, cov_ub: expected numbers, got ", cov_lb, ", ",
+                  cov_ub);
+  RLK_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite number, got ", scale);
   return CovarianceChoiceParams<T>{int(objective),
                                    fraction,
                                    T(cov_lb),

@@ -5,8 +5,11 @@ policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and
 torch's autograd of that code gives: clamp passes the gradient on its closed interval,
 max / min pass it to the larger / smaller branch, the unclipped one on a tie (torch splits a
 tie's gradient in half; the two branches' gradients agree there except at the dual clip's
-bound, a single value of w). "No bound" is +inf (token_loss_params.py), so each formula is
-branch-free; only the objective and which KL terms exist are compile-time choices.
+bound, a single value of w). NaN as torch: min, max and clamp of a NaN are NaN (max then passes
+the gradient to both branches); a gradient a clamp or a select stops is 0, even where the factor it
+would have multiplied (w, A) is NaN; where torch multiplies by a 0/1 mask, so do we. "No bound" is
++inf (token_loss_params.py), so each formula is branch-free; only the objective and which KL terms
+exist are compile-time choices.
 """
 
 import triton
@@ -42,6 +45,13 @@ def clamp_with_pass(x, lo, hi):
 
 
 @triton.jit
+def through_w(g, w, r_passes):
+    """∂/∂ℓ of a gradient g with respect to w = e^r: torch's exp multiplies it by w, then the clamp of r
+    passes it or gives 0 (0 also where g·w is NaN)."""
+    return tl.where(r_passes, g * w, 0.0)
+
+
+@triton.jit
 def k3(x):
     """e^x − 1 − x (≥ 0) to a few fp32 ulps, relative, for every x."""
     # Triton has no expm1. e^x − 1 − x formed from e^x loses about log2(2/x²) bits to
@@ -64,27 +74,28 @@ def k3(x):
 
 
 @triton.jit
-def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_clip, tau_pos, tau_neg, ratio_cap,
-              dro_beta, OBJECTIVE: tl.constexpr):
-    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, ∂w/∂ℓ and d = ℓ − ℓ_old; flags as 0/1."""
+def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, dual_clip, tau_pos, tau_neg,
+              ratio_cap, dro_beta, OBJECTIVE: tl.constexpr):
+    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, whether the clamp of its log passes the
+    gradient and d = ℓ − ℓ_old; flags as 0/1."""
     ratio_low = 1.0 - clip_low
     ratio_high = 1.0 + clip_high
     if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV):  # KL-Cov: the params have no bounds
         # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
         unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
-        d_unclipped = tl.where(w <= delta, -adv * dw, 0.0)
+        d_unclipped = tl.where(w <= delta, -adv, 0.0)  # ∂/∂w
         w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
         clipped = -adv * w_clipped
-        d_clipped = tl.where(passes, -adv * dw, 0.0)
-        take_unclipped = unclipped >= clipped
-        s = tl.where(take_unclipped, unclipped, clipped)
-        ds = tl.where(take_unclipped, d_unclipped, d_clipped)
+        d_clipped = tl.where(passes, -adv, 0.0)
+        s = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
+        nan = (unclipped != unclipped) | (clipped != clipped)  # torch's max passes the gradient to both
+        ds = tl.where(clipped > unclipped, d_clipped, tl.where(nan, d_unclipped + d_clipped, d_unclipped))
         # Dual clip: for A < 0, s = min(s, −c·A). The A ≥ 0 lanes get a finite stand-in, as
         # inf·0 would be NaN in the unused lane.
         bound = -dual_clip * tl.where(adv < 0, adv, -1.0)
         dual = (adv < 0) & (s > bound)
         s = tl.where(dual, bound, s)
-        ds = tl.where(dual, 0.0, ds)
+        ds = through_w(tl.where(dual, 0.0, ds), w, r_passes)
         clip_low = tl.where((w < ratio_low) & (adv < 0), 1.0, 0.0)
         clip_high = tl.where((w > ratio_high) & (adv > 0), 1.0, 0.0)
     elif OBJECTIVE == CISPO:
@@ -99,7 +110,7 @@ def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_cl
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         sig = 1.0 / (1.0 + tl.exp(-tau * (w - 1.0)))
         s = -adv * sig * (4.0 / tau)
-        ds = -adv * 4.0 * sig * (1.0 - sig) * dw
+        ds = through_w(-adv * 4.0 * sig * (1.0 - sig), w, r_passes)
         clip_low = 0.0
         clip_high = 0.0
     elif (OBJECTIVE == DPPO_TV) or (OBJECTIVE == DPPO_KL):
@@ -116,7 +127,7 @@ def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_cl
             inside_pos = (kl <= clip_high) | (prob <= prob_old)
             inside_neg = (kl <= clip_low) | (prob >= prob_old)
         inside = tl.where(adv > 0, inside_pos, inside_neg)
-        ds = tl.where(inside, -adv * clamp(w, 0.0, ratio_cap), 0.0)
+        ds = -adv * clamp(w, 0.0, ratio_cap) * tl.where(inside, 1.0, 0.0)  # the spec's 0/1 mask: NaN stays NaN
         s = ds * logp
         clip_low = tl.where(~inside & (adv < 0), 1.0, 0.0)
         clip_high = tl.where(~inside & (adv > 0), 1.0, 0.0)
@@ -135,10 +146,10 @@ def surrogate(logp, old_logp, adv, w, dw, d, clip_low, clip_high, delta, dual_cl
 
 
 @triton.jit
-def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
+def kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
             BIAS_CORRECTION: tl.constexpr):
     """(k, ∂k/∂ℓ) with Δ = clamp(ℓ_ref − ℓ, ±c): the KL term of the loss, or for KL_NONE the
-    k3 statistic (∂ = 0). With the bias correction k·w, differentiated through w too (dw = ∂w/∂ℓ)."""
+    k3 statistic (∂ = 0). With the bias correction k·w, differentiated through w too (`through_w`)."""
     delta, passes = clamp_with_pass(ref_logp - logp, -log_ratio_clamp, log_ratio_clamp)
     if KL == KL_NONE:
         k = k3(delta)
@@ -154,12 +165,14 @@ def kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
         else:
             k = k3(delta)
             dk = -(delta + k)  # −expm1(Δ), as accurate as k3
-        dk = tl.where(passes, dk, 0.0)
+        # In torch's order: the clamp of k passes its gradient (·w with the bias correction) or 0, times dk,
+        # then the clamp of Δ passes that or 0.
         k, k_passes = clamp_with_pass(k, -kl_clamp, kl_clamp)
-        dk = tl.where(k_passes, dk, 0.0)
         if BIAS_CORRECTION:
-            dk = dk * w + k * dw
+            dk = tl.where(passes, tl.where(k_passes, w, 0.0) * dk, 0.0) + through_w(k, w, r_passes)
             k = k * w
+        else:
+            dk = tl.where(passes, tl.where(k_passes, 1.0, 0.0) * dk, 0.0)
     return k, dk
 
 
@@ -179,13 +192,11 @@ def token_loss(
     d = logp - old_logp
     r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
-    dw = tl.where(r_passes, w, 0.0)
-    surrogate_adv = adv
-    if OBJECTIVE == CLIP_COV:  # no gradient on a chosen token
-        surrogate_adv = tl.where(chosen != 0.0, 0.0, adv)
-    s, ds, clip_low, clip_high = surrogate(logp, old_logp, surrogate_adv, w, dw, d, clip_low, clip_high, delta,
+    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta,
                                            dual_clip, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE)
-    if OBJECTIVE == CLIP_COV:  # a chosen token counts as clipped on A's side
+    if OBJECTIVE == CLIP_COV:  # a chosen token: loss 0, no gradient (whatever w and A), clipped on A's side
+        s = tl.where(chosen != 0.0, 0.0, s)
+        ds = tl.where(chosen != 0.0, 0.0, ds)
         clip_low = tl.where((chosen != 0.0) & (adv < 0), 1.0, clip_low)
         clip_high = tl.where((chosen != 0.0) & (adv > 0), 1.0, clip_high)
     if OBJECTIVE == KL_COV:  # + chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
@@ -198,7 +209,7 @@ def token_loss(
     clip_high = tl.where(is_weight > 0, clip_high, 0.0)
     kl = 0.0
     if HAS_REF:
-        kl, dkl = kl_term(logp, ref_logp, w, dw, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
+        kl, dkl = kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
         if KL != KL_NONE:
             s += kl_coef * kl
             ds += kl_coef * dkl
