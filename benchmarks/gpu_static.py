@@ -1,17 +1,39 @@
-"""Every GPU kernel compiled ahead of time for sm_80 and sm_90, with no GPU: registers, local memory, vector loads.
+"""Every GPU kernel compiled ahead of time for sm_80 and sm_90, with no GPU: registers, local memory, vector loads,
+occupancy and instructions per logit.
 
     python -m benchmarks.gpu_static [--arch sm_80 sm_90] [--backend triton|cuda] [--dtype fp32 bf16 fp16]
                                     [--quick] [--jobs N] [--out FILE] [--json FILE]
 
 prints one markdown table (kernel, backend, arch, dtype, configuration, registers, stack and spill bytes,
-128-bit global loads, widest global load) and exits 1 when a kernel uses local memory (a stack frame or
-spills) or a streaming kernel issues no 128-bit global load; the failures are named on stderr.
+128-bit global loads, widest global load, resident threads per SM, instructions per logit) and exits 1
+when a kernel uses local memory (a stack frame or spills), a streaming kernel issues no 128-bit global
+load, or a streaming kernel misses issue 23's limits (below); the failures are named on stderr. --json
+writes the rows as a list of objects whose keys are kernel, backend, arch, dtype, configuration,
+registers, spill_bytes (stores + loads), threads_per_sm, instructions_per_element (null for a kernel
+that does not stream a row), then the table's other columns.
 
 Two kinds of kernel: row kernels stream a row of logits (V of them) in tiles; elementwise kernels
 (policy_token_loss) take per-token fp32 scalars, one token per lane, and no logits. Both must be free of
 local memory; only a row kernel that streams several tiles must have 128-bit loads (an elementwise
 kernel's loads are per-token scalars: `ok (elementwise)`). An elementwise kernel's dtype column is `-`:
 it does not depend on the logits' dtype, and is compiled once per arch whatever --dtype says.
+
+Threads per SM: the threads of the blocks one SM holds at once, from the kernel's registers per thread,
+its shared memory per block (Triton's `metadata.shared`; ptxas's report for CUDA) and its block size
+(Triton's num_warps; a CUDA kernel's `__launch_bounds__`, at which its launcher launches it), against
+sm_80's and sm_90's 65536 registers, 164 / 228 KB of shared memory, 2048 threads and 32 blocks
+(benchmarks/occupancy.py, with the hardware's rounding).
+Instructions per logit: the SASS instructions of the streaming loop over the logits one thread loads in
+one iteration. The loop is found in `cuobjdump -sass`: a branch back to a lower address closes a loop,
+and the streaming loop is the one that loads the most bytes (the shortest of those: a compiler's
+versioned copies). Every instruction between its head and its back-edge counts, a branch taken rarely
+(CUDA's rescale when a thread's max grows) in full; the logits per iteration are its global load bits
+over the logit's bits, e.g. 2 × 128 / 16 = 16 for a Triton tile of 8192 bf16 logits over 512 threads
+(benchmarks/sass.py). Null where no row is streamed (elementwise kernels, one-tile configurations).
+Limits (issue 23), checked on the streaming row kernels of 16-bit logits on sm_90 compiled without the
+final-logit cap: at least MIN_THREADS_PER_SM = 1536 threads per SM (CUDA and Triton), and at most
+TRITON_INSTRUCTIONS = 12 instructions per logit in a Triton forward, 16 in a backward. A cap adds a tanh
+per logit (some 20 instructions, and registers): its kernels are shown, not held to the limits.
 
 Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/kernels/triton is compiled
 by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
@@ -20,8 +42,10 @@ specialisation (the binder and `_pack_args` of `JITFunction.run`, private: as in
 arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16 (an
 elementwise kernel's n: 32768 tokens). Their types follow the launchers: logits and out in the logits'
 dtype, targets int64, mask bool, every other row or token vector fp32, V, n and strides int, the other
-scalars float. A real launch whose V, stride or n is not a multiple of 16 loses the divisibility and gets
-narrower loads (the elementwise kernel: 32-bit instead of 64-bit, same registers); that variant is not
+scalars float. The row kernels align their tiles to 16 bytes themselves, so a row of odd length keeps
+its 128-bit loads: each row kernel is compiled at the streaming configuration with V = 151937 too (V and
+the stride not multiples of 16, rows not aligned; default flags). An elementwise kernel whose n is not a
+multiple of 16 gets narrower loads (32-bit instead of 64-bit, same registers); that variant is not
 compiled here. Triton builds sm_90 as sm_90a. A kernel is elementwise when it has neither a V argument
 nor a BLOCK_V constexpr; its tile is the BLOCK constexpr.
 
@@ -31,11 +55,11 @@ the configuration of long rows then has V > BLOCK_V: the row loop streams severa
 are 128-bit loads required (a 128-logit tile over 128 threads is one logit per thread).
 Compile-time flags: a kernel with at most 4 reachable flag combinations (NEED_ENTROPY, HAS_H) gets every
 one at every configuration. HAS_CAP (the final-logit soft cap, a tanh per logit in the row loop) is off
-everywhere and takes both values at the streaming configuration. `_policy_token_fwd_kernel` has 112 (objective × KL estimator × HAS_OLD ×
-HAS_REF × bias correction, where a KL term needs ref log-probs and bias correction needs a KL term): its
-default (GRPO's: clip, k3, old and ref log-probs) runs at every configuration, and at the streaming
-configuration a greedy set of combinations takes every value of every flag at least once. The flags
-change only the scalar loss after the row loop.
+everywhere and takes both values at the streaming configuration. `_policy_token_fwd_kernel` has 112
+(objective × KL estimator × HAS_OLD × HAS_REF × bias correction, where a KL term needs ref log-probs and
+bias correction needs a KL term): its default (GRPO's: clip, k3, old and ref log-probs) runs at every
+configuration, and at the streaming configuration a greedy set of combinations takes every value of
+every flag at least once. The flags change only the scalar loss after the row loop.
 Elementwise kernels: one configuration, as their launcher launches it (policy_token_loss: BLOCK = LOSS_BLOCK = 256
 tokens, Triton's default 4 warps; covariance_choice: one program of CHOICE_WARPS = 8 warps over BLOCK = CHOICE_BLOCK
 = 1024 tokens a step), with no logits dtype. `_policy_token_loss_kernel`'s flags are the forward's plus
@@ -44,19 +68,21 @@ entropy and advantages, then every value of every flag once) is compiled; there 
 kernel.
 
 CUDA: every csrc/cuda/*.cu is compiled by nvcc with the real build's device flags; one row per kernel
-instantiation. `-fatbin` builds the device code only (the same cicc and ptxas runs as `-c`, without the
-host compile that python_tests/test_cuda_compile.py checks). A kernel is classified by its name:
-those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token; covariance_choice_kernel: one block
-over the tokens; no template, dtype `-`) are
-elementwise; every other one walks rows in 16-byte packs (row_pass.cuh), so it must have 128-bit loads.
+instantiation, its configuration the template arguments named by the source's template parameters
+(kThreads=512 kCap=false). `-fatbin` builds the device code only (the same cicc and ptxas runs as `-c`,
+without the host compile that python_tests/test_cuda_compile.py checks). A kernel is classified by its
+name: those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token; covariance_choice_kernel:
+one block over the tokens; no template, dtype `-`) are elementwise; every other one walks rows in 16-byte
+packs (row_pass.cuh), so it must have 128-bit loads.
 
-Registers, stack frame and spill bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
-with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads from
-`cuobjdump -sass` of the binary (the CUDA toolkit's, else the one in Triton's wheel). Triton is skipped,
-with a note, when it is not importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 282
-Triton variants (22 of them elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in
-parallel (76 CUDA rows): 135 s measured on 2 cores. --quick: the streaming configurations and the
-elementwise kernels with their default flags, and the nvcc runs, 35 s on 2 idle cores (1.5 minutes on busy ones).
+Registers, stack frame, spill and shared bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
+with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads and
+the loop from `cuobjdump -sass` of the binary, a CUDA kernel's block from `cuobjdump -elf` (the CUDA
+toolkit's cuobjdump, else the one in Triton's wheel). Triton is skipped, with a note, when it is not
+importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 304 Triton variants (26 of them
+elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (148 CUDA rows): 250 s
+measured on 2 busy cores. --quick: the streaming configurations (and their odd V) and the elementwise
+kernels with their default flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
 """
 from __future__ import annotations
 
@@ -78,6 +104,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Optional
 
+from benchmarks import occupancy, sass
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("sm_80", "sm_90")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -86,6 +114,14 @@ CUDA_SOURCES = os.path.join(ROOT, "csrc", "cuda", "*.cu")
 
 # Every power of two reaches every tile size of a launch table; 151936 (Qwen's vocabulary) is the typical long row.
 VOCABS = tuple(2 ** k for k in range(18)) + (151936,)
+
+# Issue 23's limits on a kernel that streams rows of 16-bit logits on sm_90 (H100/H200) without a cap:
+# the resident threads that keep enough loads in flight for the memory's bandwidth, and (Triton) the
+# instructions per logit of the streaming loop that keep up with 4.3 TB/s. A cap adds a tanh per
+# logit (some 20 instructions, and registers): its kernels are reported, not held to them.
+LIMITED = {("sm_90", "bf16"), ("sm_90", "fp16")}
+MIN_THREADS_PER_SM = 1536
+TRITON_INSTRUCTIONS = {"forward": 12, "backward": 16}
 
 # --- ptxas -v reports (shared with python_tests/test_cuda_compile.py) -------------------------------------
 
@@ -164,11 +200,7 @@ def gencode(archs):
     return [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
 
 
-# --- SASS ------------------------------------------------------------------------------------------------
-
-_SASS_ARCH = re.compile(r"arch = (sm_\w+)")
-_SASS_FUNCTION = re.compile(r"Function : (\S+)")
-_SASS_LDG = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?LDG((?:\.\w+)*)\s")
+# --- cuobjdump -------------------------------------------------------------------------------------------
 
 
 def find_cuobjdump():
@@ -179,33 +211,6 @@ def find_cuobjdump():
             from triton import knobs
             path = knobs.nvidia.cuobjdump.path
     return path if path and os.access(path, os.X_OK) else None
-
-
-def _load_bits(modifiers):
-    """Width of an LDG from its modifiers: .E.128 → 128, .E.U16 → 16, .E.64.CONSTANT → 64, .E → 32.
-    (LTC128B is a cache hint, not a width.)"""
-    for mod in modifiers.split(".")[1:]:
-        bits = mod.lstrip("US")
-        if bits.isdigit():
-            return int(bits)
-    return 32
-
-
-def sass_loads(path, cuobjdump):
-    """{(function, arch): (global loads of ≥ 128 bits, widest global load in bits)} of a cubin or fatbin."""
-    sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    loads, arch, key = {}, None, None
-    for line in sass.splitlines():
-        if m := _SASS_ARCH.search(line):
-            arch = m.group(1)
-        elif m := _SASS_FUNCTION.search(line):
-            key = (m.group(1), arch)
-            loads[key] = (0, 0)
-        elif key is not None and (m := _SASS_LDG.search(line)):
-            bits = _load_bits(m.group(1))
-            wide, widest = loads[key]
-            loads[key] = (wide + (bits >= 128), max(widest, bits))
-    return loads
 
 
 # --- rows ------------------------------------------------------------------------------------------------
@@ -222,10 +227,27 @@ class Row:
     stack: int
     spill_stores: int
     spill_loads: int
+    shared: int  # bytes of shared memory per block
+    block: int  # threads per block
     loads_128: int
     widest_load: int
+    instructions_per_element: Optional[float]  # in the streaming loop (benchmarks/sass.py); None: no row streamed
     streaming: bool  # a row kernel streaming several tiles of a row: 128-bit loads required
     elementwise: bool = False  # per-token scalars, no logits: 128-bit loads not required
+    capped: bool = False  # compiled with the final-logit cap (HAS_CAP, kCap)
+
+    @property
+    def threads_per_sm(self):
+        return occupancy.threads_per_sm(self.arch, self.registers, self.shared, self.block)
+
+    def limits(self):
+        """(threads per SM at least, instructions per logit at most or None) that this row must meet, or None."""
+        if not self.streaming or self.capped or (self.arch, self.dtype) not in LIMITED:
+            return None
+        per_element = None
+        if self.backend == "triton":
+            per_element = TRITON_INSTRUCTIONS["backward" if "bwd" in self.kernel else "forward"]
+        return MIN_THREADS_PER_SM, per_element
 
     def problems(self):
         out = []
@@ -234,19 +256,58 @@ class Row:
                        f"{self.spill_stores}/{self.spill_loads} B spill stores/loads")
         if self.streaming and not self.loads_128:
             out.append(f"streams the row without a 128-bit global load (widest: {self.widest_load} bits)")
+        if limits := self.limits():
+            threads, per_element = limits
+            if self.threads_per_sm < threads:
+                out.append(f"{self.threads_per_sm} threads per SM, fewer than {threads}")
+            if per_element is not None and self.instructions_per_element > per_element:
+                out.append(f"{self.instructions_per_element:.1f} instructions per logit, more than {per_element}")
         return out
+
+    def to_json(self):
+        """The row under the names of the JSON output (the keys of issue 23 first)."""
+        return {"kernel": self.kernel, "backend": self.backend, "arch": self.arch, "dtype": self.dtype,
+                "configuration": self.config, "registers": self.registers,
+                "spill_bytes": self.spill_stores + self.spill_loads, "threads_per_sm": self.threads_per_sm,
+                "instructions_per_element": self.instructions_per_element,
+                "stack_bytes": self.stack, "spill_stores": self.spill_stores, "spill_loads": self.spill_loads,
+                "shared_bytes": self.shared, "block_threads": self.block, "loads_128": self.loads_128,
+                "widest_load": self.widest_load, "streaming": self.streaming, "elementwise": self.elementwise,
+                "capped": self.capped, "problems": self.problems()}
+
+    @classmethod
+    def from_json(cls, row):
+        names = {"configuration": "config", "stack_bytes": "stack", "shared_bytes": "shared", "block_threads": "block"}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{names.get(k, k): v for k, v in row.items() if names.get(k, k) in fields})
+
+
+def _per_element(r):
+    return "-" if r.instructions_per_element is None else f"{r.instructions_per_element:.1f}"
 
 
 def markdown(rows):
     lines = ["| kernel | backend | arch | dtype | configuration | registers | stack bytes | spill bytes (st/ld) "
-             "| 128-bit loads | widest load | check |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "| 128-bit loads | widest load | threads/SM | instructions/logit | check |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         check = "; ".join(r.problems()) or ("ok" if r.streaming else "ok (elementwise)" if r.elementwise
                                             else "ok (one tile)")
         lines.append(f"| {r.kernel} | {r.backend} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.stack} "
-                     f"| {r.spill_stores}/{r.spill_loads} | {r.loads_128} | {r.widest_load} bits | {check} |")
+                     f"| {r.spill_stores}/{r.spill_loads} | {r.loads_128} | {r.widest_load} bits "
+                     f"| {r.threads_per_sm} | {_per_element(r)} | {check} |")
     return "\n".join(lines)
+
+
+_ELEMENT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
+
+
+def _row(kernel, backend, arch, dtype, config, entry, shared, block, function, streaming, elementwise, capped):
+    """A Row from ptxas's entry [name, arch, registers, stack, spill stores, spill loads, smem] and the SASS."""
+    loads = function.loads()
+    per_element = function.instructions_per_element(_ELEMENT_BITS[dtype]) if streaming else None
+    return Row(kernel, backend, arch, dtype, config, entry[2], *entry[3:6], shared, block,
+               sum(bits >= 128 for bits in loads), max(loads, default=0), per_element, streaming, elementwise, capped)
 
 
 # --- Triton ----------------------------------------------------------------------------------------------
@@ -407,6 +468,9 @@ def triton_jobs(archs, dtypes, quick=False):
                     flag_sets = streaming if long_rows else everywhere
                 for flags in flag_sets:
                     jobs.append(TritonJob(module_name, name, arch, dtype, vocab, block, warps, tuple(flags.items())))
+                if long_rows:  # rows of odd length, not 16-byte aligned: the whole tiles keep their 128-bit loads
+                    jobs.append(TritonJob(module_name, name, arch, dtype, vocab + 1, block, warps,
+                                          tuple(everywhere[0].items())))
     return jobs
 
 
@@ -462,9 +526,10 @@ def compile_triton(job, cuobjdump):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        ((wide, widest),) = sass_loads(cubin.name, cuobjdump).values()
-    return Row(job.kernel, "triton", job.arch, job.dtype, job.config, entry[2], *entry[3:6], wide, widest,
-               job.streaming, job.elementwise)
+        (function,) = sass.functions(cubin.name, cuobjdump).values()
+    return _row(job.kernel, "triton", job.arch, job.dtype, job.config, entry, compiled.metadata.shared,
+                compiled.metadata.num_warps * 32, function, job.streaming, job.elementwise,
+                dict(job.flags).get("HAS_CAP") == "1")
 
 
 def _compile_job(job_and_tool):
@@ -505,6 +570,16 @@ def _template_args(name):
     return head, args
 
 
+# `template <typename T, int kThreads, bool kCap> __global__ void __launch_bounds__(...) bwd_kernel(`
+_KERNEL_TEMPLATE = re.compile(r"template\s*<([^<>]*)>\s*__global__\s+void\s+"
+                              r"(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(")
+
+
+def template_params(text):
+    """{kernel: [its template parameters' names]} of the __global__ function templates of a .cu source."""
+    return {m.group(2): [p.split()[-1] for p in m.group(1).split(",")] for m in _KERNEL_TEMPLATE.finditer(text)}
+
+
 def cuda_rows(archs, cuobjdump, out_dir):
     """A Row per kernel instantiation per arch of every csrc/cuda/*.cu (one nvcc run per file, all at once)."""
     nvcc = shutil.which("nvcc")
@@ -518,20 +593,29 @@ def cuda_rows(archs, cuobjdump, out_dir):
     with ThreadPoolExecutor(max(len(sources), 1)) as pool:
         builds = list(pool.map(build, sources))
     rows = []
-    for fatbin, cmd, proc in builds:
+    for source, (fatbin, cmd, proc) in zip(sources, builds):
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
-        loads = sass_loads(fatbin, cuobjdump)
+        with open(source) as f:
+            params = template_params(f.read())
+        functions = sass.functions(fatbin, cuobjdump)
+        blocks = sass.max_threads(fatbin, cuobjdump)
         entries = ptxas_entries(proc.stderr)
         names = demangle(sorted({e[0] for e in entries}))
-        for mangled, arch, regs, stack, stores, spill_loads, _ in entries:
+        for entry in entries:
+            mangled, arch = entry[:2]
             kernel, targs = _template_args(short_name(names[mangled]))
             dtype = _CUDA_DTYPES.get(targs[0], "-") if targs else "-"
-            config = ", ".join(targs[dtype != "-":])
-            wide, widest = loads[(mangled, arch)]
+            if len(params.get(kernel, ())) != len(targs):
+                raise RuntimeError(f"{kernel}: its template parameters were not found in {source}")
+            named = dict(zip(params.get(kernel, ()), targs))
+            # The first, the logits' type, is the dtype column.
+            config = " ".join(f"{name}={arg}" for name, arg in list(named.items())[dtype != "-":])
+            if (mangled, arch) not in blocks:
+                raise RuntimeError(f"{kernel}: no __launch_bounds__, so no block size for its occupancy")
             elementwise = kernel in CUDA_ELEMENTWISE
-            rows.append(Row(kernel, "cuda", arch, dtype, f"<{config}>" if config else "", regs, stack, stores,
-                            spill_loads, wide, widest, not elementwise, elementwise))
+            rows.append(_row(kernel, "cuda", arch, dtype, config, entry, entry[6], blocks[(mangled, arch)],
+                             functions[(mangled, arch)], not elementwise, elementwise, named.get("kCap") == "true"))
     return rows
 
 
@@ -598,7 +682,7 @@ def main(argv: Optional[list] = None) -> int:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+            json.dump([r.to_json() for r in rows], f, indent=1)
     failures = [f"{r.kernel} ({r.backend} {r.arch} {r.dtype} {r.config}): {p}" for r in rows for p in r.problems()]
     print(f"gpu_static: {len(rows)} kernels in {time.monotonic() - start:.0f} s, {len(failures)} failures",
           file=sys.stderr)

@@ -1,9 +1,11 @@
 """benchmarks.gpu_static: the GPU kernels compiled ahead of time for sm_80 / sm_90 without a GPU.
 
-Fast: the default configuration of each Triton kernel (the streaming launch, default flags) for sm_90 in
-fp32 and bf16, and the CUDA kernels for sm_90: no local memory (stack or spills), and 128-bit global loads
-wherever a row is streamed. The elementwise kernels (policy_token_loss: per-token scalars, no logits) are
-there too, once each (dtype `-`), checked for local memory only. Slow: the whole sweep
+Fast: the default configuration of each Triton kernel (the streaming launch, default flags, and the same
+with rows of odd length) for sm_90 in fp32 and bf16, and the CUDA kernels for sm_90: no local memory
+(stack or spills), 128-bit global loads wherever a row is streamed, and issue 23's limits on the row
+kernels (resident threads per SM, instructions per logit): a static check, no timing. The elementwise
+kernels (policy_token_loss: per-token scalars, no logits) are there too, once each (dtype `-`), checked
+for local memory only. Slow: the whole sweep
 (`python -m benchmarks.gpu_static`), whose table is printed past pytest's capture so that it lands in
 the CI log.
 
@@ -36,7 +38,7 @@ def _run(tmp_path, *args, timeout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_static", *args, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    rows = [Row(**r) for r in json.loads(out.read_text())] if out.exists() else []
+    rows = [Row.from_json(r) for r in json.loads(out.read_text())] if out.exists() else []
     return proc, rows
 
 
@@ -48,21 +50,34 @@ def _check(proc, rows):
     assert proc.returncode == 0, log
 
 
-@pytest.mark.parametrize("backend", [
+DTYPES = ["fp32", "bf16"]
+
+
+@pytest.fixture(scope="module", params=[
     pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")),
     pytest.param("cuda", marks=pytest.mark.skipif(not HAS_NVCC, reason="nvcc is not on PATH")),
 ])
-def test_default_configurations_stream_in_128_bit_loads_without_local_memory(tmp_path, backend):
-    dtypes = ["fp32", "bf16"]
-    proc, rows = _run(tmp_path, "--backend", backend, "--arch", "sm_90", "--dtype", *dtypes, "--quick",
-                      "--jobs", "2", timeout=600)
+def quick(request, tmp_path_factory):
+    """(backend, process, rows) of the --quick run for sm_90 in fp32 and bf16 (once per backend)."""
+    backend = request.param
+    proc, rows = _run(tmp_path_factory.mktemp(backend), "--backend", backend, "--arch", "sm_90", "--dtype", *DTYPES,
+                      "--quick", "--jobs", "2", timeout=600)
+    return backend, proc, rows
+
+
+def test_default_configurations_stream_in_128_bit_loads_without_local_memory(quick):
+    backend, proc, rows = quick
     _check(proc, rows)
     assert all(r.arch == "sm_90" and r.backend == backend for r in rows)
     # Every row kernel in both dtypes, each a streaming one (its check includes the 128-bit loads).
     row_kernels = [r for r in rows if not r.elementwise]
     kernels = {r.kernel for r in row_kernels}
-    assert {(r.kernel, r.dtype) for r in row_kernels} == {(k, d) for k in kernels for d in dtypes}
+    assert {(r.kernel, r.dtype) for r in row_kernels} == {(k, d) for k in kernels for d in DTYPES}
     assert all(r.streaming for r in row_kernels)
+    # Rows of odd length (not 16-byte aligned) keep their 128-bit loads in Triton too.
+    if backend == "triton":
+        assert {(r.kernel, r.dtype) for r in row_kernels if "V=151937 " in r.config} == {
+            (k, d) for k in kernels for d in DTYPES}
     # The elementwise kernels once each, in the table, without the 128-bit load requirement.
     elementwise = [r for r in rows if r.elementwise]
     assert sorted(r.kernel for r in elementwise) == sorted(ELEMENTWISE[backend])
@@ -71,7 +86,29 @@ def test_default_configurations_stream_in_128_bit_loads_without_local_memory(tmp
         assert f"| {name} | {backend} | sm_90 | - |" in proc.stdout
 
 
-@pytest.mark.slow  # 226 Triton variants and the CUDA kernels for two archs: 4-5 min on 2 cores
+# Issue 23, on sm_90 with bf16 rows of V = 151936 and no cap: each forward and backward row kernel holds
+# 1536 threads per SM; a Triton forward takes at most 12 instructions per logit, a backward 16.
+ROW_KERNELS = {"triton": {"_token_logprobs_fwd_kernel": 12, "_policy_token_fwd_kernel": 12,
+                          "_token_logprobs_bwd_kernel": 16},
+               "cuda": {"fwd_kernel": None, "bwd_kernel": None}}
+
+
+def test_row_kernels_at_full_occupancy_within_the_instruction_budget(quick):
+    backend, proc, rows = quick
+    if backend == "triton":
+        limited = [r for r in rows if r.dtype == "bf16" and "V=151936 " in r.config and "HAS_CAP=0" in r.config]
+    else:  # V = 151936 takes 512 threads a row
+        limited = [r for r in rows if r.dtype == "bf16" and "kThreads=512 " in r.config and "kCap=false" in r.config]
+    assert {r.kernel for r in limited} == set(ROW_KERNELS[backend]), proc.stdout[-3000:]
+    for r in limited:
+        assert not r.capped and r.limits() is not None  # gpu_static holds them to the same limits
+        assert r.threads_per_sm >= 1536, f"{r.kernel} {r.config}: {r.registers} registers, {r.threads_per_sm} threads/SM"
+        budget = ROW_KERNELS[backend][r.kernel]
+        if budget is not None:
+            assert r.instructions_per_element <= budget, f"{r.kernel} {r.config}: {r.instructions_per_element}"
+
+
+@pytest.mark.slow  # 304 Triton variants and the CUDA kernels for two archs: 4-5 min on 2 cores
 @pytest.mark.skipif(not (HAS_TRITON or HAS_NVCC), reason="neither triton nor nvcc")
 def test_full_sweep(tmp_path, capsys):
     proc, rows = _run(tmp_path, timeout=1800)

@@ -1,8 +1,9 @@
 // One row's pass of the CUDA kernels (token_logprobs.cu), per thread: which elements a thread of a
 // group of kThreads owns (the first elements up to the row's first 16-byte boundary, one each;
-// 16-byte packs, kStep elements per step; the last partial pack, one each), the forward's online
-// softmax state over them, and the backward's gradient of them. __host__ __device__ and torch-free,
-// so that csrc/tests/test_row_pass.cu can run every lane of a group on the host, without a GPU.
+// 16-byte packs, kFwdStep or kBwdStep elements per step; the last partial pack, one each), the
+// forward's online softmax state over them, and the backward's gradient of them (the target's term
+// added last, by the thread that owns it). __host__ __device__ and torch-free, so that
+// csrc/tests/test_row_pass.cu can run every lane of a group on the host, without a GPU.
 // Last, what the thread that finishes a row writes: the forward's results, or those and the
 // per-token policy loss of rlkernels/token_loss.h.
 #pragma once
@@ -24,8 +25,6 @@ namespace rlk_cuda {
 namespace rows {
 
 using State = rlk::SoftmaxState<float>;
-
-constexpr int kStep = 16;  // elements one thread loads per step (one to four packs)
 
 // One 16-byte access (p is 16-byte aligned): a single 128-bit load or store on the device; a
 // memcpy on the host, where reading T objects through another type would be undefined.
@@ -115,6 +114,15 @@ struct CvtHalf {
 template <> struct Pack<__nv_bfloat16> : PackHalves<__nv_bfloat16, __nv_bfloat162, CvtBf16> {};
 template <> struct Pack<__half> : PackHalves<__half, __half2, CvtHalf> {};
 
+// Elements one thread loads per step, the loads issued together: in the forward 16 (one to four
+// packs), in the backward, which also holds the results until it stores them, two packs (8 or 16).
+// Half under a cap, whose tanh per element holds registers. With these steps the kernels without a cap
+// fit in 40 registers (1536 resident threads per SM: kMinBlocks in token_logprobs.cu) without spilling.
+template <bool kCap>
+constexpr int kFwdStep = kCap ? 8 : 16;
+template <typename T, bool kCap>
+constexpr int kBwdStep = Pack<T>::kElems * (kCap ? 1 : 2);
+
 // Elements of a row before its first 16-byte boundary (rows of odd V are misaligned in turn).
 template <typename T>
 RLK_HOST_DEVICE __forceinline__ int64_t lead_elems(const T* p) {
@@ -139,6 +147,14 @@ RLK_HOST_DEVICE __forceinline__ float fast_exp(float d) {
   const float e = std::exp2(d * 1.4426950408889634f);
   return e < 1.17549435e-38f ? 0.0f : e;
 #endif
+}
+
+// The logit the softmax sees: y = cap(z) under a cap, else z. The cap is a template flag, so that a
+// kernel without one (the common case) holds no register and issues no instruction of it.
+template <bool kCap>
+RLK_HOST_DEVICE __forceinline__ float head_logit(const Head& hd, float z) {
+  if constexpr (kCap) return hd.cap.capped(z, hd.cap.tanh_of(z));
+  return z;
 }
 
 // One thread's share of a row: the online softmax state over the elements it has seen.
@@ -174,12 +190,12 @@ struct Online {
 };
 
 
-// kUnroll packs of thread `lane`'s step at pack i: packs i, i + kThreads, ...; all of them exist
-// when kFull (then the loads are issued back to back), else the missing ones read as −inf.
-template <typename T, int kThreads, bool kFull>
+// kUnroll packs of thread `lane`'s step of kElems at pack i: packs i, i + kThreads, ...; all of them
+// exist when kFull (then the loads are issued back to back), else the missing ones read as −inf.
+template <typename T, int kThreads, int kElems, bool kFull>
 RLK_HOST_DEVICE __forceinline__ void load_step(const T* body, int64_t i, int64_t packs, float* x) {
   using P = Pack<T>;
-  constexpr int K = P::kElems, kUnroll = kStep / K;
+  constexpr int K = P::kElems, kUnroll = kElems / K;
 #pragma unroll
   for (int j = 0; j < kUnroll; ++j) {
     const int64_t k = i + int64_t(j) * kThreads;
@@ -192,104 +208,122 @@ RLK_HOST_DEVICE __forceinline__ void load_step(const T* body, int64_t i, int64_t
   }
 }
 
-// The state of the elements of row z that thread `lane` of its group of kThreads owns (capped: the
-// missing ones of a partial step stay −inf).
-template <typename T, int kThreads, bool kEntropy>
+// The state of the elements of row z that thread `lane` of its group of kThreads owns (capped under
+// kCap: the missing ones of a partial step stay −inf).
+template <typename T, int kThreads, bool kEntropy, bool kCap>
 RLK_HOST_DEVICE __forceinline__ State thread_state(const T* __restrict__ z, int64_t V, const Head& hd, int lane) {
   using P = Pack<T>;
-  constexpr int K = P::kElems, kUnroll = kStep / K;
+  constexpr int kN = kFwdStep<kCap>, K = P::kElems, kUnroll = kN / K;
   Online<kEntropy> acc{hd.inv_tau};
   const int64_t head = min64(V, lead_elems(z));
   if (lane < head) {
-    const float x[1] = {hd.cap.apply(P::to_float(z[lane]))};
+    const float x[1] = {head_logit<kCap>(hd, P::to_float(z[lane]))};
     acc.add(x);
   }
   const T* body = z + head;
   const int64_t packs = (V - head) / K;
-  float x[kStep];
+  float x[kN];
   auto cap_step = [&]() {
-    if (!hd.cap.on()) return;
 #pragma unroll
-    for (int e = 0; e < kStep; ++e) x[e] = hd.cap.apply(x[e]);
+    for (int e = 0; e < kN; ++e) x[e] = head_logit<kCap>(hd, x[e]);
   };
   int64_t i = lane;
   for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
-    load_step<T, kThreads, true>(body, i, packs, x);
+    load_step<T, kThreads, kN, true>(body, i, packs, x);
     cap_step();
     acc.add(x);
   }
   if (i < packs) {  // the last step, partial
-    load_step<T, kThreads, false>(body, i, packs, x);
+    load_step<T, kThreads, kN, false>(body, i, packs, x);
     cap_step();
     acc.add(x);
   }
   const int64_t done = head + packs * K;
   if (lane < V - done) {
-    const float x1[1] = {hd.cap.apply(P::to_float(z[done + lane]))};
+    const float x1[1] = {head_logit<kCap>(hd, P::to_float(z[done + lane]))};
     acc.add(x1);
   }
   return acc.st;
 }
 
 // ∂L/∂z of one element, from the clamped log p = (y − m)/τ − log s, y = cap(z) (rlk::grad_logit
-// with a fast exp), times dy/dz under a cap.
+// with a fast exp), times dy/dz under a cap (kCap).
+template <bool kCapped>
 struct GradOf {
+  static constexpr bool kCap = kCapped;
   float m, log_s;
   Head hd;
   rlk::GradCoeffs<float> c;
   int64_t target;
   RLK_HOST_DEVICE __forceinline__ float of(float z, bool is_target) const {
     float t = 0.0f;
-    if (hd.cap.on()) {
+    if constexpr (kCap) {
       t = hd.cap.tanh_of(z);
       z = hd.cap.capped(z, t);
     }
     const float l = clamp_floor(rlk::log_prob(z, m, log_s, hd.inv_tau));
     const float g = rlk::grad_element(fast_exp(l), l, c.A, c.B);
     const float gy = is_target ? c.target + g : g;
-    return hd.cap.on() ? gy * rlk::SoftCap<float>::slope(t) : gy;
+    if constexpr (kCap) return gy * rlk::SoftCap<float>::slope(t);
+    return gy;
   }
-  RLK_HOST_DEVICE __forceinline__ float operator()(float z, int64_t v) const { return of(z, v == target); }
 };
 
-// No __restrict__: z and out may be the same memory.
+// Whether thread `lane` of a group of kThreads owns element v of row z in grad_row (kVec: the first
+// elements one each, the 16-byte packs in turn, the last partial pack one each; else in turn).
 template <typename T, int kThreads, bool kVec>
-RLK_HOST_DEVICE __forceinline__ void grad_row(const T* z, T* out, int64_t V, const GradOf& grad, int lane) {
+RLK_HOST_DEVICE __forceinline__ bool owns(const T* z, int64_t V, int64_t v, int lane) {
+  if (v < 0 || v >= V) return false;
+  if (!kVec) return v % kThreads == lane;
+  constexpr int K = Pack<T>::kElems;
+  const int64_t head = min64(V, lead_elems(z)), done = head + (V - head) / K * K;
+  if (v < head) return v == lane;
+  if (v >= done) return v - done == lane;
+  return (v - head) / K % kThreads == lane;
+}
+
+// No __restrict__: z and out may be the same memory. The target's term is added by the thread that
+// owns the target, after its other elements (a select per element would cost an instruction and,
+// hoisted, registers): it reads the target's logit before it writes any element, and nobody else
+// writes that one.
+template <typename T, int kThreads, bool kVec, typename Grad>
+RLK_HOST_DEVICE __forceinline__ void grad_row(const T* z, T* out, int64_t V, const Grad& grad, int lane) {
   using P = Pack<T>;
+  const bool has_target = owns<T, kThreads, kVec>(z, V, grad.target, lane);
+  const float z_y = has_target ? P::to_float(z[grad.target]) : 0.0f;
+  auto one = [&](int64_t v) { out[v] = P::from_float(grad.of(P::to_float(z[v]), false)); };
   if (!kVec) {  // z and out differ in alignment: element by element (still coalesced)
-    for (int64_t v = lane; v < V; v += kThreads) out[v] = P::from_float(grad(P::to_float(z[v]), v));
-    return;
-  }
-  constexpr int K = P::kElems, kUnroll = kStep / K;
-  const int64_t head = min64(V, lead_elems(z));
-  if (lane < head) out[lane] = P::from_float(grad(P::to_float(z[lane]), lane));
-  const T* zb = z + head;
-  T* ob = out + head;
-  const int64_t packs = (V - head) / K;
-  // Each step loads its packs, then stores them: every element is read before it is written.
-  auto step = [&](int64_t i, auto full) {
-    float x[kStep];
-    load_step<T, kThreads, decltype(full)::value>(zb, i, packs, x);
+    for (int64_t v = lane; v < V; v += kThreads) one(v);
+  } else {
+    constexpr int kN = kBwdStep<T, Grad::kCap>, K = P::kElems, kUnroll = kN / K;
+    const int64_t head = min64(V, lead_elems(z));
+    if (lane < head) one(lane);
+    const T* zb = z + head;
+    T* ob = out + head;
+    const int64_t packs = (V - head) / K;
+    // Each step loads its packs, then stores them: every element is read before it is written.
+    auto step = [&](int64_t i, auto full) {
+      float x[kN];
+      load_step<T, kThreads, kN, decltype(full)::value>(zb, i, packs, x);
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t k = i + int64_t(j) * kThreads;
-      if (decltype(full)::value || k < packs) {
-        // The target's place in this pack, or −1: one 64-bit comparison per pack, not per element.
-        const int64_t t = grad.target - (head + k * K);
-        const int at = (t >= 0 && t < K) ? static_cast<int>(t) : -1;
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t k = i + int64_t(j) * kThreads;
+        if (decltype(full)::value || k < packs) {
 #pragma unroll
-        for (int e = 0; e < K; ++e) x[j * K + e] = grad.of(x[j * K + e], e == at);
-        P::store(ob + k * K, x + j * K);
+          for (int e = 0; e < K; ++e) x[j * K + e] = grad.of(x[j * K + e], false);
+          P::store(ob + k * K, x + j * K);
+        }
       }
+    };
+    int64_t i = lane;
+    for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
+      step(i, std::true_type());
     }
-  };
-  int64_t i = lane;
-  for (; i + int64_t(kUnroll - 1) * kThreads < packs; i += int64_t(kThreads) * kUnroll) {
-    step(i, std::true_type());
+    if (i < packs) step(i, std::false_type());
+    const int64_t done = head + packs * K;
+    if (lane < V - done) one(done + lane);
   }
-  if (i < packs) step(i, std::false_type());
-  const int64_t done = head + packs * K;
-  if (lane < V - done) out[done + lane] = P::from_float(grad(P::to_float(z[done + lane]), done + lane));
+  if (has_target) out[grad.target] = P::from_float(grad.of(z_y, true));
 }
 
 // token_logprobs_fwd's row results; `entropy` is written only when kEntropy.

@@ -6,7 +6,9 @@
 // A row is served by a group of kThreads threads: a logical warp of 32 for V ≤ 2048 (8 rows per
 // 256-thread block), else a whole block of 256 or 512. Each thread walks its share of the row in
 // 16-byte packs (the first elements, up to the row's first 16-byte boundary, and the last partial
-// pack one element per thread), kStep elements per iteration with the loads issued together.
+// pack one element per thread), a step of packs per iteration with the loads issued together
+// (row_pass.cuh). A final-logit cap is a template flag (kCap), so that the kernels without one carry
+// nothing of it; and those hold 1536 threads per SM (kMinBlocks).
 // Forward: per thread an online softmax state (running max m of the raw logits, Σ e^d, Σ e^d·d with
 // d = (z − m)/τ) in fp32,
 // merged across the group with cub's warp/block reduction and rlk::softmax_merge. One read of
@@ -51,10 +53,16 @@ template <int kThreads> struct Group {  // kThreads threads per row, kRows rows 
   static constexpr int kBlock = kThreads * kRows;
 };
 
+// Blocks per SM each kernel asks ptxas to fit (__launch_bounds__): 1536 threads, at most 40
+// registers, so that enough loads are in flight for the memory's bandwidth. None under a cap: the
+// tanh of each logit needs more registers, and would spill.
+template <int kThreads, bool kCap>
+constexpr int kMinBlocks = kCap ? 0 : 1536 / Group<kThreads>::kBlock;
+
 // Rows first_row + blockIdx.x · kRows + (group) of N; lane 0 of the row's group hands its results
 // to `out` (rows::StoreRow, rows::StorePolicyToken).
-template <typename T, int kThreads, bool kEntropy, typename Out>
-__global__ void __launch_bounds__(Group<kThreads>::kBlock)
+template <typename T, int kThreads, bool kEntropy, bool kCap, typename Out>
+__global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
     fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t first_row, int64_t N, int64_t V,
                const int64_t* __restrict__ targets, Head head, Out out) {
   constexpr int kRows = Group<kThreads>::kRows;
@@ -62,7 +70,7 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
   if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
   const T* z = logits + row * stride;
-  State st = rows::thread_state<T, kThreads, kEntropy>(z, V, head, lane);
+  State st = rows::thread_state<T, kThreads, kEntropy, kCap>(z, V, head, lane);
   if constexpr (kRows == 1) {
     using Reduce = cub::BlockReduce<State, kThreads>;
     __shared__ typename Reduce::TempStorage tmp;
@@ -74,13 +82,14 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   }
   if (lane == 0) {
     const int64_t y = targets[row];
-    const float z_y = (y >= 0 && y < V) ? head.cap.apply(Pack<T>::to_float(z[y])) : __int_as_float(0x7fc00000);
+    const float z_y =
+        (y >= 0 && y < V) ? rows::head_logit<kCap>(head, Pack<T>::to_float(z[y])) : __int_as_float(0x7fc00000);
     out(row, rlk::softmax_finalize(st, z_y, head.inv_tau));
   }
 }
 
-template <typename T, int kThreads>
-__global__ void __launch_bounds__(Group<kThreads>::kBlock)
+template <typename T, int kThreads, bool kCap>
+__global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
     bwd_kernel(const T* logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
                RowGrads grads, Head head, T* out, int64_t out_stride) {
   constexpr int kRows = Group<kThreads>::kRows;
@@ -88,10 +97,10 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   const int64_t row = int64_t(blockIdx.x) * kRows + group;
   if (row >= N) return;
   const bool has_h = grads.grad_entropy != nullptr;
-  const GradOf grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], head,
-                    rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
-                                            has_h ? grads.entropy[row] : 0.0f, head.inv_tau),
-                    targets[row]};
+  const GradOf<kCap> grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], head,
+                          rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
+                                                  has_h ? grads.entropy[row] : 0.0f, head.inv_tau),
+                          targets[row]};
   const T* z = logits + row * stride;
   T* o = out + row * out_stride;
   if ((reinterpret_cast<uintptr_t>(z) & 15) == (reinterpret_cast<uintptr_t>(o) & 15)) {
@@ -101,28 +110,36 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock)
   }
 }
 
-// Threads per row: one warp up to V = 2048 (≥ 8 packs per thread), then 256, then 512 threads.
+// Threads per row: one warp up to V = 2048 (≥ 8 packs per thread), then 256, then 512 threads; and
+// whether the logits are capped, as a template flag (the kernels without a cap carry none of it).
 template <typename F>
-cudaError_t with_threads(int64_t V, F&& launch) {
+cudaError_t with_threads(int64_t V, const Head& head, F&& launch) {
+  auto with_cap = [&](auto threads) {
+    if (head.cap.on()) {
+      launch(threads, std::true_type());
+    } else {
+      launch(threads, std::false_type());
+    }
+  };
   if (V <= 2048) {
-    launch(std::integral_constant<int, 32>());
+    with_cap(std::integral_constant<int, 32>());
   } else if (V <= 32768) {
-    launch(std::integral_constant<int, 256>());
+    with_cap(std::integral_constant<int, 256>());
   } else {
-    launch(std::integral_constant<int, 512>());
+    with_cap(std::integral_constant<int, 512>());
   }
   return cudaGetLastError();
 }
 
 template <typename T, bool kEntropy, typename Out>
 cudaError_t fwd(const Rows& logits, const int64_t* targets, Head head, const Out& out, cudaStream_t stream) {
-  return with_threads(logits.v, [&](auto threads) {
+  return with_threads(logits.v, head, [&](auto threads, auto cap) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
     for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
-      fwd_kernel<T, kThreads, kEntropy, Out><<<grid, G::kBlock, 0, stream>>>(
+      fwd_kernel<T, kThreads, kEntropy, decltype(cap)::value, Out><<<grid, G::kBlock, 0, stream>>>(
           static_cast<const T*>(logits.data), logits.row_stride, start, logits.n, logits.v, targets, head, out);
     }
   });
@@ -140,7 +157,7 @@ cudaError_t fwd_rows(const Rows& logits, const int64_t* targets, Head head, floa
 template <typename T>
 cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, Head head, const Rows& out,
                 cudaStream_t stream) {
-  return with_threads(logits.v, [&](auto threads) {
+  return with_threads(logits.v, head, [&](auto threads, auto cap) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
     const T* z = static_cast<const T*>(logits.data);
@@ -155,7 +172,7 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
         g.entropy += start;
         g.grad_entropy += start;
       }
-      bwd_kernel<T, kThreads><<<grid, G::kBlock, 0, stream>>>(
+      bwd_kernel<T, kThreads, decltype(cap)::value><<<grid, G::kBlock, 0, stream>>>(
           z + start * logits.row_stride, logits.row_stride, n, logits.v, targets + start, g, head,
           o + start * out.row_stride, out.row_stride);
     }

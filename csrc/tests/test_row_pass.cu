@@ -63,7 +63,7 @@ struct Buffer {
   }
 };
 
-template <typename T, int kThreads>
+template <typename T, int kThreads, bool kCap>
 void check(long V, int offset, std::mt19937& rng, int pattern) {
   const float tau = 0.7f, inv_tau = 1.0f / tau;
   std::normal_distribution<float> normal(0.0f, 3.0f);
@@ -98,10 +98,10 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
 
   // Forward: every lane's state, merged.
   State st = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true>(z, V, head, lane), inv_tau);
+  for (int lane = 0; lane < kThreads; ++lane) st = rlk::softmax_merge(st, thread_state<T, kThreads, true, kCap>(z, V, head, lane), inv_tau);
   const rlk::RowResult<float> r = rlk::softmax_finalize(st, head.cap.apply(zf[target]), inv_tau);
   State st0 = rlk::softmax_init<float>();
-  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false>(z, V, head, lane), inv_tau);
+  for (int lane = 0; lane < kThreads; ++lane) st0 = rlk::softmax_merge(st0, thread_state<T, kThreads, false, kCap>(z, V, head, lane), inv_tau);
   const rlk::RowResult<float> r0 = rlk::softmax_finalize(st0, head.cap.apply(zf[target]), inv_tau);
 
   double m = -INFINITY;
@@ -128,7 +128,7 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -173,7 +173,11 @@ void sweep(std::mt19937& rng) {
   for (long V : vs) {
     for (int offset : {0, 1, 3}) {
       for (int pattern : {0, 1, 2, 3, 4, 5}) {
-        if (pattern != 4 || !std::is_same<T, __half>::value) check<T, kThreads>(V, offset, rng, pattern);
+        if (pattern == 5) {  // the cap: the kernels' other template
+          check<T, kThreads, true>(V, offset, rng, pattern);
+        } else if (pattern != 4 || !std::is_same<T, __half>::value) {
+          check<T, kThreads, false>(V, offset, rng, pattern);
+        }
       }
     }
   }
@@ -188,7 +192,7 @@ void nan_rows() {
     for (long v = 0; v < 300; ++v) buf.row[v] = Pack<T>::from_float(which % 2 == 1 ? -INFINITY : float(v % 7));
     if (which < 3) buf.row[123] = Pack<T>::from_float(which == 2 ? INFINITY : NAN);
     State st = rlk::softmax_init<float>();
-    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true>(buf.row, 300, Head{1.0f, rlk::soft_cap<float>(0.0)}, lane), 1.0f);
+    for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true, false>(buf.row, 300, Head{1.0f, rlk::soft_cap<float>(0.0)}, lane), 1.0f);
     const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]), 1.0f);
     if (!std::isnan(r.logp) || !std::isnan(r.entropy)) fail("NaN row", name<T>(), 32, 300, 1, which, r.logp, NAN);
   }

@@ -63,7 +63,9 @@ struct SoftCap {
   T inv_c;  // 1/c (0 when c = 0)
   RLK_HOST_DEVICE bool on() const { return c > T(0); }
   RLK_HOST_DEVICE T tanh_of(T z) const { return tanh_(z * inv_c); }
-  RLK_HOST_DEVICE T capped(T z, T t) const { return z == neg_inf<T>() ? z : c * t; }  // t = tanh_of(z)
+  // t = tanh_of(z); c·t rounded alone, never contracted into the z − m that follows (see mul_rn): the
+  // max is of the rounded values, and the max element must give d = 0 exactly.
+  RLK_HOST_DEVICE T capped(T z, T t) const { return z == neg_inf<T>() ? z : mul_rn(c, t); }
   RLK_HOST_DEVICE T apply(T z) const { return on() ? capped(z, tanh_of(z)) : z; }
   RLK_HOST_DEVICE static T slope(T t) { return (T(1) - t) * (T(1) + t); }
 };

@@ -1,10 +1,15 @@
 """Triton kernels for per-token log-probs and entropy (docs/design.md §2).
 
 Forward: one program per row streams the row once in BLOCK_V tiles (`row_forward`, also the
-pass of policy_token.py), keeping an online max of the raw logits, the rescaled Σ e^d and (for the
-entropy) Σ e^d·d in fp32, d = (z − m)/τ; the target logit is one scalar load, masked to the row (a target
-outside [0, V) gives NaN). Backward: one program per row reads the row once and writes
-∂logits once, from the saved (m, log s) (and entropy). The math per tile lives in ``row_math.py``.
+pass of policy_token.py), each lane of a tile keeping its own online max of the raw logits, rescaled
+Σ e^d and (for the entropy) Σ e^d·d in fp32, d = (z − m)/τ, merged once at the end of the row; the
+target logit is one scalar load, masked to the row (a target outside [0, V) gives NaN). Backward:
+one program per row reads the row once and writes ∂logits once, from the saved (m, log s) (and
+entropy). The math per tile lives in ``row_math.py``.
+
+Tiles are aligned to 16 bytes, whatever V and the row stride: the first starts at the row's start
+rounded down to 16 bytes, and it and the last are loaded with a mask (to the row); every tile
+between them is whole, loaded without a mask in 16-byte vectors (`row_span`).
 
 I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
 """
@@ -17,7 +22,9 @@ import triton.language as tl
 
 # Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
 # by their global names (a module attribute such as row_math.f is not followed).
-from .row_math import capped, dlogits, log_prob, row_entropy, tanh_of, tile_update, tile_update_entropy
+from .row_math import (
+    LN2, LOG2E, cap_tile, dlogits, lane_update, log_prob, mul_rounded, row_entropy, row_state,
+)
 
 # Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
 # before this module was first imported.
@@ -27,36 +34,71 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def tile_offsets(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """Offsets of a tile as [BLOCK_V // VEC, VEC]: each lane holds VEC consecutive logits."""
+    return tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def align_down(ptr):
+    """(ptr rounded down to 16 bytes, the elements between them)."""
+    lead = ((ptr.to(tl.int64) % 16) * 8 // ptr.dtype.element_ty.primitive_bitwidth).to(tl.int32)
+    return tl.multiple_of(ptr - lead, 16), lead
+
+
+@triton.jit
+def row_span(row_ptr, V, BLOCK_V: tl.constexpr):
+    """(base, lead, end, full_end): the row lies at [lead, end) past ``base``, its start rounded down to
+    16 bytes; the tiles that start below ``full_end`` past it are whole."""
+    base, lead = align_down(row_ptr)
+    end = lead + V
+    return base, lead, end, end - end % BLOCK_V
+
+
+@triton.jit
+def load_tile(ptr, offs, lo, hi, MASKED: tl.constexpr):
+    """The tile at ``ptr`` in fp32; MASKED: only offsets in [lo, hi), the others -inf."""
+    if MASKED:
+        z = tl.load(ptr + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
+    else:
+        z = tl.load(ptr + offs)
+    return z.to(tl.float32)
+
+
+@triton.jit
 def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr,
                 BLOCK_V: tl.constexpr):
     """(logp, entropy, m, log s) of the row at ``row_ptr``, streamed once; entropy is 0 unless
     NEED_ENTROPY; HAS_CAP: the logits are capped as loaded. The one pass over the logits that every
     forward kernel makes."""
-    cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0
-    t = 0.0
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        z = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        if HAS_CAP:
-            z = capped(z, tanh_of(z, inv_cap), cap)
-        if NEED_ENTROPY:
-            m, s, t = tile_update_entropy(m, s, t, z, inv_temp)
-        else:
-            m, s = tile_update(m, s, z, inv_temp)
+    VEC: tl.constexpr = 128 // row_ptr.dtype.element_ty.primitive_bitwidth
+    # Under a cap, half a tile at a time: each logit's tanh holds registers until the lane's max.
+    TILE: tl.constexpr = BLOCK_V // 2 if HAS_CAP else BLOCK_V
+    offs = tile_offsets(TILE, VEC)
+    c = inv_temp * LOG2E
+    base, lead, end, full_end = row_span(row_ptr, V, TILE)
+    m = tl.full([TILE // VEC], float("-inf"), tl.float32)
+    s = tl.zeros([TILE // VEC], tl.float32)
+    u = tl.zeros([TILE // VEC], tl.float32)
+    z = load_tile(base, offs, lead, end, True)
+    m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
+    for start in range(TILE, full_end, TILE):
+        z = load_tile(base + start, offs, 0, 0, False)
+        m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
+    if (full_end > 0) & (full_end < end):
+        z = load_tile(base + full_end, offs, 0, end - full_end, True)
+        m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
+    m, s, u = row_state(m, s, u, c, NEED_ENTROPY)
 
     log_s = tl.log(s)
     # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
     in_row = (target >= 0) & (target < V)
     # The same fp32 d as in the loop, so z_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
     z_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32)
-    if HAS_CAP:
-        z_y = capped(z_y, tanh_of(z_y, inv_cap), cap)
     entropy = 0.0
     if NEED_ENTROPY:
-        entropy = row_entropy(log_s, s, t)
-    return log_prob(z_y, m, log_s, inv_temp), entropy, m, log_s
+        entropy = row_entropy(log_s, s, u)
+    return log_prob(cap_tile(z_y, cap, inv_cap, HAS_CAP), m, log_s, inv_temp), entropy, m, log_s
 
 
 @triton.jit
@@ -77,6 +119,31 @@ def _token_logprobs_fwd_kernel(
 
 
 @triton.jit
+def _grad_tile(z_ptr, out_ptr, offs, m, log2_s, c, coef_a, coef_b, cap, inv_cap, HAS_H: tl.constexpr,
+               HAS_CAP: tl.constexpr):
+    """∂logits but the target's term of the whole tile at z_ptr (16-byte aligned) into out_ptr (alike). Each
+    element is read before it is written, so `out` may be the logits themselves."""
+    z = tl.load(z_ptr + offs).to(tl.float32)
+    grad = dlogits(z, m, log2_s, c, coef_a, coef_b, 0.0, cap, inv_cap, HAS_H, HAS_CAP)
+    tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _grad_span(z_ptr, out_ptr, lo, hi, m, log2_s, c, coef_a, coef_b, cap, inv_cap, HAS_H: tl.constexpr,
+               HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """∂logits but the target's term of the elements [lo, hi) past z_ptr into the same places past out_ptr,
+    at any alignment: a few per thread and step, loaded and stored alike. (A masked tile of 16-byte
+    vectors would be stored from another layout, through shared memory, whose registers and bytes
+    would count against every launch.)"""
+    cols = tl.arange(0, BLOCK_V // 8)
+    for start in range(lo, hi, BLOCK_V // 8):
+        offs = start + cols
+        z = tl.load(z_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        grad = dlogits(z, m, log2_s, c, coef_a, coef_b, 0.0, cap, inv_cap, HAS_H, HAS_CAP)
+        tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=offs < hi)
+
+
+@triton.jit
 def _token_logprobs_bwd_kernel(
     logits_ptr, targets_ptr, lse_parts_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
     V, stride_row, stride_out_row, inv_temp, cap, inv_cap,
@@ -84,8 +151,9 @@ def _token_logprobs_bwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
+    base, lead, end, full_end = row_span(row_ptr, V, BLOCK_V)
     out_row_ptr = out_ptr + row * stride_out_row
-    cols = tl.arange(0, BLOCK_V)
+    out_base, out_lead = align_down(out_row_ptr)
 
     target = tl.load(targets_ptr + row)
     m = tl.load(lse_parts_ptr + 2 * row)
@@ -97,21 +165,45 @@ def _token_logprobs_bwd_kernel(
     else:
         entropy = 0.0
         h = 0.0
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        mask = offs < V
-        # Each tile is read before it is written, so `out` may be the logits themselves.
-        z = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        grad = dlogits(z, offs == target, m, log_s, entropy, g, h, inv_temp, cap, inv_cap, HAS_H, HAS_CAP)
-        tl.store(out_row_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
+    # Rounded alone: at p = 1 (one finite logit) coef_target + coef_a must be exactly 0.
+    coef_target = mul_rounded(g, inv_temp)
+    coef_a = -mul_rounded(g + h * entropy, inv_temp)
+    coef_b = -h * inv_temp * LN2
+    log2_s = log_s * LOG2E
+    c = inv_temp * LOG2E
+    # The target's term is added once, after the row (a select per logit would cost two instructions
+    # and, hoisted by ptxas, ~25 registers): its logit is read first, before any thread writes `out`,
+    # which may be the logits; the row's stores all land before the target's own.
+    in_row = (target >= 0) & (target < V)
+    z_y = tl.load(row_ptr + target, mask=in_row, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    if out_lead == lead:  # empty_like(logits), or the logits themselves: whole tiles in 16-byte vectors
+        offs = tile_offsets(BLOCK_V, 128 // logits_ptr.dtype.element_ty.primitive_bitwidth)
+        for start in range(BLOCK_V, full_end, BLOCK_V):
+            _grad_tile(base + start, out_base + start, offs, m, log2_s, c, coef_a, coef_b, cap, inv_cap, HAS_H,
+                       HAS_CAP)
+        hi = tl.minimum(end, BLOCK_V)  # the first tile, from the row's start, and the last, partial one
+        lo = tl.maximum(full_end, BLOCK_V)
+    else:  # the whole row element by element
+        hi = end
+        lo = end
+    _grad_span(base, out_row_ptr - lead, lead, hi, m, log2_s, c, coef_a, coef_b, cap, inv_cap, HAS_H, HAS_CAP,
+               BLOCK_V)
+    _grad_span(base, out_row_ptr - lead, lo, end, m, log2_s, c, coef_a, coef_b, cap, inv_cap, HAS_H, HAS_CAP,
+               BLOCK_V)
+    tl.debug_barrier()
+    grad_y = dlogits(z_y, m, log2_s, c, coef_a, coef_b, coef_target, cap, inv_cap, HAS_H, HAS_CAP)
+    tl.store(out_row_ptr + target, grad_y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 # Launch configuration: (BLOCK_V, num_warps) from V and the logit size.
 # A row ≤ 4096 fits one tile (no loop). Longer rows stream 16 KB tiles (8192 16-bit or 4096
 # fp32 logits) so every thread holds 16 logits: two (16-bit) or four (fp32) 16-byte vector
-# loads per thread and tile. ptxas for sm_90 gives these 32–64 registers, no spills, so 2–4
-# programs stay resident per SM. H100/H200 need ~32–64 KB of reads in flight per SM to reach
-# their 3.3–4.8 TB/s, which that many 16 KB tiles give; a 152k-vocabulary row is 19–38 tiles.
+# loads per thread and tile (half a tile at a time in the forward under a cap). ptxas for sm_90
+# gives these 30–43 registers, no spills, so 3–4 programs of 512 threads (16-bit) or 5–8 of 256
+# (fp32) stay resident per SM (`python -m benchmarks.gpu_static`). H100/H200 need ~32–64 KB of
+# reads in flight per SM to reach their 3.3–4.8 TB/s, which that many 16 KB tiles give; a
+# 152k-vocabulary row is 19–38 tiles.
 # Starting values for Hopper, to be confirmed by benchmarks/gpu_check.sh.
 # Under the interpreter (numpy, one program at a time) the cost is per tile, not per element:
 # 512-element tiles keep tests fast while V = 1000 and 4099 still take several tiles and a
