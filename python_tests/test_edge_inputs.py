@@ -94,3 +94,82 @@ def test_create_graph_is_refused_clearly():
                       (rlkernels.fused_linear_policy_loss(h, w, targets, torch.randn(B), mask, presets.dapo()), h)):
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(out.loss, leaf, create_graph=True)
+
+
+AVAILABLE = rlkernels.backend_info()
+# every backend on the tensors it runs on (Triton on CPU tensors under its interpreter)
+DEVICE_BACKENDS = [(b, "cpu") for b in ("torch", "cpu") if AVAILABLE[b]["available"]]
+DEVICE_BACKENDS += ([("cuda", "cuda"), ("triton", "cuda")] if torch.cuda.is_available() else
+                    [("triton", "cpu")] if AVAILABLE["triton"]["available"] else [])
+
+
+@pytest.mark.parametrize("backend,device", DEVICE_BACKENDS)
+def test_higher_order_gradients_of_the_log_probs_are_refused(backend, device):
+    """A gradient penalty through the kernels' log-probs once lost its second derivative silently (cpu: 0 where
+    fp64 gives 0.356; linear_token_logprobs: a gradient without a graph); every backend now refuses by name."""
+    B, T = 2, 3
+    targets = torch.zeros(B, T, dtype=torch.long, device=device)
+    logits = torch.randn(B, T + 1, V, device=device, requires_grad=True)  # whole (the op's autograd) and sliced
+    h = torch.randn(B, T, H, device=device, requires_grad=True)
+    w = torch.randn(V, H, device=device, requires_grad=True)
+    cases = [("token_logprobs", logits[:, :T].contiguous(), logits), ("token_logprobs", logits[:, :T], logits),
+             ("linear_token_logprobs", h, h)]
+    for name, x, leaf in cases:
+        logp = (rlkernels.token_logprobs(x, targets, backend=backend) if x is not h else
+                rlkernels.linear_token_logprobs(h, w, targets, backend=backend))
+        out = rlkernels.policy_loss(logp, torch.ones(B, device=device), torch.ones(B, T, dtype=torch.bool, device=device),
+                                    presets.gpg())
+        with pytest.raises(RuntimeError, match=f"create_graph=True is not supported by {name}"):
+            torch.autograd.grad(out.loss, leaf, create_graph=True)
+
+
+# every preset on the compiled and torch backends; under the (slow) Triton interpreter one per route: the forward
+# kernel, the sequence step, the covariance step
+TRANSPOSED_CASES = [(n, b) for b, device in DEVICE_BACKENDS if device == "cpu" and b != "triton" for n in presets.NAMES]
+TRANSPOSED_CASES += [(n, "triton") for n in ("dapo", "gspo", "kl_cov") if ("triton", "cpu") in DEVICE_BACKENDS]
+
+
+@pytest.mark.parametrize("name,backend", TRANSPOSED_CASES)
+def test_transposed_inputs_equal_contiguous_ones(name, backend):
+    """A mask (and log-probs, advantages) given as transposed views: the fused ops once crashed in `view(-1)`."""
+    B, T = 4, 5
+    g = torch.Generator().manual_seed(0)
+    config, adv, _, _ = _loss_args(name, B, T)
+    mask_t = torch.rand(T, B, generator=g) > 0.2
+    old_t = -torch.rand(T, B, generator=g)
+    if config.ratio == "token":
+        adv = torch.randn(T, B, generator=g).t()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    logits = torch.randn(B, T, V, generator=g)
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    kw = dict(rewards=torch.randn(B, generator=g), ref_logp=old_t.t() - 0.1)
+    for op, args in ((rlkernels.fused_policy_loss, (logits,)), (rlkernels.fused_linear_policy_loss, (hidden, weight))):
+        grads = []
+        for mask, old, a in ((mask_t.t(), old_t.t(), adv), (mask_t.t().contiguous(), old_t.t().contiguous(),
+                                                               None if adv is None else adv.contiguous())):
+            leaf = args[0].clone().requires_grad_(True)
+            torch.manual_seed(0)  # Clip-Cov's draw
+            out = op(leaf, *args[1:], targets, a, mask, config, old_logp=old, backend=backend, **kw)
+            out.loss.backward()
+            grads.append((out.loss, leaf.grad))
+        torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_counts_groups_and_small_inputs_are_checked():
+    B, T = 4, 3
+    logp, mask = -torch.rand(B, T), torch.ones(B, T, dtype=torch.bool)
+    for dtype, tiny in ((torch.float32, 1e-39), (torch.float64, 1e-320)):  # 1/x overflows: the loss was -inf
+        for name in ("num_items", "num_seqs"):
+            with pytest.raises(ValueError, match=name):
+                rlkernels.policy_loss(logp.to(dtype), torch.ones(B), mask, presets.dapo(), **{name: tiny})
+    out = rlkernels.policy_loss(logp.double(), torch.ones(B), mask, presets.dapo(), num_items=1e-300)
+    assert torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="group_ids: expected shape"):  # once ignored by token-level ratios
+        rlkernels.policy_loss(logp, torch.ones(B), mask, presets.dapo(), group_ids=torch.zeros(B + 1, dtype=torch.long))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    snis = presets.snis(group_size=2)
+    same = rlkernels.policy_loss(logp, None, mask, snis, rewards=rewards, group_ids=torch.tensor([5, 5, 2, 2]))
+    torch.testing.assert_close(same.loss, rlkernels.policy_loss(logp, None, mask, snis, rewards=rewards).loss)
+    for ids in ([0, 1, 0, 1], [0, 0, 0, 0], [3, 3, 3, 4]):  # once silently overriding group_size
+        with pytest.raises(ValueError, match="group_ids: expected the groups of config.group_size=2"):
+            rlkernels.policy_loss(logp, None, mask, snis, rewards=rewards, group_ids=torch.tensor(ids))

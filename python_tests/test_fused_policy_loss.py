@@ -1,6 +1,7 @@
 """`fused_policy_loss` equals `policy_loss(token_logprobs(...))` in value, gradient and metrics."""
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -150,9 +151,16 @@ TOKEN_CONFIGS = {
     "dppo_kl+top_entropy_quantile": dict(ratio="token", objective="dppo_kl", clip_low=0.2, clip_high=0.2,
                                          top_entropy_quantile=0.4, entropy_coef=0.03, entropy_agg="token_mean"),
     "dro+off_policy_mask": dict(ratio="token", objective="dro", dro_beta=0.5, off_policy_mask=0.0),
+    # TRL's options the kernels' parameters cannot express yet (δ ≤ 1, verl's KL estimators): the general path;
+    # and TRL's top_entropy_quantile = 0 (the highest-entropy token alone)
+    "delta_below_one": dict(ratio="token", clip_high=0.28, delta=0.9, kl_estimator="k3", kl_coef=0.05),
+    "low_var_kl+straight_through": dict(ratio="token", kl_estimator="low_var_kl+", kl_coef=0.3, entropy_coef=0.01),
+    "top_entropy_quantile_zero": dict(ratio="token", top_entropy_quantile=0.0, entropy_coef=0.02,
+                                      entropy_agg="token_mean"),
 }
 
 
+@pytest.mark.filterwarnings("ignore:the .* kernels do not evaluate")  # the general path's once-per-config note
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", TOKEN_CONFIGS)
 @pytest.mark.parametrize("on_policy", [False, True])
@@ -408,3 +416,41 @@ def test_outputs_carry_the_log_probs_and_entropies(backend, name, grad):
         assert out.logp.shape == out.entropy.shape == (B, T) and not out.logp.requires_grad
         torch.testing.assert_close(out.logp, lp, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out.entropy, h, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + (["triton"] if not torch.cuda.is_available()
+                                                 and rlkernels.backend_info()["triton"]["available"] else []))
+@pytest.mark.parametrize("name", ["gspo", "luspo", "gepo", "fspo", "cispo_sequence"])
+def test_off_policy_mask_counts_no_padding_as_clipped(backend, name):
+    """A row of one clipped token and two pads, beside a row of three unclipped tokens: a quarter of the tokens are
+    clipped. The off-policy mask's keep flags once held 1 on the padding, and the sequence step counted the row's
+    flag on every position of it (3/4)."""
+    config = (rlkernels.PolicyLossConfig(**SEQUENCE_CONFIGS[name]) if name in SEQUENCE_CONFIGS
+              else preset(name, group_size=1))
+    config = config.replace(off_policy_mask=0.5)
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    logp = rlkernels.token_logprobs(logits, targets)
+    old = torch.stack([logp[0] - 0.6, logp[1]])  # row 0's ratio e^0.6 is above every band; row 1 is on-policy
+    kw = dict(old_logp=old, rewards=torch.ones(2))
+    out = rlkernels.fused_policy_loss(logits.requires_grad_(True), targets, torch.ones(2), mask, config,
+                                      backend=backend, **kw)
+    spec = rlkernels.policy_loss(logp, torch.ones(2), mask, config, **kw)
+    assert float(spec.metrics["clip_frac_high"]) == 0.25
+    assert float(out.metrics["clip_frac_high"]) == 0.25
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_snis_weights_take_the_log_ratio_unclamped(backend):
+    """log ρ = [25, 40, 0], R = [1, 0, 0.5]: SNIS's coefficients ŵ(R − b) are all below 1e-6 (the spec's test,
+    test_policy_loss.py); the ±20 clamp of log ρ once gave ∓0.75 on the first two rows."""
+    logits = torch.randn(3, 1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    targets = torch.zeros(3, 1, dtype=torch.long)
+    old = rlkernels.token_logprobs(logits, targets) - torch.tensor([[25.0], [40.0], [0.0]], dtype=torch.float64)
+    x = logits.clone().requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, None, torch.ones(3, 1, dtype=torch.bool), presets.snis(group_size=3),
+                                      old_logp=old, rewards=torch.tensor([1.0, 0.0, 0.5]), backend=backend)
+    out.loss.backward()
+    assert x.grad.abs().max() < 1e-6
+    torch.testing.assert_close(out.metrics["ratio_max"], torch.tensor(math.exp(20.0), dtype=torch.float64))

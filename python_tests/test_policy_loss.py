@@ -517,6 +517,39 @@ def test_preset_table():
                                   "gmpo", "snis")
 
 
+class _Reads:
+    """A config that records which of its fields are read."""
+
+    def __init__(self, config):
+        self._config, self.read = config, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._config, name)
+
+
+def test_the_reference_reads_every_config_field():
+    """The oracle implements every field of PolicyLossConfig: over the presets and the options of these tests, each
+    field is read (it once ignored rollout_is* and rollout_rs, and returned another loss than policy_loss)."""
+    import dataclasses
+
+    inputs = random_loss_inputs(seed=5)
+    rollout = inputs["old_logp"] + 0.1
+    extra = [("grpo", dict(off_policy_mask=0.1, top_entropy_quantile=0.5, kl_bias_correction=True,
+                           kl_bias_ratio="sequence", kl_clamp=1.0)),
+             ("dapo", dict(rollout_is="sequence", rollout_is_mode="mask", rollout_is_lower=0.5,
+                           rollout_is_batch_normalize=True, rollout_rs=(("token_k2", None, 1.0),))),
+             ("gepo", dict(group_size=3)), ("clip_cov", dict(clip_cov_draw="verl"))]
+    read = set()
+    for name, overrides in [(n, {}) for n in presets.NAMES] + OPTIONS + extra:
+        config = _Reads(preset(name, **overrides))
+        reference.policy_loss(inputs["logp"], inputs["advantages"], inputs["mask"], config,
+                              old_logp=inputs["old_logp"], ref_logp=inputs["ref_logp"], entropy=inputs["entropy"],
+                              group_ids=inputs["group_ids"], rewards=inputs["rewards"], rollout_logp=rollout)
+        read |= config.read
+    assert {f.name for f in dataclasses.fields(rlkernels.PolicyLossConfig)} - read == set()
+
+
 def test_snis_gradient_by_hand():
     # On-policy, ρ_i = 1 for every row, so ŵ_i = 1 and b_g = mean_g R: the score is summed over the row, so
     # each token of row i gets −(R_i − mean_g R) / B under seq_mean_token_mean, whatever the row's length.
@@ -557,6 +590,24 @@ def test_snis_is_the_textbook_estimator(seed):
             expected[j][m[j]] = -len(members) / rows * wj * (rewards[j] - b)
     torch.testing.assert_close(grad, expected)
     torch.testing.assert_close(out.metrics["ratio_max"], torch.exp(log_rho[lengths > 0]).max())
+
+
+def test_snis_weights_are_not_changed_by_the_log_ratio_clamp():
+    # log ρ = [25, 40, 0], R = [1, 0, 0.5]: ŵ = 3·softmax(log ρ) ≈ [9e-7, 3, 2e-17], b ≈ 3e-7, so every
+    # coefficient ŵ(R − b) is below 1e-6. A clamp of log ρ at ±20 gave rows 1 and 2 equal weights:
+    # [0.75, −0.75, 0].
+    log_rho = torch.tensor([25.0, 40.0, 0.0], dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    w_hat = 3 * torch.softmax(log_rho, 0)
+    expected = w_hat * (rewards - (w_hat * rewards).mean())
+    for fn in (rlkernels.policy_loss, reference.policy_loss):
+        logp = torch.full((3, 1), -1.0, dtype=torch.float64, requires_grad=True)
+        out = fn(logp, None, mask, presets.snis(group_size=3), old_logp=logp.detach() - log_rho[:, None],
+                 rewards=rewards)
+        (grad,) = torch.autograd.grad(out.loss if fn is rlkernels.policy_loss else out[0], logp)
+        torch.testing.assert_close(-3 * grad.view(-1), expected, rtol=1e-12, atol=1e-22)
+        assert grad.abs().max() < 1e-6
 
 
 def test_snis_has_no_length_bias():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import rlkernels
+from rlkernels import reference
 
 from loss_inputs import random_loss_inputs
 
@@ -109,12 +110,15 @@ def test_rejection_mask_levels_nan_and_bad_arguments():
     dict(rollout_rs=(("token_k1", -0.5, 0.5), ("seq_mean_k3", None, 0.1))),
     dict(rollout_is="token", rollout_is_mode="mask", rollout_is_lower=0.7, rollout_is_upper=1.4,
          rollout_rs=(("seq_max_k2", None, 0.2),)),
-], ids=["token-tis", "sequence-icepop-normalized", "rejection", "token-icepop-and-rejection"])
+    dict(rollout_is="token", rollout_is_upper=None, rollout_is_batch_normalize=True),  # None: no bound (docs)
+    dict(rollout_is="sequence", rollout_is_lower=0.8, rollout_is_upper=None, rollout_rs=(("seq_sum_k1", -1.0, None),)),
+], ids=["token-tis", "sequence-icepop-normalized", "rejection", "token-icepop-and-rejection", "token-unbounded",
+        "sequence-lower-bound-and-rejection"])
 @pytest.mark.parametrize("name", ["dapo", "gspo"])
 def test_config_fields_equal_the_functions(fields, name):
     """`PolicyLossConfig.rollout_*` = the weights of `rollout_is_weights` and the mask of
-    `rollout_rejection_mask` passed by hand, in `policy_loss` and the fused op (whose kernel takes the
-    weights folded into the advantage)."""
+    `rollout_rejection_mask` passed by hand, in `policy_loss`, the reference and the fused op (whose kernel
+    takes the weights folded into the advantage)."""
     g = torch.Generator().manual_seed(6)
     B, T, V = 6, 9, 40
     logits = torch.randn(B, T, V, generator=g, dtype=torch.float64)
@@ -138,6 +142,15 @@ def test_config_fields_equal_the_functions(fields, name):
     torch.testing.assert_close(by_config.loss, by_hand.loss)
     for key, value in by_hand.metrics.items():
         torch.testing.assert_close(by_config.metrics[key], value, msg=key)
+    ref_logp = logp.clone().requires_grad_(True)
+    ref_loss, ref_metrics = reference.policy_loss(ref_logp, adv, mask, config, old_logp=old, rollout_logp=rollout)
+    spec_logp = logp.clone().requires_grad_(True)
+    spec = rlkernels.policy_loss(spec_logp, adv, mask, config, old_logp=old, rollout_logp=rollout)
+    torch.testing.assert_close(ref_loss, spec.loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ref_loss, ref_logp)[0], torch.autograd.grad(spec.loss, spec_logp)[0],
+                               rtol=1e-10, atol=1e-12)
+    for key, value in spec.metrics.items():
+        torch.testing.assert_close(ref_metrics[key], value, msg=key)
     x = logits.float().requires_grad_(True)
     fused = rlkernels.fused_policy_loss(x, targets, adv.float(), mask, config, old_logp=old.float(),
                                         rollout_logp=rollout.float())

@@ -1,4 +1,5 @@
-"""Advantage estimators (docs/math.md §13).
+"""Advantage estimators (docs/math.md §13): GAE and the GRPO family here; verl's other estimators from
+`_group_advantages` (a group baseline) and `_token_advantages` (token-level returns).
 
 Plain PyTorch, vectorised over rows and over groups: GAE is one reverse scan over the T
 positions of a ``(B, T)`` batch; group statistics are ``index_add_`` reductions over a group
@@ -20,11 +21,12 @@ from ._checks import (
     check_tensor,
 )
 from ._dtypes import acc_dtype
+from ._group_advantages import gdpo, gpg, grpo_passk, opo, reinforce_plus_plus_baseline
 from ._groups import check_ids, group_centered, group_index, group_std, pair_index
+from ._token_advantages import masked_whiten, optimal_token_baseline, reinforce_plus_plus, remax
 
-__all__ = ["gae", "group_normalized", "rloo", "tree_grpo"]
-
-_WHITEN_EPS = 1e-8  # verl's masked_whiten: (A − mean) * rsqrt(var + 1e-8)
+__all__ = ["gae", "group_normalized", "rloo", "tree_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+           "remax", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline"]
 
 
 def _work(rewards: torch.Tensor) -> torch.Tensor:
@@ -79,13 +81,7 @@ def gae(
         running = torch.where(m_t, step, running)
         adv[:, t] = running
     returns = adv + v
-    if whiten:
-        m = mask.to(dtype)
-        n = m.sum()
-        mean = (adv * m).sum() / n.clamp(min=1)
-        var = ((adv - mean).square() * m).sum() / (n - 1).clamp(min=1)
-        adv = (adv - mean) * torch.rsqrt(var + _WHITEN_EPS)
-    return adv, returns
+    return (masked_whiten(adv, mask) if whiten else adv), returns
 
 
 def group_normalized(

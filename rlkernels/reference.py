@@ -17,7 +17,8 @@ _CONFIG_DEFAULTS = dict(
     clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_draw="device", kl_cov_ratio=2e-4,
     kl_cov_coef=0.1, dro_beta=None,
     vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
-    top_entropy_quantile=None,
+    top_entropy_quantile=None, rollout_is=None, rollout_is_mode="truncate", rollout_is_lower=None,
+    rollout_is_upper=2.0, rollout_is_batch_normalize=False, rollout_rs=(),
 )
 
 
@@ -162,10 +163,72 @@ def _dppo_inside(l, lo, a, config, divergence):
     return torch.tensor(out, dtype=torch.bool)
 
 
-def _kl(delta, estimator):
-    """§6 with Δ = ℓ_ref - ℓ (already clamped)."""
-    return {"k1": lambda: -delta, "k2": lambda: delta ** 2 / 2,
-            "k3": lambda: torch.exp(delta) - delta - 1}[estimator]()
+def _kl(delta, estimator, C):
+    """§6 with Δ = ℓ_ref - ℓ (unclamped): k1, k2, k3 of clamp(Δ); verl's kl, mse, abs of Δ itself and its
+    low_var_kl, k3 clamped to ±10; "+": that value with the gradient of Δ²/2 (straight-through)."""
+    d = torch.clamp(delta, -C, C)
+    value = {"k1": lambda: -d, "k2": lambda: d ** 2 / 2, "k3": lambda: torch.exp(d) - d - 1,
+             "kl": lambda: -delta, "mse": lambda: delta ** 2 / 2, "abs": lambda: torch.abs(delta),
+             "low_var_kl": lambda: torch.clamp(torch.exp(d) - d - 1, -10, 10)}[estimator.rstrip("+")]()
+    if estimator.endswith("+"):
+        return delta ** 2 / 2 - (delta ** 2 / 2).detach() + value.detach()
+    return value
+
+
+def _rollout_statistic(r, estimator):
+    """§7 rejection sampling: k1, k2 or k3 of r = clamp(ℓ_old - ℓ_rollout) (the KL between the two policies)."""
+    return {"k1": lambda: -r, "k2": lambda: r ** 2 / 2, "k3": lambda: torch.exp(r) - 1 - r}[estimator]()
+
+
+def _rollout_correction(config, old, rollout, valid, is_weights, C):
+    """§7 rollout correction from the config: (the mask less the tokens the rejection tests drop, the importance
+    weights (B, T) times the rollout IS weights). Every test and the weights read the given mask."""
+    B, T = valid.shape
+    kept = valid.clone()
+    for name, lower, upper in _cfg(config, "rollout_rs"):
+        level, _, estimator = name.rpartition("_")
+        for i in range(B):
+            if not bool(valid[i].any()):
+                continue
+            stat = _rollout_statistic(torch.clamp(old[i][valid[i]] - rollout[i][valid[i]], -C, C), estimator)
+            if level != "token":      # one statistic for the row: its tokens are kept or dropped together
+                stat = {"seq_sum": stat.sum, "seq_mean": stat.mean, "seq_max": stat.max}[level]().expand(stat.numel())
+            ok = ~torch.isnan(stat)
+            if lower is not None:
+                ok = ok & (stat >= lower)
+            if upper is not None:
+                ok = ok & (stat <= upper)
+            kept[i, valid[i]] = kept[i, valid[i]] & ok   # each test on the given mask, all of them kept
+    level = _cfg(config, "rollout_is")
+    if level is None:
+        return kept, is_weights
+    lower, upper = _cfg(config, "rollout_is_lower"), _cfg(config, "rollout_is_upper")
+    w = torch.zeros(B, T, dtype=old.dtype)
+    for i in range(B):
+        if not bool(valid[i].any()):
+            continue
+        r = torch.nan_to_num(old[i][valid[i]] - rollout[i][valid[i]], nan=0.0)   # NaN: a token the sampler lacks
+        r = r.sum().expand(r.numel()) if level == "sequence" else r
+        wi = torch.exp(torch.clamp(r, -C, C))
+        if _cfg(config, "rollout_is_mode") == "truncate":
+            wi = _clamp(wi, lower, upper)
+        else:                                       # IcePop: 0 outside [lower, upper]
+            outside = torch.zeros_like(wi, dtype=torch.bool)
+            if lower is not None:
+                outside = outside | (wi < lower)
+            if upper is not None:
+                outside = outside | (wi > upper)
+            wi = torch.where(outside, torch.zeros_like(wi), wi)
+        w[i, valid[i]] = wi
+    rows = [i for i in range(B) if bool(valid[i].any())]
+    if _cfg(config, "rollout_is_batch_normalize") and rows:   # divided by the mean over the tokens, or the rows
+        mean = w[valid].mean() if level == "token" else _mean([w[i][valid[i]][0] for i in rows])
+        if mean > 1e-8:
+            w = w / mean
+    if is_weights is not None:
+        given = is_weights.detach().to(old.dtype)
+        w = w * (given.reshape(B, 1) if given.numel() == B else given)
+    return kept, w
 
 
 def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
@@ -179,6 +242,10 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     valid = mask != 0
     old = logp.detach() if old_logp is None else old_logp.detach().to(dt)   # on-policy: sg(ℓ)
     C = float(_cfg(config, "log_ratio_clamp"))                 # every exponentiated log-ratio
+    if _cfg(config, "rollout_is") is not None or _cfg(config, "rollout_rs"):
+        if old_logp is None or rollout_logp is None:
+            raise ValueError("rollout_logp: config.rollout_is / rollout_rs need old_logp and rollout_logp")
+        valid, is_weights = _rollout_correction(config, old, rollout_logp.detach().to(dt), valid, is_weights, C)
     ratio, objective = _cfg(config, "ratio"), _cfg(config, "objective")
     eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
     rows = [i for i in range(B) if bool(valid[i].any())]      # empty rows take part in nothing
@@ -206,10 +273,11 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 for j in g:
                     log_E[j] = torch.logsumexp(2 * log_q, 0) - torch.logsumexp(log_q, 0)
             else:
-                # ρ_j = π/π_old of the whole sequence; ŵ_j = ρ_j / mean_g ρ; b_g = mean_g ŵ_j R_j  (constants)
-                rho = {j: torch.exp(torch.clamp((tok(logp, j) - tok(old, j)).sum(), -C, C)).detach() for j in g}
-                for j in g:
-                    w_hat[j] = rho[j] / _mean([rho[k] for k in g])
+                # ρ_j = π/π_old of the whole sequence, unclamped; ŵ_j = ρ_j / mean_g ρ
+                # = n·e^{log ρ_j − lse_g log ρ}; b_g = mean_g ŵ_j R_j  (constants)
+                log_rho = torch.stack([(tok(logp, j) - tok(old, j)).sum() for j in g]).detach()
+                for j, w in zip(g, len(g) * torch.softmax(log_rho, 0)):
+                    w_hat[j] = w
                 for j in g:
                     baseline[j] = _mean([w_hat[k] * rewards[k].to(dt) for k in g])
 
@@ -360,20 +428,20 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         if (is_weights is not None and objective != "vespo") or thr is not None or h_thr is not None:
             loss_tok = surr * omega
             low, high = low & (omega > 0), high & (omega > 0)   # §10: a zero-weight token is not clipped
-        # §6 KL to the reference: Δ = clamp(ℓ_ref - ℓ), value clamp, optional sg(w_tok) factor;
+        # §6 KL to the reference: Δ = ℓ_ref - ℓ, the estimator, value clamp, optional w_tok factor;
         # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
         if ref_logp is not None:
             coef, est, kl_clamp = (_cfg(config, n) for n in ("kl_coef", "kl_estimator", "kl_clamp"))
-            d_ref = torch.clamp(tok(ref_logp.detach().to(dt), i) - l, -C, C)
+            d_ref = tok(ref_logp.detach().to(dt), i) - l
             if coef != 0 and est is not None:
-                k = _kl(d_ref, est)
+                k = _kl(d_ref, est, C)
                 if kl_clamp is not None:
                     k = torch.clamp(k, -kl_clamp, kl_clamp)
                 if _cfg(config, "kl_bias_correction"):   # with the ratio's gradient: the token's, or the row's
                     k = k * (w_tok if _cfg(config, "kl_bias_ratio") == "token" else torch.exp(log_s(i)))
                 loss_tok = loss_tok + coef * k
             else:
-                k = _kl(d_ref, "k3")
+                k = _kl(d_ref, "k3", C)
             m_kl.append(k)
         # §7 entropy bonus (gradient flows into H)
         if entropy is not None:

@@ -5,12 +5,14 @@ import dataclasses
 from typing import Optional, Tuple
 
 from .._checks import check_choice, check_int, check_real
+from .kl import BASE_ESTIMATORS, STRAIGHT_THROUGH
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
 OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo")
-KL_ESTIMATORS = (None, "k1", "k2", "k3")
+# Schulman's k1, k2, k3 of a clamped Δ; verl's kl_penalty options under verl's names (docs/math.md §6)
+KL_ESTIMATORS = (None,) + BASE_ESTIMATORS + STRAIGHT_THROUGH
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # Which surrogate each ratio can feed (docs/math.md, "Surrogates").
@@ -43,6 +45,8 @@ class PolicyLossConfig:
     dual_clip: Optional[float] = None
     fspo_c_low: float = 0.03
     fspo_c_high: float = 0.03
+    # docs/math.md §6: Schulman's k1, k2, k3 of Δ clamped (the fused kernels'), or verl's kl, mse, abs, low_var_kl
+    # and their straight-through "+" forms, each as verl computes it
     kl_estimator: Optional[str] = None
     kl_coef: float = 0.0
     kl_clamp: Optional[float] = None
@@ -82,8 +86,8 @@ class PolicyLossConfig:
     # DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a row with A < 0 whose
     # mean (ℓ_rollout − ℓ) exceeds this loses its surrogate term (docs/math.md §7); None: off
     off_policy_mask: Optional[float] = None
-    # 80/20 rule (Wang et al. 2025; TRL's top_entropy_quantile): only the fraction ρ of the call's tokens
-    # with the highest entropy keep their surrogate term (docs/math.md §7); None: all
+    # 80/20 rule (Wang et al. 2025; TRL's top_entropy_quantile): only the fraction ρ ∈ [0, 1] of the call's tokens
+    # with the highest entropy keep their surrogate term (0: the highest alone; docs/math.md §7); None: all
     top_entropy_quantile: Optional[float] = None
     # Rollout correction from the sampler's log-probs (argument `rollout_logp`, docs/math.md §7): importance
     # weights ω = π_old/π_rollout per token or per row, truncated to [lower, upper] or zeroed outside it
@@ -101,6 +105,10 @@ class PolicyLossConfig:
     def __post_init__(self):
         check_choice("ratio", self.ratio, RATIOS)
         check_choice("objective", self.objective, OBJECTIVES)
+        if self.kl_estimator == "full":
+            raise ValueError("kl_estimator: 'full' (verl's name) needs the whole distributions of π and π_ref, not "
+                             "the sampled tokens' log-probs a policy loss takes (verl 0.9.1 raises "
+                             f"NotImplementedError for it too); expected one of {KL_ESTIMATORS}")
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("agg", self.agg, AGGREGATIONS)
         if self.objective not in _VALID_OBJECTIVES[self.ratio]:
@@ -116,11 +124,12 @@ class PolicyLossConfig:
         if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
                 and self.clip_low is not None and self.clip_low >= 1):
             raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
-        for name in ("delta", "dual_clip"):
+        # delta caps the unclipped branch at min(w, δ): any δ > 0, as TRL takes; the dual clip's c·|A| needs c > 1
+        for name, lo in (("delta", 0.0), ("dual_clip", 1.0)):
             value = getattr(self, name)
             if value is None:
                 continue
-            check_real(name, value, 1.0, lo_open=True)
+            check_real(name, value, lo, lo_open=True)
             if self.objective != "clip" or self.ratio not in _RATIO_SPACE_CLIP:
                 raise ValueError(
                     f"{name}: only valid with objective='clip' and ratio in {_RATIO_SPACE_CLIP}, "
@@ -130,7 +139,7 @@ class PolicyLossConfig:
         check_real("fspo_c_high", self.fspo_c_high, 0.0)
         check_real("kl_coef", self.kl_coef, 0.0)
         if self.kl_coef > 0 and self.kl_estimator is None:
-            raise ValueError("kl_estimator: kl_coef > 0 needs an estimator ('k1', 'k2' or 'k3'), got None")
+            raise ValueError(f"kl_estimator: kl_coef > 0 needs an estimator, one of {KL_ESTIMATORS[1:]}, got None")
         check_real("kl_clamp", self.kl_clamp, 0.0, lo_open=True, optional=True)
         if not isinstance(self.kl_bias_correction, bool):
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
@@ -165,9 +174,8 @@ class PolicyLossConfig:
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check_real(name, getattr(self, name), 0.0)
         check_real("off_policy_mask", self.off_policy_mask, optional=True)
-        check_real("top_entropy_quantile", self.top_entropy_quantile, 0.0, lo_open=True, optional=True)
-        if self.top_entropy_quantile is not None and self.top_entropy_quantile > 1:
-            raise ValueError(f"top_entropy_quantile: expected a fraction in (0, 1], got {self.top_entropy_quantile}")
+        # 0 keeps the tokens of the largest entropy alone (TRL's top_entropy_quantile=0.0)
+        check_real("top_entropy_quantile", self.top_entropy_quantile, 0.0, 1.0, optional=True)
         check_choice("rollout_is", self.rollout_is, (None, "token", "sequence"))
         check_choice("rollout_is_mode", self.rollout_is_mode, ("truncate", "mask"))
         check_real("rollout_is_lower", self.rollout_is_lower, 0.0, optional=True)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
-from .._groups import check_group_size, group_index
+from .._groups import check_group_size, check_ids, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
 
@@ -68,7 +68,8 @@ class LossInputs:
         if not isinstance(config, PolicyLossConfig):
             raise TypeError(f"config: expected a PolicyLossConfig (see rlkernels.presets), got {type(config).__name__}")
         B, T = shape
-        mask = check_mask("mask", _per_token("mask", mask, shape, device, what, dtypes=None))
+        # contiguous: the kernels' inputs are flat views of it and of what is formed from it (a transposed mask)
+        mask = check_mask("mask", _per_token("mask", mask, shape, device, what, dtypes=None)).contiguous()
 
         def float_input(name, t):
             if t is None:
@@ -78,25 +79,14 @@ class LossInputs:
         old_logp, ref_logp = float_input("old_logp", old_logp), float_input("ref_logp", ref_logp)
         if config.kl_coef > 0 and ref_logp is None:
             raise ValueError(f"ref_logp: required when kl_coef > 0 (kl_coef={config.kl_coef})")
-        if num_items is not None:
-            num_items = check_real("num_items", num_items, 0, lo_open=True)
-        if num_seqs is not None:
-            num_seqs = check_real("num_seqs", num_seqs, 0, lo_open=True)
+        num_items, num_seqs = _count("num_items", num_items, dtype), _count("num_seqs", num_seqs, dtype)
         adv, adv_row = _advantages(advantages, mask, config, shape, dtype, device, what)
         if config.ratio == "snis":
             if rewards is None:
                 raise ValueError("rewards: required for ratio='snis' (it takes rewards in place of advantages)")
             check_tensor("rewards", rewards, shape=(B,), dtypes=FLOAT_DTYPES, device=device)
             rewards = rewards.detach().to(dtype)
-        group, num_groups, group_size = None, 0, None
-        if config.ratio in _GROUPED_RATIOS:
-            if group_ids is None and config.group_size is None:
-                raise ValueError(f"group_ids: ratio={config.ratio!r} needs group_ids or config.group_size")
-            if group_ids is None:  # contiguous runs of group_size rows: reductions over a view, no index
-                group_size = check_group_size(B, config.group_size)
-                num_groups = B // group_size
-            else:
-                group, num_groups = group_index(B, group_ids, None, device, ref_name=f"{what} rows", exact_count=False)
+        group, num_groups, group_size = _groups(config, group_ids, B, device, what)
         is_weights = _is_weights(is_weights, mask, shape, dtype, device, what)
         rollout_logp = float_input("rollout_logp", rollout_logp)
         if config.rollout_is is not None or config.rollout_rs:
@@ -111,6 +101,40 @@ class LossInputs:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""
         t = getattr(self, name)
         return None if t is None else t.reshape(-1).contiguous()
+
+
+def _count(name, x, dtype):
+    """A global count of the aggregation (None: the call's own), > 0 with a finite inverse in `dtype`."""
+    if x is None:
+        return None
+    x = check_real(name, x, 0, lo_open=True)
+    tiny = torch.finfo(dtype).tiny
+    if x < tiny:
+        raise ValueError(f"{name}: expected a count >= {tiny:.3g} (the aggregation divides by it in {dtype}), "
+                         f"got {x!r}")
+    return x
+
+
+def _groups(config: PolicyLossConfig, group_ids, B, device, what):
+    """(group index or None, number of groups, size of contiguous groups or None) of a grouped ratio. `group_ids`
+    are checked whatever the ratio; given with `config.group_size`, they must describe the same groups."""
+    if group_ids is not None:
+        check_ids("group_ids", group_ids, B, device, ref_name=f"{what} rows")
+    if config.ratio not in _GROUPED_RATIOS:
+        return None, 0, None
+    if group_ids is None and config.group_size is None:
+        raise ValueError(f"group_ids: ratio={config.ratio!r} needs group_ids or config.group_size")
+    if config.group_size is None:
+        group, num_groups = group_index(B, group_ids, None, device, ref_name=f"{what} rows", exact_count=False)
+        return group, num_groups, None
+    size = check_group_size(B, config.group_size)  # contiguous runs of rows: reductions over a view, no index
+    if group_ids is not None:
+        runs = group_ids.reshape(-1, size)
+        heads = runs[:, 0].sort().values
+        check_on_device((runs == runs[:, :1]).all() & (heads[1:] != heads[:-1]).all(),
+                        f"group_ids: expected the groups of config.group_size={size} (contiguous runs of {size} rows, "
+                        "one id each), got other groups; pass one of the two")
+    return None, B // size, size
 
 
 def _per_token(name, t, shape, device, what, dtypes=FLOAT_DTYPES):

@@ -119,8 +119,8 @@ def _gathered(x, mask, group):
 
 
 def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
-    """ω of §7, (B, T) or None: the importance weights times the off-policy and the entropy masks
-    (`high_entropy`: `high_entropy_tokens`'s)."""
+    """ω of §7, (B, T) and 0 where masked, or None: the importance weights times the off-policy and the entropy
+    masks (`high_entropy`: `high_entropy_tokens`'s). The fused paths count a row's clip flags on its ω > 0."""
     # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
     w = None if inputs.is_weights is None or config.objective == "vespo" else \
         torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
@@ -132,7 +132,7 @@ def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLos
     # rollout log-probs (tokens the sampler could not score) count as 0, as TRL does.
     rollout = inputs.rollout_logp if inputs.rollout_logp is not None else b.old_logp
     mean_gap = b.row_mean(torch.nan_to_num(rollout - b.logp.detach(), nan=0.0))[:, None]
-    keep = ((b.adv >= 0) | (mean_gap <= config.off_policy_mask)).to(b.logp.dtype)
+    keep = (((b.adv >= 0) | (mean_gap <= config.off_policy_mask)) & b.mask).to(b.logp.dtype)
     return keep if w is None else w * keep
 
 

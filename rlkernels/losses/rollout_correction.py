@@ -65,7 +65,8 @@ def rollout_is_weights(
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     w = torch.exp(log_ratio.clamp(-clamp, clamp))
     if mode == "truncate":
-        w = w.clamp(min=lower, max=upper)
+        if lower is not None or upper is not None:  # torch.clamp refuses two None bounds
+            w = w.clamp(min=lower, max=upper)
     else:
         inside = torch.ones_like(mask)
         if lower is not None:

@@ -328,21 +328,24 @@ def geometric(b: Batch, cfg) -> Surrogate:
 def snis(b: Batch, cfg) -> Surrogate:
     """Self-normalised importance sampling over the prompt group, with the SNIS baseline (docs/math.md §4, §5).
 
-    ρ_i = exp(clamp(Σ_t m (ℓ − ℓ_old))), ŵ_i = ρ_i / mean_{j∈g} ρ_j (in log space), b_g = mean_{j∈g} ŵ_j R_j;
-    row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants.
+    log ρ_i = Σ_t m (ℓ − ℓ_old), ŵ_i = ρ_i / mean_{j∈g} ρ_j (in log space), b_g = mean_{j∈g} ŵ_j R_j;
+    row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants. The ratio metric is ρ_i = e^clamp(log ρ_i).
     """
-    log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).detach()
+    log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).detach()
     row_loss = -snis_advantage(log_rho, b.rewards, b.group, b.num_groups, b.lengths > 0, b.group_size) * \
         masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
-    return Surrogate(b.per_token(row_loss), b.per_token(torch.exp(log_rho)), none, none)
+    rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    return Surrogate(b.per_token(row_loss), b.per_token(rho), none, none)
 
 
 def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Tensor, num_groups: int,
                    valid: torch.Tensor, group_size: Optional[int] = None) -> torch.Tensor:
-    """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from the clamped log ρ_i; 0 for invalid rows."""
+    """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from log ρ_i unclamped; 0 for invalid
+    rows."""
     counts = group_sum(valid.to(log_rho.dtype), group, num_groups, group_size).clamp(min=1)
-    # ρ_i / mean_j ρ_j = n_g · softmax_g(log ρ)_i, without forming ρ (log ρ is clamped to ±20, not ±88)
+    # ρ_i / mean_j ρ_j = n_g · softmax_g(log ρ)_i, without forming ρ: the softmax subtracts the group's largest
+    # log ρ, so nothing overflows, and a clamp of log ρ would change the weights (docs/math.md §4)
     w_hat = group_softmax(log_rho, group, num_groups, valid, group_size) * group_gather(counts, group, group_size)
     # over the valid rows: ŵ is 0 on the others
     baseline = group_sum(w_hat * rewards, group, num_groups, group_size) / counts

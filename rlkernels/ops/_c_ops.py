@@ -10,6 +10,7 @@ import torch
 
 from .._dtypes import acc_dtype
 from ..kernels.token_loss_params import NUM_STATS
+from ._precomputed_grad import refuse_create_graph
 
 _LIB = "rlkernels_C"
 
@@ -55,6 +56,7 @@ def register_logprobs_autograd(fwd, bwd) -> None:
     """The autograd formula of a token_logprobs forward op `fwd` (any backend's), whose backward op is `bwd`."""
 
     def backward(ctx, grad_logp, grad_entropy, _grad_lse_parts):
+        refuse_create_graph("token_logprobs")
         logits, targets, lse_parts, entropy = ctx.saved_tensors
         if grad_logp is None:
             grad_logp = lse_parts.new_zeros(lse_parts.shape[0])

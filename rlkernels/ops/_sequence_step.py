@@ -37,9 +37,8 @@ from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
 from ._token_stats import loss_from_stats
-from .token_loss_params import (
-    log_band_params, row_bias_correction, surrogate_params, token_objective, token_terms_params,
-)
+from .token_loss_params import (kernel_terms, log_band_params, surrogate_params, token_objective,
+                                token_terms_params)
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
 _PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip")}
@@ -50,7 +49,7 @@ _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence
 def evaluates(kernels, config: PolicyLossConfig) -> bool:
     """Whether `sequence_step` takes this config with these kernels (and a token-level one that the forward kernel
     does not: its surrogate weights need the kernel's ℓ or H)."""
-    return (hasattr(kernels, "policy_token_loss") and not row_bias_correction(config)
+    return (hasattr(kernels, "policy_token_loss") and kernel_terms(config)
             and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
                  or token_objective(config)))
 
@@ -141,14 +140,15 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
 def _snis(rows: _Rows, omega, inputs: LossInputs, config):
     """(A flat, ρ) of SNIS in the KL and entropy terms' call, REINFORCE: its loss −coef_i·S_i·W_i (S_i = Σ_t m ℓ,
     W_i = Σ_t w_agg·ω) is −A·ℓ per token weighted w_agg, with A = coef_i·Σ_t m ω (w_agg is the same on every token
-    of a row, docs/math.md §8); ρ_i = e^clamp(Σ_t m (ℓ − ℓ_old)) is its ratio statistic."""
+    of a row, docs/math.md §8); ρ_i = e^clamp(Σ_t m (ℓ − ℓ_old)) is its ratio statistic (the coefficient takes
+    the log-ratio unclamped)."""
     c = config.log_ratio_clamp
-    log_rho = rows.log_ratio_sum.clamp(-c, c)
+    log_rho = rows.log_ratio_sum
     coef = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, rows.lengths > 0,
                           inputs.group_size)
     counted = rows.lengths if omega is None else omega.sum(-1)
     adv = coef[:, None] * counted[:, None].expand(rows.mask.shape)  # one product, already (B, T)
-    return adv.view(-1), torch.exp(log_rho)
+    return adv.view(-1), torch.exp(log_rho.clamp(-c, c))
 
 
 def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):

@@ -32,13 +32,21 @@ def kernel_supports(config: PolicyLossConfig) -> bool:
     """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
     the off-policy and entropy masks need row means or quantiles of the kernel's outputs first)."""
     return (token_objective(config) and config.off_policy_mask is None and config.top_entropy_quantile is None
-            and not row_bias_correction(config))
+            and kernel_terms(config))
 
 
 def covariance_supports(config: PolicyLossConfig) -> bool:
     """Whether `_covariance_step` evaluates this config (Clip-Cov, KL-Cov) with `policy_token_loss`."""
     return (config.ratio == "token" and config.objective in ("clip_cov", "kl_cov") and config.off_policy_mask is None
-            and config.top_entropy_quantile is None and not row_bias_correction(config))
+            and config.top_entropy_quantile is None and kernel_terms(config))
+
+
+def kernel_terms(config: PolicyLossConfig) -> bool:
+    """Whether the kernels' parameters express this config: a KL term that is none, or k1, k2, k3 times at most the
+    token's own ratio (verl's estimators and a KL times the row's ratio take the general path), and δ > 1 (the
+    kernels' argument check refuses the 0 < δ ≤ 1 that TRL takes)."""
+    kl = config.kl_coef == 0 or (config.kl_estimator in _KL and not row_bias_correction(config))
+    return kl and (config.delta is None or config.delta > 1)
 
 
 def row_bias_correction(config: PolicyLossConfig) -> bool:
@@ -55,11 +63,13 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
     the general path (a new objective its kernels do not implement yet): same values, more launches."""
     masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
     masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
+    masks += [f"kl_estimator={config.kl_estimator!r}"] if config.kl_coef > 0 and config.kl_estimator not in _KL else []
+    masks += [f"delta={config.delta}"] if config.delta is not None and config.delta <= 1 else []
     what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
         return True
     if hasattr(kernels, "policy_token_loss") and (covariance_supports(config) or (
-            token_objective(config) and not row_bias_correction(config))):
+            token_objective(config) and kernel_terms(config))):
         # the kernel's log-probs first, then the call's choice of tokens (`_covariance_step`), or the surrogate
         # weighted by what needs them, a row mean or a quantile (`_sequence_step`)
         return False
