@@ -55,6 +55,7 @@ def _case(dtype=torch.float32, temperature=1.0, on_policy=False, ref=False, exer
 CASES = {
     "clip": _case(exercises=("clip_low", "clip_high")),
     "clip_delta": _case(delta=1.5, exercises=("delta",)),
+    "clip_delta_below_one": _case(delta=0.9, exercises=("delta",)),  # TRL accepts any δ > 0
     "clip_dual": _case(dual_clip=2.0, exercises=("dual_clip",)),
     "clip_asymmetric_delta_dual": _case(clip_low=0.1, clip_high=0.28, delta=3.0, dual_clip=1.8, agg="seq_mean_token_sum",
                                         exercises=("clip_low", "clip_high", "dual_clip")),

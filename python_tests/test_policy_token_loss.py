@@ -113,6 +113,7 @@ CASES = {
     "clip_asymmetric": _case(clip_low=0.1, clip_high=0.28, agg="seq_mean_token_sum",
                              exercises=("clip_low", "clip_high")),
     "clip_delta": _case(delta=1.5, exercises=("clip_low", "clip_high", "delta")),
+    "clip_delta_below_one": _case(delta=0.9, exercises=("clip_low", "delta")),  # TRL accepts any δ > 0
     "clip_dual": _case(dual_clip=2.0, entropy_coef=0.01, exercises=("clip_low", "clip_high", "dual_clip")),
     "clip_asymmetric_delta_dual": _case(clip_low=0.15, clip_high=0.3, delta=3.0, dual_clip=1.8, ref=True,
                                         kl_estimator="k3", kl_coef=0.05, agg="seq_mean_token_mean",

@@ -43,10 +43,8 @@ def covariance_supports(config: PolicyLossConfig) -> bool:
 
 def kernel_terms(config: PolicyLossConfig) -> bool:
     """Whether the kernels' parameters express this config: a KL term that is none, or k1, k2, k3 times at most the
-    token's own ratio (verl's estimators and a KL times the row's ratio take the general path), and δ > 1 (the
-    kernels' argument check refuses the 0 < δ ≤ 1 that TRL takes)."""
-    kl = config.kl_coef == 0 or (config.kl_estimator in _KL and not row_bias_correction(config))
-    return kl and (config.delta is None or config.delta > 1)
+    token's own ratio (verl's estimators and a KL times the row's ratio take the general path)."""
+    return config.kl_coef == 0 or (config.kl_estimator in _KL and not row_bias_correction(config))
 
 
 def row_bias_correction(config: PolicyLossConfig) -> bool:
@@ -64,7 +62,6 @@ def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
     masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
     masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
     masks += [f"kl_estimator={config.kl_estimator!r}"] if config.kl_coef > 0 and config.kl_estimator not in _KL else []
-    masks += [f"delta={config.delta}"] if config.delta is not None and config.delta <= 1 else []
     what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
     if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
         return True

@@ -74,7 +74,7 @@ TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double 
   p.clip_low = static_cast<T>(check_scalar("clip_low", clip_low, 0.0, false, true));
   // > −1: CISPO's cap 1 + clip_high may be below 1 (TRL's ε_high < 1); PolicyLossConfig says where.
   p.clip_high = static_cast<T>(check_scalar("clip_high", clip_high, -1.0, true, true));
-  p.delta = static_cast<T>(check_scalar("delta", delta, 1.0, true, true));
+  p.delta = static_cast<T>(check_scalar("delta", delta, 0.0, true, true));  // any δ > 0, as TRL
   p.dual_clip = static_cast<T>(check_scalar("dual_clip", dual_clip, 1.0, true, true));
   p.kl_estimator = static_cast<int>(kl_estimator);
   p.kl_coef = static_cast<T>(check_scalar("kl_coef", kl_coef, 0.0, false, false));
