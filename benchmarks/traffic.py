@@ -14,7 +14,9 @@ a TorchDispatchMode that adds up, for every op that is not a view:
   outputs of `out=` ops and the targets of `fill_`, `zero_` and `copy_`, which it only writes;
 * FLOPs: 2·m·n·k for every `mm`, `addmm`, `bmm`, `baddbmm`, `addmm.dtype_out` (the head's GEMMs).
 It also keeps the peak of live bytes allocated by the counted ops (fake tensors free like real ones),
-above what existed before the call.
+the inputs included; the extra peak is that less the leaves (logits, or hidden states and head weight) and
+their gradients, which must exist anyway, as a fraction of the N·V·b logits (for the hidden-state path:
+of the logits it avoids).
 
 The modelled time is bytes / 4.27 TB/s + FLOPs / 760 TFLOP/s, the copy bandwidth and bf16 dense matmul
 rate measured on an H200 (benchmarks/RESULTS.md). Passes are bytes over N·V·b (b the logits' element size):
@@ -23,11 +25,14 @@ the logits path's floor is 3 (read forward, read and write backward); the hidden
 
 The inputs are fake CPU tensors and the backend is `cpu`, whose op sequence is the `cuda` backend's: both
 call the extension's same ops (`rlkernels_C::*`, with fake implementations), chosen by the tensors' device.
+The hidden-state path takes a GPU's choices on them (chunk rows, the ∂W GEMM with an fp32 result:
+`rlkernels/ops/_gpu_like.py`).
 (Fake CUDA tensors would need a CUDA build of torch: its custom-op dispatch takes a CUDA device guard.)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import weakref
@@ -136,17 +141,31 @@ class Traffic:
     bytes: int
     flops: int
     peak_bytes: int
+    extra_peak: float  # (peak − leaves and their gradients) / N·V·b
     passes: float  # bytes over N·V·b
     gemm_ratio: Optional[float]  # FLOPs over 3·2·N·H·V (hidden-state path)
     model_ms: float
     by_op: Dict[str, int]
 
 
-def measure(fn: Callable[[], None]) -> TrafficCounter:
-    """Run `fn` (which builds its inputs and runs forward + backward) under the counter."""
+@contextlib.contextmanager
+def _modelling_a_gpu():
+    """The hidden-state path takes a GPU's choices on the fake tensors (rlkernels/ops/_gpu_like.py)."""
+    from rlkernels.ops import _gpu_like
+
+    _gpu_like.MODEL_GPU = True
+    try:
+        yield
+    finally:
+        _gpu_like.MODEL_GPU = False
+
+
+def measure(fn: Callable[[], list]):
+    """Run `fn` (which builds its inputs, runs forward + backward and returns the leaves) under the
+    counter; (counter, bytes of the leaves)."""
     with TrafficCounter() as counter:
-        fn()
-    return counter
+        leaves = fn()
+    return counter, sum(_nbytes(x) for x in leaves)
 
 
 def _shapes(n: int, batch: int):
@@ -174,7 +193,8 @@ def _loss_args(n, batch, device):
 
 def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, device: str, batch: int = 8,
           backward: bool = True) -> Dict[str, Callable]:
-    """Name → a function that runs that path (forward, + backward by default) on freshly made (fake) inputs."""
+    """Name → a function that runs that path (forward, + backward by default) on freshly made (fake) inputs
+    and returns the leaves it differentiates."""
     import rlkernels
     from rlkernels import presets
 
@@ -187,6 +207,7 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets = _loss_args(n, batch, device)[0]
             finish(rlkernels.token_logprobs(logits, targets, backend=backend).sum())
+            return [leaf]
         return run
 
     def fused(preset, sliced):
@@ -195,6 +216,7 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             targets, adv, mask, kw = _loss_args(n, batch, device)
             finish(rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
                                                **kw).loss)
+            return [leaf]
         return run
 
     def linear(preset):
@@ -205,6 +227,7 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             targets, adv, mask, kw = _loss_args(n, batch, device)
             finish(rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
                                                       **kw).loss)
+            return [h, w]
         return run
 
     return {
@@ -232,11 +255,12 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
     for name, run in paths(n, vocab, hidden, dtype, backend, "cpu", batch, backward).items():
         if only and name not in only:
             continue
-        with FakeTensorMode():
-            counter = measure(run)
+        with FakeTensorMode(), _modelling_a_gpu():
+            counter, leaves = measure(run)
         linear = name.startswith("fused_linear")
         rows.append(Traffic(
             path=name, bytes=counter.bytes, flops=counter.flops, peak_bytes=counter.peak,
+            extra_peak=(counter.peak - (2 if backward else 1) * leaves) / (n * vocab * element),
             passes=counter.bytes / (n * vocab * element),
             gemm_ratio=counter.flops / (3 * 2 * n * hidden * vocab) if linear else None,
             model_ms=1e3 * (counter.bytes / HBM_BYTES_PER_S + counter.flops / MATMUL_FLOPS_PER_S),
@@ -249,11 +273,12 @@ def table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
     floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
     lines = [f"N = {n}, V = {vocab}, H = {hidden}, {str(dtype).replace('torch.', '')}; H200 model: "
              f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s; 3-GEMM floor {floor_ms:.2f} ms",
-             "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | modelled ms |",
-             "|---|---|---|---|---|---|"]
+             "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | "
+             "extra peak / N·V·b | modelled ms |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if r.gemm_ratio is None else f"{r.gemm_ratio:.3f}"
         lines.append(f"| {r.path} | {r.passes:.2f} | {r.bytes / 1e9:.2f} | {ratio} | {r.peak_bytes / 1e9:.2f} | "
+                     f"{r.extra_peak:.1%} | "
                      f"{r.model_ms:.2f} |")
     return "\n".join(lines)
 

@@ -2,31 +2,91 @@
 (docs/design.md §4): `head_spec` validates the inputs, `LinearHead` runs the chunk loop over
 logits = hidden @ weightᵀ (+ bias) with the backend's kernels, forward and backward, and merges
 the per-row results of vocabulary shards; `HeadGrads` carries ∂hidden, ∂weight and ∂bias.
+`default_rows` is the chunk rule; a GPU's choices are taken where `_gpu_like.gpu_like` says.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import _backend
 from .._checks import (
     FLOAT_DTYPES, INT_DTYPES, check_int, check_softcap, check_targets, check_temperature, check_tensor,
 )
 from .._dtypes import acc_dtype
+from ._gpu_like import gpu_like
 from ._rows import kernel_checks_targets, with_softcap
+from .token_logprobs import _resolve
 
-CHUNK_BYTES = 64 << 20  # default chunk: ≤ 64 MB of logits (and as much again for an fp32 image of half-precision ones)
-# On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator: with r rows
-# it does r/4 FLOP per byte of it, and an H100/H200 needs ~200 to stay compute-bound, so chunks
-# of fewer rows run at a fraction of the matmul rate (110-row chunks at V = 152k, H = 4096 spent
-# ~85% of the backward there).
-GPU_MIN_CHUNK_ROWS = 1024
-# CUDA has half-precision matmuls with an fp32 result (torch ≥ 2.9); elsewhere the chunk is upcast.
-_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+# A CPU chunk: ≤ 56 MiB of logits with their fp32 image: the extra peak (one chunk) at N = 2048,
+# V = 152k in fp32 is 4.6% of the logits avoided; each chunk re-reads W and the ∂W accumulator,
+# so smaller chunks cost time (half as many rows: +10% there).
+CPU_CHUNK_BYTES = 56 << 20
+# On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator, 8 bytes per
+# entry for 2r FLOP with r rows: r/4 FLOP per byte, where an H100/H200 needs ~200 to stay
+# compute-bound (110-row chunks at V = 152k, H = 4096 spent ~85% of the backward there). So a GPU
+# chunk holds as many bytes of logits as the accumulator has (one chunk when all fit: its product
+# then writes the accumulator once and never reads it), and at least this many rows.
+GPU_MIN_CHUNK_ROWS = 4096
+LANE = 16  # the sharded buffer's row stride is a multiple of 16 elements: every row 32- or 64-byte aligned
+
+
+_FP32_OUT_GEMM: Dict[Tuple[torch.device, torch.dtype], bool] = {}
+
+
+def fp32_out_gemm(t: Tensor) -> bool:
+    """Whether `torch.mm`/`torch.addmm` take operands of t's half-precision dtype with an fp32
+    result (`out_dtype`) on t's device: CUDA has it from torch 2.9, on some GPUs and versions it
+    raises, CPUs lack it. Tried once per device and dtype as `accumulate` calls it (a transposed
+    operand, the accumulator both input and output) on 3 × 2 operands (no sync: a refusal raises on
+    the host), cached. Fake tensors are not tried: they have it where they stand for a GPU (`gpu_like`)."""
+    if is_fake(t):
+        return gpu_like(t)
+    key = (t.device, t.dtype)
+    if key not in _FP32_OUT_GEMM:
+        a = torch.ones(3, 2, dtype=t.dtype, device=t.device)
+        acc = torch.empty(2, 2, dtype=torch.float32, device=t.device)
+        try:
+            torch.mm(a.t(), a, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+        except (RuntimeError, NotImplementedError, TypeError):  # unknown argument (torch < 2.9), no kernel, refused
+            _FP32_OUT_GEMM[key] = False
+        else:
+            _FP32_OUT_GEMM[key] = True
+    return _FP32_OUT_GEMM[key]
+
+
+def accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """acc = a @ b (`first`: β = 0, acc is neither zeroed nor read) or acc += a @ b, products and
+    sums in acc's dtype. Half-precision operands go in as they are where the GEMM writes fp32
+    (`fp32_out_gemm`), else upcast: either way every product is exact in fp32 and summed in fp32."""
+    if a.dtype != acc.dtype and not fp32_out_gemm(a):
+        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    kw = {} if a.dtype == acc.dtype else {"out_dtype": acc.dtype}
+    if first:
+        torch.mm(a, b, out=acc, **kw)
+    else:
+        torch.addmm(acc, a, b, out=acc, **kw)
+
+
+def default_rows(n: int, width: int, hidden_size: int, dtype: torch.dtype, gpu: bool, upcast: bool) -> int:
+    """Rows per chunk without `chunk_size`, for n rows of `width` logits in `dtype` and a (V, H =
+    hidden_size) ∂W accumulator; `upcast`: the ∂W GEMM takes an fp32 image of each chunk. The
+    fewest chunks under the cap (GPU: the accumulator's bytes, at least `GPU_MIN_CHUNK_ROWS` rows;
+    CPU: `CPU_CHUNK_BYTES`), evened out (as many accumulator passes, a smaller buffer)."""
+    acc_size = 8 if dtype == torch.float64 else 4
+    per_logit = dtype.itemsize + (acc_size if upcast else 0)
+    if gpu:
+        cap = max(GPU_MIN_CHUNK_ROWS, hidden_size * acc_size // per_logit)
+    else:
+        cap = CPU_CHUNK_BYTES // (width * per_logit)
+    chunks = -(-n // max(1, cap))
+    return max(1, -(-n // max(1, chunks)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +117,22 @@ class LinearHead:
             self.owned = (local >= 0) & (local < self.vocab)
             targets = torch.where(self.owned, local, torch.full_like(local, self.vocab))
         self.targets = targets.contiguous()
-        width = self.vocab + self.sharded
-        self.buffer = torch.empty(min(spec.rows, self.n), width, dtype=self.hidden.dtype, device=self.hidden.device)
+        self.buffer = torch.empty(min(spec.rows, self.n), buffer_width(self.vocab, self.sharded),
+                                  dtype=self.hidden.dtype, device=self.hidden.device)
 
     def chunks(self):
         return [(start, min(start + self.spec.rows, self.n)) for start in range(0, self.n, self.spec.rows)]
 
     def logits(self, s: int, e: int) -> Tensor:
-        """The logits of rows s:e, written into the buffer (a contiguous `(e − s, V)` view of it)."""
+        """The logits of rows s:e, written into the buffer (a contiguous `(e − s, width)` view of it)."""
         buf = self.buffer[: e - s]
-        view = buf[:, : self.vocab]  # with the extra column: a strided view BLAS writes into directly
+        view = buf[:, : self.vocab]  # sharded: a strided view BLAS writes into directly
         if self.bias is None:
             torch.mm(self.hidden[s:e], self.weight.t(), out=view)
         else:
             torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=view)
         if self.sharded:
-            buf[:, self.vocab] = float("-inf")
+            buf[:, self.vocab:] = float("-inf")
         return buf
 
     def policy_chunk(self, buf: Tensor, s: int, e: int, per_row, params):
@@ -120,11 +180,12 @@ class LinearHead:
         return sums[0] - log_s_all, entropy_all, torch.stack((top, log_s_all), 1)
 
     def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
-        acc = acc_dtype(self.hidden)
+        """Uninitialised: the first chunk writes them (zeros when there is no row, hence no chunk)."""
+        acc, new = acc_dtype(self.hidden), torch.empty if self.n else torch.zeros
         return HeadGrads(
             hidden=torch.empty_like(self.hidden) if need_hidden else None,
-            weight=torch.zeros(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
-            bias=torch.zeros(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
+            weight=new(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
+            bias=new(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
         )
 
     def backward_chunk(self, buf, s, e, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
@@ -133,17 +194,16 @@ class LinearHead:
         g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse_parts, entropy, grad_logp.contiguous(),
                                             None if grad_entropy is None else grad_entropy.contiguous(),
                                             self.spec.temperature, out=buf)
-        g = g[:, : self.vocab]  # the −inf column (sharded) holds the target term of other ranks' tokens
+        g = g[:, : self.vocab]  # the −inf columns (sharded) hold the target term of other ranks' tokens
         if grads.hidden is not None:
             torch.mm(g, self.weight, out=grads.hidden[s:e])
         if grads.weight is not None:  # fp32 accumulation over chunks
-            acc, h = grads.weight, self.hidden[s:e]
-            if acc.is_cuda and g.dtype != acc.dtype and _ADDMM_OUT_DTYPE:
-                torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
-            else:
-                acc.addmm_(g.t().to(acc.dtype), h.to(acc.dtype))
+            accumulate(grads.weight, g.t(), self.hidden[s:e], first=s == 0)
         if grads.bias is not None:
-            grads.bias += g.sum(0, dtype=grads.bias.dtype)
+            if s == 0:
+                torch.sum(g, 0, dtype=grads.bias.dtype, out=grads.bias)
+            else:
+                grads.bias += g.sum(0, dtype=grads.bias.dtype)
 
     def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
         """The second pass: recompute each chunk's logits, then `backward_chunk`."""
@@ -154,21 +214,30 @@ class LinearHead:
         return self.finish(grads)
 
     def finish(self, grads: "HeadGrads") -> "HeadGrads":
-        """∂hidden summed over ranks (each rank saw its slice of the vocabulary); dtypes of the inputs."""
+        """∂hidden summed over ranks (each rank saw its slice of the vocabulary)."""
         if self.sharded and grads.hidden is not None:
             dist.all_reduce(grads.hidden, group=self.spec.group)
-        return HeadGrads(
-            hidden=grads.hidden,
-            weight=None if grads.weight is None else grads.weight.to(self.weight.dtype),
-            bias=None if grads.bias is None else grads.bias.to(self.bias.dtype),
-        )
+        return grads
 
 
 @dataclasses.dataclass
 class HeadGrads:
     hidden: Optional[Tensor]  # (N, H), dtype of hidden
-    weight: Optional[Tensor]  # (V, H), fp32 accumulator until `finish`
-    bias: Optional[Tensor]  # (V,)
+    weight: Optional[Tensor]  # (V, H), in the accumulation dtype (fp32; fp64 for fp64 inputs)
+    bias: Optional[Tensor]  # (V,), likewise
+
+    def to(self, dtype: torch.dtype) -> "HeadGrads":
+        """∂weight and ∂bias in `dtype` (the parameters'): one conversion pass each, none when the
+        accumulator already is the gradient (dropping `self` then frees the accumulator)."""
+        return HeadGrads(self.hidden, *(None if g is None else g.to(dtype) for g in (self.weight, self.bias)))
+
+
+def buffer_width(vocab: int, sharded: bool) -> int:
+    """Columns of the chunk buffer: V; sharded, V + 1 (the −inf target of rows whose token lives on
+    another rank) and more −inf columns up to a multiple of `LANE`. The kernels read contiguous
+    rows (the extension's ops require it), so padding the width is what puts every row on a
+    16-element boundary, for their 128-bit loads and cuBLAS's leading dimension alike."""
+    return -(-(vocab + 1) // LANE) * LANE if sharded else vocab
 
 
 def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group) -> HeadSpec:
@@ -192,13 +261,14 @@ def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chun
         sizes[dist.get_rank(process_group)] = vocab
         dist.all_reduce(sizes, group=process_group)
         start, vocab = sizes[: dist.get_rank(process_group)].sum(), sizes.sum()
-    name = _backend.resolve(backend, hidden.device)
+    name = _resolve(backend, hidden.device)  # its ops defined, with their fakes (for fake tensors)
     if process_group is not None or not kernel_checks_targets(name):  # sharded: the kernels see local ids only
         check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is None:
-        rows = max(1, CHUNK_BYTES // ((weight.shape[0] + 1) * max(hidden.element_size(), 4)))
-        if hidden.is_cuda:
-            rows = max(rows, GPU_MIN_CHUNK_ROWS)
+        upcast = hidden.element_size() < 4 and not fp32_out_gemm(hidden)
+        width = buffer_width(weight.shape[0], process_group is not None)
+        rows = default_rows(hidden.numel() // hidden.shape[-1], width, hidden.shape[-1], hidden.dtype,
+                            gpu_like(hidden), upcast)
     else:
         rows = check_int("chunk_size", chunk_size, 1)
     return HeadSpec(temperature, softcap, name, rows, process_group, start)

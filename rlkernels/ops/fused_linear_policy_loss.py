@@ -13,7 +13,8 @@ statistics across ranks), so they take two passes: log-probs and entropy of all 
 `(B, T)` loss of `losses/` and its autograd step, then a second pass that recomputes the logits
 for the gradients.
 
-The gradients are attached to the loss (`attach_grads`); the backward only rescales them.
+The gradients are attached to the loss (`attach_grads`); the backward only scales them by the
+incoming gradient, ∂weight and ∂bias in the same pass that converts their fp32 accumulators.
 """
 from __future__ import annotations
 

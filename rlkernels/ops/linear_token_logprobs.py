@@ -6,14 +6,16 @@ reused buffer and read by the backend's kernels of the logits path. The forward 
 `lse_parts` (the row max and log-sum, kernels/__init__.py) and the entropy per row; the backward
 recomputes each chunk's logits, lets the backend's backward kernel overwrite them with ∂logits,
 and turns those into ∂hidden, ∂weight (summed in fp32 over chunks) and ∂bias. Extra memory: one
-chunk (≤ 64 MB by default; on a GPU at least 1024 rows) plus the fp32 ∂weight accumulator plus O(N).
+chunk (`_linear_head.default_rows`: ≤ 56 MiB on a CPU; on a GPU as large as the accumulator, at
+least 4096 rows) plus, for half-precision weights, the fp32 ∂weight accumulator, plus O(N).
 
 Vocabulary parallelism (`process_group`): each rank holds a slice of the rows of `weight` (and
 of `bias`); targets are global ids. Each rank runs its kernels on its slice; the per-row
 max and log-sum, the entropy sums and the target logit are merged with all-reduces of O(N)
 numbers (docs/math.md §15).
-The chunk buffer then has one extra column of −inf, the target of rows whose token lives on
-another rank, so the kernels need no notion of "no target here".
+The chunk buffer then has extra columns of −inf (`_linear_head.buffer_width`): the first is the
+target of rows whose token lives on another rank, so the kernels need no notion of "no target
+here"; the others pad the rows to a multiple of 16 elements.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ._linear_head import HeadSpec, LinearHead, head_spec
+from ._precomputed_grad import refuse_create_graph
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
@@ -37,6 +40,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_create_graph("linear_token_logprobs")
         hidden, weight, bias, targets, lse_parts, entropy = ctx.saved_tensors
         head = LinearHead(hidden, weight, bias, targets, ctx.spec)
         if grad_logp is None:
@@ -46,7 +50,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         need = ctx.needs_input_grad
         grads = head.backward(lse_parts, entropy, grad_logp.reshape(-1),
                               None if grad_entropy is None else grad_entropy.reshape(-1),
-                              head.new_grads(need[0], need[1], need[2] and bias is not None))
+                              head.new_grads(need[0], need[1], need[2] and bias is not None)).to(weight.dtype)
         grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
         return grad_hidden, grads.weight, grads.bias, None, None, None
 
@@ -70,8 +74,8 @@ def linear_token_logprobs(
     targets `(...)` integers in `[0, V)`, already aligned (the caller shifts). Returns fp32
     log-probs shaped like `targets`, or `(logp, entropy)` with `return_entropy`. Differentiable
     w.r.t. hidden, weight and bias. `softcap` c: the head applies a final-logit cap, the logits
-    are c·tanh((hidden @ weight.T + bias)/c) (Gemma 2 and 3). `chunk_size`: rows per chunk (default: ≤ 64 MB of logits, at least
-    1024 rows on a GPU).
+    are c·tanh((hidden @ weight.T + bias)/c) (Gemma 2 and 3). `chunk_size`: rows per chunk (default:
+    ≤ 56 MiB of logits on a CPU; on a GPU as many bytes as the fp32 ∂weight, at least 4096 rows).
     `process_group`: `weight`/`bias` hold this rank's slice of the vocabulary rows (slices in
     rank order), targets are global ids; the outputs are those of the whole vocabulary.
     """
