@@ -1,10 +1,7 @@
-"""The README's "Use it in your trainer" snippets for plain PyTorch and `transformers`, run as written,
-against the plain composition: `model(...).logits` → log_softmax → gather → `policy_loss`.
-(The TRL and verl snippets are run by test_integration_trl.py and test_integration_verl.py.)"""
+"""docs/integrations.md's snippets for plain PyTorch and `transformers`, run as written, against the plain
+composition: `model(...).logits` → log_softmax → gather → `policy_loss`. (The TRL and verl snippets are run by
+test_integration_trl.py and test_integration_verl.py; the README's quick starts by test_readme_quickstart.py.)"""
 from __future__ import annotations
-
-import pathlib
-import re
 
 import pytest
 import torch
@@ -12,13 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import rlkernels  # noqa: E402
+from doc_blocks import block  # noqa: E402
 from rlkernels import presets  # noqa: E402
-
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _readme_block(name):
-    return re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", README.read_text(), re.S).group(1)
 
 
 def _setup(B=4, P=3, C=6, V=89):
@@ -49,8 +41,8 @@ def _eager_logp(model, ids, am, C, temperature, entropy=False):
     return (logp, -(logp_all.exp() * logp_all).sum(-1)) if entropy else logp
 
 
-def _run(block, ns):
-    exec(_readme_block(block), ns)
+def _run(name, ns):
+    exec(block(name, "docs/integrations.md"), ns)
     return ns["out"], {n: p.grad.clone() for n, p in ns["model"].named_parameters() if p.grad is not None}
 
 

@@ -69,23 +69,24 @@ def test_every_preset_runs(tmp_path, algo):
 def test_warmup_stops_at_its_target_reached_twice_in_a_row(tmp_path, monkeypatch, capsys):
     """The demo's warm-up checks the held-out reward every warmup_eval_every steps (not at its last step, which the
     reward before RL measures) and stops at the second check in a row at or above the target."""
-    real, script = loop.evaluate, iter([0.5, 0.1, 0.6, 0.7])  # the checks at steps 5, 10, 15, 20
+    real, script, calls = loop.evaluate, iter([0.5, 0.1, 0.6, 0.7]), []  # the checks at steps 5, 10, 15, 20
 
     def evaluate(*args, **kw):
+        calls.append(1)
         value = next(script, None)
         return real(*args, **kw) if value is None else (value, [])
 
     monkeypatch.setattr(loop, "evaluate", evaluate)
     run(tmp_path / "a", steps=1, warmup_steps=40, warmup_eval_every=5, warmup_target=0.5)
-    out = capsys.readouterr().out
-    assert out.count("warm-up step") == 4 and "warm-up: 20 supervised steps" in out
+    # 4 checks, then the evaluations before RL and after its step
+    assert len(calls) == 4 + 2 and "warm-up: 20 supervised steps (stopped at the target twice" in capsys.readouterr().out
+    calls.clear()
     run(tmp_path / "b", steps=1, warmup_steps=20, warmup_eval_every=5, warmup_target=2.0)
-    out = capsys.readouterr().out
-    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("warm-up step")] == [
-        "warm-up step 5", "warm-up step 10", "warm-up step 15"] and "warm-up: 20 supervised steps" in out
+    assert len(calls) == 3 + 2  # at 5, 10, 15: none at the last step, which the evaluation before RL measures
+    assert "warm-up: 20 supervised steps (stopped at --warmup-steps)" in capsys.readouterr().out
+    calls.clear()
     run(tmp_path / "c", steps=1, warmup_steps=20, warmup_eval_every=5, warmup_target=None)
-    out = capsys.readouterr().out
-    assert "warm-up step" not in out and "warm-up: 20 supervised steps" in out
+    assert len(calls) == 2 and "warm-up: 20 supervised steps (stopped at --warmup-steps)," in capsys.readouterr().out
 
 
 def test_dr_grpo_divides_by_the_max_completion_length():
@@ -316,7 +317,7 @@ def test_recorded_logprobs_match_the_sampler():
     (["--steps", "0"], "--steps: expected an int >= 1"),
     (["--temperature", "-1"], "--temperature"),
     (["--lr"], "--lr: expected a value"),
-    (["--prompts", "/nonexistent.jsonl"], "--prompts: no such file"),
+    (["--dataset", "/nonexistent.jsonl"], "--dataset: no such file or folder"),
     (["--model", "/nonexistent"], "--model"),
     (["--resume", "/nonexistent"], "--resume"),
     (["--reward", "fuzzy"], "--reward"),
@@ -368,11 +369,11 @@ def test_config_file_and_flag_precedence(tmp_path):
 def test_bad_files(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "1+2=", "answer": "3"}\n{"question": "x"}\n')
-    with pytest.raises(ValueError, match="--prompts: .* line 2"):
-        train(Config(**{**TINY, "prompts": str(bad), "out": str(tmp_path / "o")}))
+    with pytest.raises(ValueError, match="--dataset: .* row 1: expected a prompt that is a string or a conversation"):
+        train(Config(**{**TINY, "dataset": str(bad), "out": str(tmp_path / "o")}))
     bad.write_text('{"prompt": "1*2=", "answer": "2"}\n{"prompt": "1*3=", "answer": "3"}\n')
     with pytest.raises(ValueError, match="not in the demo vocabulary"):
-        train(Config(**{**TINY, "prompts": str(bad), "out": str(tmp_path / "o")}))
+        train(Config(**{**TINY, "dataset": str(bad), "out": str(tmp_path / "o")}))
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "checkpoint.pt").write_text("garbage")
     with pytest.raises(ValueError, match="--resume: cannot read checkpoint"):
@@ -380,8 +381,8 @@ def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="--reward: cannot load"):
         task.make_reward("module:no_such_module_xyz:f")
     bad.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "\xff", "answer": "3"}\n')
-    with pytest.raises(ValueError, match="--prompts: .* is not UTF-8 text"):
-        train(Config(**{**TINY, "prompts": str(bad), "out": str(tmp_path / "o")}))
+    with pytest.raises(ValueError, match="--dataset: cannot read .*p.jsonl"):
+        train(Config(**{**TINY, "dataset": str(bad), "out": str(tmp_path / "o")}))
 
 
 def _no_work(monkeypatch):
@@ -414,7 +415,7 @@ def test_too_few_prompts_name_the_flag(tmp_path, monkeypatch):
     _no_work(monkeypatch)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\n" for a in range(6)))
-    base = {**TINY, "prompts": str(prompts), "eval_size": 2, "out": str(tmp_path / "o")}
+    base = {**TINY, "dataset": str(prompts), "eval_size": 2, "out": str(tmp_path / "o")}
     with pytest.raises(ValueError, match=r"--prompts-per-step: 5 is more than the 4 training prompts in .*p.jsonl"):
         train(Config(**{**base, "prompts_per_step": 5}))
     with pytest.raises(ValueError, match=r"--warmup-batch: 16 is more than the 4 training prompts"):
@@ -506,7 +507,7 @@ def test_local_model_prompts_file_and_regex_reward(tmp_path):
     # prompts of different lengths: left padding, positions from the attention mask
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) + "\n"
                                for a in (1, 22, 333) for b in (4, 55)))
-    summary, rows = run(tmp_path / "o", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2,
+    summary, rows = run(tmp_path / "o", model=str(tmp_path / "m"), dataset=str(prompts), eval_size=2,
                         reward=r"regex:(\d+)", steps=2, prompts_per_step=2, algo="dapo")
     check_run(tmp_path / "o", summary, rows, 2)
 
@@ -532,15 +533,15 @@ def test_conversational_prompts_through_the_chat_template(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}"}], "answer": a + b})
                                + "\n" for a in (1, 22, 3) for b in (4, 5)))
-    summary, rows = run(tmp_path / "o", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=2,
+    summary, rows = run(tmp_path / "o", model=str(tmp_path / "m"), dataset=str(prompts), eval_size=2, steps=2,
                         prompts_per_step=2)
     check_run(tmp_path / "o", summary, rows, 2)
-    with pytest.raises(ValueError, match="--prompts: conversational prompts need --model"):
-        run(tmp_path / "d", prompts=str(prompts), eval_size=2, steps=1)
+    with pytest.raises(ValueError, match="--dataset: conversational prompts need --model"):
+        run(tmp_path / "d", dataset=str(prompts), eval_size=2, steps=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": 1}) + "\n")
-    with pytest.raises(ValueError, match="line 1"):
-        run(tmp_path / "b", model=str(tmp_path / "m"), prompts=str(bad), eval_size=2, steps=1)
+    with pytest.raises(ValueError, match="row 0: expected a prompt"):
+        run(tmp_path / "b", model=str(tmp_path / "m"), dataset=str(bad), eval_size=2, steps=1)
 
 
 def _same_weights(model, state, prefix=""):
@@ -580,7 +581,7 @@ def test_lora_on_a_local_model_saves_the_adapter_or_the_merged_model(tmp_path, m
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) + "\n" for a in (1, 2, 3)
                                for b in (4, 5)))
     out = tmp_path / "o"
-    run(out, model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=1, prompts_per_step=2,
+    run(out, model=str(tmp_path / "m"), dataset=str(prompts), eval_size=2, steps=1, prompts_per_step=2,
         lora_rank=2, merge_lora=merge)
     assert (out / "adapter_config.json").exists() != merge
     model = AutoModelForCausalLM.from_pretrained(out)  # the adapter through peft on the base, or merged
@@ -590,7 +591,7 @@ def test_lora_on_a_local_model_saves_the_adapter_or_the_merged_model(tmp_path, m
     if merge:
         assert not any("lora" in k for k in model.state_dict())
     with pytest.raises(ValueError, match="--lora-target"):
-        run(tmp_path / "x", model=str(tmp_path / "m"), prompts=str(prompts), eval_size=2, steps=1,
+        run(tmp_path / "x", model=str(tmp_path / "m"), dataset=str(prompts), eval_size=2, steps=1,
             prompts_per_step=2, lora_rank=2, lora_target="q_proj")
 
 
@@ -682,6 +683,6 @@ def test_a_malformed_prompts_file_fails_before_any_model_loads(tmp_path, monkeyp
     loaded = []
     monkeypatch.setattr(task, "load_model", lambda *a: loaded.append("policy"))
     monkeypatch.setattr(rewards, "build", lambda *a: loaded.append("rewards"))
-    with pytest.raises(ValueError, match=r"--prompts: .* line 2 is not valid JSON"):
-        run(tmp_path / "o", model=str(tmp_path / "m"), prompts=str(prompts))
+    with pytest.raises(ValueError, match=r"--dataset: cannot read .*p.jsonl"):
+        run(tmp_path / "o", model=str(tmp_path / "m"), dataset=str(prompts))
     assert not loaded

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import yaml
 
 from rlkernels.train import main
 from rlkernels.trainer import Config, from_args, loop, task
@@ -70,27 +71,181 @@ def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkey
     monkeypatch.setattr(task, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    argv = ["--model", str(tmp_path), "--prompts", str(prompts), C._flag(name), "2"]
+    argv = ["--model", str(tmp_path), "--dataset", str(prompts), C._flag(name), "2"]
     with pytest.raises(ValueError, match=f"^{C._flag(name)}: applies only to the built-in demo model"):
         from_args(argv)
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(f"rlkernels.train: error: {C._flag(name)}: applies only")
     path = tmp_path / "c.json"  # from a config file too
-    path.write_text(json.dumps({"model": str(tmp_path), "prompts": str(prompts), name: 2}))
+    path.write_text(json.dumps({"model": str(tmp_path), "dataset": str(prompts), name: 2}))
     with pytest.raises(ValueError, match=f"^{C._flag(name)}: applies only"):
         from_args(["--config", str(path)])
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompts", "/nonexistent.jsonl"], "--prompts: no such file"),
-    (["--model", "{tmp}"], "--prompts: required with --model"),
+    (["--dataset", "/nonexistent.jsonl"], "--dataset: no such file or folder"),
+    (["--prompts", "/nonexistent.jsonl"], "--dataset: no such file or folder"),  # the flag's old name
+    (["--model", "{tmp}"], "--model: expected a local Hugging Face model folder (save_pretrained's, with config.json), "
+                           "got '{tmp}': a folder without config.json"),
+    (["--model", "{tmp}/m"], "--dataset: required with --model"),
+    (["--reward-model", "{tmp}", "--reward", "exact"], "--reward-model: expected a local Hugging Face model folder"),
+    (["--reward", "myrewards"], "--reward: expected exact | regex:PATTERN | package.module:function | "
+                                "path/to/file.py:function, got 'myrewards'"),
+    (["--fsdp"], "--fsdp: shards the models over the processes of torchrun"),
 ])
 def test_file_errors_before_any_model_is_built(tmp_path, argv, message, capsys, monkeypatch):
     boom = lambda *a, **k: pytest.fail("a model was built")  # noqa: E731
     monkeypatch.setattr(task, "tiny_model", boom)
     monkeypatch.setattr(task, "load_model", boom)
     monkeypatch.setattr(loop.rewards_lib, "build", boom)  # the reward model loads there
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(tmp_path / "o")]
+    message = message.replace("{tmp}", str(tmp_path))
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(f"rlkernels.train: error: {message}")
     assert not (tmp_path / "o").exists()
+
+
+# ---- TRL's names (trl_names.py) ------------------------------------------------------------------------------
+
+def test_trl_names_as_flags_set_our_fields():
+    cfg, explicit = from_args(["--learning_rate", "3e-6", "--beta", "0.01", "--output-dir", "o", "--max_completion_length",
+                               "12", "--num_generations", "4", "--loss_type", "dapo", "--epsilon", "0.1",
+                               "--epsilon_high", "0.3", "--scale_rewards", "batch", "--logging_steps", "5",
+                               "--save_steps", "7", "--seed", "3", "--report_to", "none", "--max_steps", "9",
+                               "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+                               "--steps_per_generation", "4", "--bf16", "false", "--temperature", "0.9"])
+    assert (cfg.lr, cfg.kl_coef, cfg.out, cfg.max_new_tokens, cfg.num_generations, cfg.algo) == (3e-6, 0.01, "o", 12, 4,
+                                                                                              "dapo")
+    assert (cfg.clip_low, cfg.clip_high, cfg.scale_rewards, cfg.logging_steps, cfg.ckpt_every) == (0.1, 0.3, "batch", 5, 7)
+    assert (cfg.seed, cfg.steps, cfg.dtype, cfg.temperature) == (3, 9, "float32", 0.9)
+    # 8 completions per micro-batch × 4 micro-batches per rollout = 32 completions = 8 prompts of 4; 4 / 2 updates
+    assert (cfg.prompts_per_step, cfg.minibatches) == (8, 2)
+    assert {"lr", "kl_coef", "algo", "prompts_per_step", "minibatches", "dtype"} <= explicit
+
+
+@pytest.mark.parametrize("trl, ours", [
+    ({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+     {"algo": "gspo", "clip_low": 3e-4, "clip_high": 4e-4}),
+    ({"loss_type": "cispo", "epsilon": 0.2, "epsilon_high": 5.0}, {"algo": "cispo", "clip_low": None, "clip_high": 4.0}),
+    ({"loss_type": "dr_grpo", "scale_rewards": False}, {"algo": "dr_grpo", "scale_rewards": "none"}),
+    ({"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}, {"lora_rank": 16, "lora_target": "q_proj,v_proj"}),
+    ({"use_peft": False, "lora_r": 8}, {"lora_rank": 0}),  # TRL reads lora_r only with use_peft
+    ({"warmup_ratio": 0.1, "max_steps": 50, "num_train_epochs": 3}, {"lr_warmup_steps": 5, "steps": 50}),
+    ({"eval_strategy": "no", "max_steps": 30}, {"eval_every": 30}),
+    ({"use_cpu": True, "disable_tqdm": True, "top_k": 0, "top_p": 1.0, "use_vllm": False}, {"device": "cpu",
+                                                                                          "progress": False}),
+])
+def test_trl_options_in_a_config_file(tmp_path, trl, ours):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(trl))
+    cfg, _ = from_args(["--config", str(path)])
+    assert {k: getattr(cfg, k) for k in ours} == ours
+
+
+def test_a_flag_wins_over_the_recipes_trl_setting(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("loss_type: dapo\nlearning_rate: 1.0e-5\n")
+    cfg, _ = from_args(["--config", str(path), "--algo", "gspo", "--lr", "2e-5"])
+    assert (cfg.algo, cfg.lr) == ("gspo", 2e-5)
+    with pytest.raises(ValueError, match="^loss_type: sets --algo, which is given too"):
+        from_args(["--loss-type", "dapo", "--algo", "gspo"])
+
+
+def test_a_trl_recipe_runs_unchanged_and_the_rest_is_named_in_one_error(tmp_path):
+    """A GRPO recipe as TRL's own parser reads it (checked with TrlParser): every key this trainer has is taken,
+    and the keys it has no counterpart for are named together."""
+    trl_scripts = pytest.importorskip("trl.scripts.grpo")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    recipe = RECIPE.format(model=tmp_path / "m", data=tmp_path / "d.jsonl", out=tmp_path / "o")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    trl_scripts.make_parser().parse_args_and_config(["--config", str(path)])  # a valid TRL recipe
+    cfg, _ = from_args(["--config", str(path)])
+    assert (cfg.model, cfg.dataset, cfg.out, cfg.algo, cfg.lr, cfg.kl_coef) == (
+        str(tmp_path / "m"), str(tmp_path / "d.jsonl"), str(tmp_path / "o"), "dapo", 1e-6, 0.0)
+    assert (cfg.max_new_tokens, cfg.num_generations, cfg.prompts_per_step, cfg.minibatches) == (64, 4, 4, 1)
+    assert (cfg.lr_scheduler_type, cfg.lr_warmup_steps, cfg.dtype, cfg.reward, cfg.gradient_checkpointing) == (
+        "cosine", 10, "float32", ["rewards.py:accuracy"], True)
+    path.write_text(recipe + "use_vllm: true\nhub_model_id: me/x\nattn_implementation: sdpa\n")
+    with pytest.raises(ValueError) as err:
+        from_args(["--config", str(path)])
+    assert all(k in str(err.value) for k in ("hub_model_id", "attn_implementation", "use_vllm=True"))
+    path.write_text(recipe + "hub_model_id: me/x\nattn_implementation: sdpa\n")
+    with pytest.raises(ValueError, match="unknown keys 'hub_model_id', 'attn_implementation' .not a setting of this"):
+        from_args(["--config", str(path)])
+
+
+RECIPE = """\
+model_name_or_path: {model}
+dataset_name: {data}
+dataset_train_split: train
+output_dir: {out}
+bf16: false
+gradient_checkpointing: true
+learning_rate: 1.0e-6
+lr_scheduler_type: cosine
+warmup_steps: 10
+max_steps: 100
+num_train_epochs: 1
+per_device_train_batch_size: 16
+gradient_accumulation_steps: 1
+num_generations: 4
+max_completion_length: 64
+temperature: 1.0
+loss_type: dapo
+beta: 0.0
+epsilon: 0.2
+epsilon_high: 0.28
+scale_rewards: group
+reward_funcs: [rewards.py:accuracy]
+logging_steps: 5
+save_strategy: steps
+save_steps: 50
+seed: 42
+report_to: none
+use_vllm: false
+"""
+
+
+def test_unknown_flags_are_named_together():
+    with pytest.raises(ValueError, match="^unknown flags --foo, --bar-baz "):
+        from_args(["--foo", "1", "--bar-baz", "2"])
+    with pytest.raises(ValueError, match="^unknown flag --stepz; did you mean --steps"):
+        from_args(["--stepz", "1"])
+
+
+def test_help_shows_trl_names_and_reward_forms(capsys):
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--lr LR, --learning-rate LR", "--kl-coef KL_COEF, --beta KL_COEF", "--out OUT, --output-dir OUT",
+                 "--loss-type LOSS_TYPE", "--max-new-tokens MAX_NEW_TOKENS, --max-completion-length MAX_NEW_TOKENS",
+                 "package.module:function", "path/to/file.py:function"):
+        assert text in out, text
+
+
+def test_model_runs_get_model_defaults(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "q"}\n')
+    demo, _ = from_args([])
+    cfg, explicit = from_args(["--model", str(tmp_path), "--dataset", str(data)])
+    for name, (demo_value, model_value) in C.MODE_DEFAULTS.items():
+        assert (getattr(demo, name), getattr(cfg, name)) == (demo_value, model_value), name
+        assert name not in explicit
+    assert from_args(["--model", str(tmp_path), "--dataset", str(data), "--max-new-tokens", "9"])[0].max_new_tokens == 9
+    # with --model, --warmup-steps is TRL's learning-rate warm-up
+    assert from_args(["--model", str(tmp_path), "--dataset", str(data), "--warmup_steps", "3"])[0].lr_warmup_steps == 3
+
+
+def test_console_script_commands(capsys):
+    from rlkernels import cli
+
+    assert cli.main(["train", "--help"]) == 0 and "--learning-rate" in capsys.readouterr().out
+    assert cli.main(["demo", "--model", "m"]) == 2 and "rlkernels train --model" in capsys.readouterr().err
+    assert cli.main(["trl", "sft"]) == 2 and "rlkernels trl grpo" in capsys.readouterr().err
+    assert cli.main(["fly"]) == 2 and "expected one of train, demo, bench, trl" in capsys.readouterr().err
+    assert cli.main([]) == 2 and "rlkernels train [FLAGS]" in capsys.readouterr().out

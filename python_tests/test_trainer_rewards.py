@@ -32,31 +32,37 @@ def combined(cfg, reward_fn=None):
     return rewards.build(*rewards.reward_functions(cfg, reward_fn), cfg.reward_model, CPU)
 
 
+def examples(prompts, answers, **columns):
+    """The examples the trainer scores (trainer/data.py): each row's columns, the prompt under "prompt"."""
+    return [{"prompt": p, "answer": a, **{k: v[i] for k, v in columns.items()}}
+            for i, (p, a) in enumerate(zip(prompts, answers))]
+
+
 def test_weighted_sum_skips_none_as_trl_does():
     exact = rewards.task.make_reward("exact")
     r = combined(Config(reward_weights=[2.0, -0.5, 3.0]), [length_reward, first_digit_reward, exact])
     prompts, completions, answers = ["1+2=", "2+2=", "4+4=", "3+5="], ["3", "5", "8", "44"], ["3", "4", "8", "8"]
-    totals, parts = r.score(prompts, completions, answers)
+    totals, parts = r.score(examples(prompts, answers), completions)
     assert parts == [[1.0, 1.0, 1.0, 2.0], [None, 0.0, 1.0, None], [1.0, 0.0, 1.0, 0.0]]
     # by hand: 2·len − 0.5·first digit (when it applies) + 3·exact
     assert totals == [2 + 3, 2 - 0, 2 - 0.5 + 3, 4 + 0]
-    assert r(prompts, completions, answers) == totals
+    assert r(examples(prompts, answers), completions) == totals
     assert r.names == ["length_reward", "first_digit_reward", "<lambda>"]
 
 
 def test_a_completion_no_function_scores_is_an_error_naming_them():
     r = combined(Config(), [first_digit_reward, never_reward])
-    assert r.score(["2+2="], ["4"], ["4"])[0] == [1.0]
+    assert r.score(examples(["2+2="], ["4"]), ["4"])[0] == [1.0]
     with pytest.raises(ValueError, match=r"^--reward: .*first_digit_reward and --reward: .*never_reward returned None "
                                          r"on prompt '1\+2=' \(completion '3'\)"):
-        r.score(["2+2=", "1+2="], ["4", "3"], ["4", "3"])
+        r.score(examples(["2+2=", "1+2="], ["4", "3"]), ["4", "3"])
 
 
 def test_weighted_sum_beyond_float32_is_an_error():
     r = combined(Config(reward_weights=[1e38, 1e38]), [length_reward, length_reward])
     assert r.names == ["length_reward", "length_reward_2"]  # a name used twice: distinct metrics
     with pytest.raises(ValueError, match="^--reward-weights: the weighted reward 1e\\+39 on prompt '1\\+2='"):
-        r.score(["1+2="], ["3" * 5], ["3"])
+        r.score(examples(["1+2="], ["3"]), ["3" * 5])
 
 
 def test_names_and_default():
@@ -85,8 +91,9 @@ def test_several_reward_flags(argv, expected):
     (["--reward-weights"], "--reward-weights: expected one or more values"),
     (["--reward-weights", "1", "x"], "--reward-weights: expected a number, got 'x'"),
     (["--reward-weights", "nan"], "--reward-weights: expected a finite number, got nan"),
-    (["--reward", "exact", "fuzzy"], "--reward: expected exact | regex:PATTERN | module:function, got 'fuzzy'"),
-    (["--reward-model", "/nonexistent"], "--reward-model: expected a local Hugging Face checkpoint folder"),
+    (["--reward", "exact", "fuzzy"], "--reward: expected exact | regex:PATTERN | package.module:function | "
+                                     "path/to/file.py:function, got 'fuzzy'"),
+    (["--reward-model", "/nonexistent"], "--reward-model: expected a local Hugging Face model folder"),
 ])
 def test_bad_reward_flags(argv, message, capsys):
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
@@ -139,7 +146,7 @@ def test_run_with_two_weighted_functions_logs_each(tmp_path):
 
 
 def test_per_function_metrics_over_the_rows_it_scored(tmp_path):
-    summary, rows = run(tmp_path, steps=1, reward=["exact", "module:test_trainer_rewards:first_digit_reward"])
+    summary, rows = run(tmp_path, steps=1, reward=["exact", "test_trainer_rewards:first_digit_reward"])
     r = rows[0]
     assert set(k for k in r if k.startswith("rewards/")) == {
         "rewards/exact/mean", "rewards/exact/std", "rewards/first_digit_reward/mean", "rewards/first_digit_reward/std"}
@@ -193,7 +200,7 @@ def test_reward_model_scores_prompt_and_completion(tmp_path):
     assert rm(prompts, completions) == pytest.approx(got, abs=1e-5)
     # as one more reward: its own weight after the functions, its folder's name in the metrics
     r = combined(Config(reward_model=str(tmp_path / "rm"), reward_weights=[2.0, 0.5]), length_reward)
-    totals, parts = r.score(prompts, completions, ["3", "55", "8"])
+    totals, parts = r.score(examples(prompts, ["3", "55", "8"]), completions)
     assert r.names == ["length_reward", "rm"] and parts[1] == pytest.approx(got, abs=1e-6)
     assert totals == pytest.approx([2 * len(c) + 0.5 * s for c, s in zip(completions, got)], abs=1e-6)
 
@@ -314,9 +321,53 @@ def test_training_with_normalize_then_sum(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "loss_head", head)
     summary, rows = run(tmp_path, steps=1, algo="dapo", overlong_buffer=1, reward_weights=[1.0, 0.5],
                         multi_objective_aggregation="normalize_then_sum",
-                        reward=["exact", "module:test_trainer_rewards:first_digit_reward"])
+                        reward=["exact", "test_trainer_rewards:first_digit_reward"])
     check_run(tmp_path, summary, rows, 1)
     (parts, weights, advantages), = seen
     assert weights == [1.0, 0.5, 1.0] and parts.shape[1] == 3 and parts[:, 1].isnan().any()
     assert set(parts[:, 2].tolist()) <= {0.0, -1.0}  # max_new_tokens 3, buffer 1: −1 at length 3, else 0
     assert sorted(torch.cat(trained).tolist()) == pytest.approx(sorted(advantages.float().tolist()))
+
+
+# ---- reward forms and dataset columns (issue 25) -------------------------------------------------------------
+
+def test_reward_forms(tmp_path, monkeypatch):
+    """`package.module:function` (the form --help shows, refused before), `path/to/file.py:function`, TRL's dotted
+    path, and the old `module:` prefix; a failure names the accepted forms."""
+    (tmp_path / "myrewards.py").write_text("def per_sample(prompt, completion, answer):\n    return 1.0\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "file_rewards.py").write_text("def batch(prompts, completions, **columns):\n"
+                                                      "    return [2.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)  # a module beside the run, as TRL's scripts import them
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, name in [("myrewards:per_sample", "per_sample"), ("sub/file_rewards.py:batch", "batch"),
+                       ("myrewards.per_sample", "per_sample"), ("module:myrewards:per_sample", "per_sample")]:
+        assert rewards.task.make_reward(spec).__name__ == name, spec
+    for spec in ("myrewards:nope", "nowhere.py:f", "no_such_module_xyz:f"):
+        with pytest.raises(ValueError, match=r"^--reward: cannot load .*; expected exact \| regex:PATTERN \| "
+                                             r"package.module:function \| path/to/file.py:function"):
+            rewards.task.make_reward(spec)
+
+
+def test_every_column_reaches_trl_style_rewards_as_keywords():
+    seen = {}
+
+    def solution_reward(prompts, completions, solution, difficulty, **kwargs):  # TRL's signature, no prompts kwarg use
+        seen.update(solution=solution, difficulty=difficulty, rest=sorted(kwargs))
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def accuracy(completions, solution, **kwargs):  # TRL's own rewards have no `prompts` parameter
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    r = combined(Config(), [solution_reward, accuracy, first_digit_reward])
+    rows = examples(["2+2=", "3+3="], ["4", None], solution=["4", "7"], difficulty=[1, 2])
+    totals, parts = r.score(rows, ["4", "6"])
+    assert parts[:2] == [[1.0, 0.0], [1.0, 0.0]] and parts[2] == [1.0, None]  # answer None: per-sample sees None
+    assert seen == {"solution": ["4", "7"], "difficulty": [1, 2], "rest": ["answer"]}
+
+
+def test_exact_needs_an_answer_column(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(8)))
+    with pytest.raises(ValueError, match="^--reward exact: compares completions with the answer column"):
+        run(tmp_path / "o", dataset=str(data), eval_size=2, warmup_steps=0)

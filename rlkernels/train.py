@@ -1,15 +1,12 @@
-"""`python -m rlkernels.train [--key value ...]`: RL fine-tuning with the rlkernels loss head.
+"""`rlkernels train [--key value ...]` (or `python -m rlkernels.train`): RL fine-tuning with the rlkernels loss head.
 
-With no arguments: the offline demo (a tiny Llama learns 2-digit addition: a supervised
-warm-up, then GRPO raises held-out greedy accuracy). `--algo ppo|grpo|gspo|...`, `--config
-FILE.json|FILE.yaml` (flags override it), `--resume DIR`; every field of `rlkernels.trainer.Config` is a
-flag (transformers.HfArgumentParser; `--help` lists them).
-`--device auto|cpu|cuda|cuda:N` (auto: cuda when available), `--dtype auto|float32|bfloat16` (auto:
-bfloat16 on a GPU that has it, else float32): float32 weights and optimizer state, the forward
-passes under autocast. Under `torchrun --nproc-per-node N -m rlkernels.train` it runs data
-parallel through DistributedDataParallel, or with `--fsdp` sharded by FSDP2 (`fully_shard`): each
-rank on cuda:LOCAL_RANK over nccl, or on the CPU over gloo. `--gradient-checkpointing` trades a
-second forward pass for activation memory.
+With no arguments: the offline demo (a tiny Llama learns 2-digit addition: a supervised warm-up, then GRPO
+raises held-out greedy accuracy). On your model: `--model DIR --dataset FILE_OR_FOLDER --reward ...`.
+Every field of `rlkernels.trainer.Config` is a flag (transformers.HfArgumentParser), and so are TRL's
+GRPOConfig names (`--learning_rate`, `--beta`, `--loss_type`, ...); `--config FILE.json|FILE.yaml` takes the
+same keys, a TRL recipe included (flags override it); `--resume DIR` continues a run. Under
+`torchrun --nproc-per-node N` it runs data parallel (DDP), or sharded with `--fsdp` (FSDP2).
+docs/trainer.md has the details.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """The trainer's flat config: one dataclass, overridden by a JSON or YAML file and by `--key value` flags
-(parsed by transformers.HfArgumentParser, with a small adapter: see `build_parser`).
+(parsed by transformers.HfArgumentParser, with a small adapter: see `build_parser`). TRL's names are accepted
+too (trl_names.py).
 
 Precedence: defaults < `--config FILE.json|FILE.yaml` < flags. On `--resume DIR` the checkpoint's config
-replaces the defaults (flags still win, e.g. `--steps` to train further).
+replaces the defaults (flags still win, e.g. `--steps` to train further). Fields whose default is None take
+the demo's value or, with `--model`, one that fits a real model (MODE_DEFAULTS).
 """
 from __future__ import annotations
 
@@ -19,11 +21,15 @@ from typing import List, Optional
 
 from ..losses import presets
 from ..losses.presets import NAMES as ALGOS
-from . import device, trackers
+from . import device, trackers, trl_names
 
-REWARD_KINDS = "exact | regex:PATTERN | module:function"
+REWARD_FORMS = "exact | regex:PATTERN | package.module:function | path/to/file.py:function"
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
+# (the demo's, a --model run's): 2-digit sums need 4 tokens; a real model's answers need room, and TRL's
+# temperature 1.0 samples the model's own distribution; a small learning rate for full fine-tuning
+MODE_DEFAULTS = {"max_new_tokens": (4, 256), "temperature": (0.7, 1.0), "lr": (1e-4, 1e-6),
+                 "prompts_per_step": (32, 8), "eval_size": (256, 64)}
 
 
 def _field(default, help: str, **metadata):
@@ -31,6 +37,11 @@ def _field(default, help: str, **metadata):
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def _mode_field(name: str, help: str):
+    demo, model = MODE_DEFAULTS[name]
+    return _field(None, f"{help}; none = {demo} for the demo, {model} with --model")
 
 
 @dataclasses.dataclass
@@ -61,15 +72,20 @@ class Config:
     fsdp: bool = _field(False, "under torchrun: shard the policy, critic and reference model over the ranks with "
                                "FSDP2 (fully_shard per decoder layer) instead of replicating them with DDP, for "
                                "models that do not fit one device")
-    # task; prompts "" = synthetic addition "a+b=" with `digits`-digit operands
-    prompts: str = _field("", "JSONL of {\"prompt\": str or [{\"role\", \"content\"}, ...], \"answer\": ...}; \"\" = the "
-                              "demo's synthetic addition \"a+b=\" (required with --model)")
-    # rewards: exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float, or TRL's
-    # (prompts, completions, **columns) -> list[float]; None = not applicable to that completion); several
-    # as --reward A B or --reward A --reward B; none given = exact (none at all with --reward-model)
-    reward: List[str] = _field([], "exact | regex:PATTERN | module:function ((prompt, completion, answer) -> float, "
-                                   "or TRL's (prompts, completions, **columns) -> list[float]; None = not applicable "
-                                   "to that completion); several as --reward A B or --reward A --reward B; none "
+    # data; "" = the demo's synthetic addition "a+b=" with `digits`-digit operands
+    dataset: str = _field("", "a local .json/.jsonl/.csv/.parquet file or a `datasets` folder (save_to_disk, or data "
+                              "files); a prompt column (a string or a conversation [{\"role\", \"content\"}, ...]) and "
+                              "any others, e.g. answer; \"\" = the demo's synthetic addition (required with --model)")
+    dataset_split: str = _field("train", "the split of --dataset to train on (a single file has only train)")
+    prompt_column: str = _field("prompt", "the column of --dataset (and --eval-dataset) holding the prompts")
+    eval_dataset: str = _field("", "held-out prompts, as --dataset; \"\" = --eval-size prompts of --dataset held out "
+                                   "(or its --eval-split)")
+    eval_split: str = _field("", "the split of --eval-dataset, or of --dataset without it; \"\" = train of "
+                                 "--eval-dataset, and without either flag the held-out rows of --dataset")
+    # rewards; several as --reward A B or --reward A --reward B; none given = exact (none at all with --reward-model)
+    reward: List[str] = _field([], f"{REWARD_FORMS}: a function (prompt, completion, answer) -> float, or TRL's "
+                                   "(prompts, completions, **columns) -> list[float], every dataset column as a keyword "
+                                   "argument; None = not applicable to that completion; several as --reward A B; none "
                                    "given = exact (none at all with --reward-model)", action="extend")
     reward_model: str = _field("", "a local sequence-classification model folder (one label) scoring prompt + "
                                    "completion")
@@ -83,11 +99,11 @@ class Config:
         "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
-    eval_size: int = _field(256, "held-out prompts, greedy exact-match")
+    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most")
     # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
     # point on every seed and has room to improve
-    warmup_steps: int = _field(600, "demo model only: supervised warm-up steps before RL at most (fewer once "
-                                    "--warmup-target is reached)")
+    warmup_steps: int = _field(600, "demo: supervised warm-up steps before RL at most (fewer once --warmup-target is "
+                                    "reached); with --model, TRL's warmup_steps: --lr-warmup-steps")
     warmup_target: Optional[float] = _field(0.35, "demo model only: stop the warm-up once the held-out greedy reward "
                                                   "(accuracy) reaches this at two checks in a row, one every "
                                                   "--warmup-eval-every steps; none = all --warmup-steps")
@@ -97,12 +113,14 @@ class Config:
     # RL
     algo: str = _field("grpo", "a preset of rlkernels.presets: " + ", ".join(ALGOS))
     steps: int = _field(150, "RL steps")
-    prompts_per_step: int = _field(32, "prompts per RL step (per rank)")
+    prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
     num_generations: int = _field(8, "completions per prompt (the GRPO group)")
-    max_new_tokens: int = _field(4, "completion length at most")
-    temperature: float = _field(0.7, "sampling temperature; < 1: samples nearer the greedy policy that eval measures")
-    lr: float = _field(1e-4, "RL learning rate")
+    max_new_tokens: Optional[int] = _mode_field("max_new_tokens", "completion length at most")
+    temperature: Optional[float] = _mode_field("temperature", "sampling temperature")
+    lr: Optional[float] = _mode_field("lr", "RL learning rate")
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
+    lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine")
+    weight_decay: float = _field(0.0, "AdamW weight decay")
     epochs: int = _field(1, "μ: optimisation passes over each rollout batch")
     minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
     max_grad_norm: float = _field(1.0, "gradient clipping norm")
@@ -111,6 +129,8 @@ class Config:
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
     clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
     entropy_coef: float = _field(0.0, "entropy bonus coefficient")
+    scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
+                                                "none; none given = none for dr_grpo, else group")
     loss_path: str = _field("linear", "linear (from hidden states, no logits) | fused (fused_policy_loss) | split")
     # PPO critic
     critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)")
@@ -126,6 +146,7 @@ class Config:
     tree: bool = _field(False, "Tree-GRPO: branch continuations from sampled prefixes")
     tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
     # logging / checkpoints
+    logging_steps: int = _field(1, "a metrics row (metrics.jsonl, --report-to) every N steps, and at evals")
     eval_every: int = _field(20, "evaluate every N steps")
     eval_completions: int = _field(8, "held-out prompts whose greedy completion, answer and reward are logged at each "
                                       "eval (completions.jsonl; TensorBoard text, a W&B table); 0 = none")
@@ -140,12 +161,19 @@ class Config:
         for name in MULTI:
             v = getattr(self, name)
             setattr(self, name, list(v) if isinstance(v, (list, tuple)) else [v])
+        for name, (demo, model) in MODE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, model if self.model else demo)
+        if isinstance(self.scale_rewards, (bool, str)):  # TRL also takes true (group) and false (none)
+            self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(),
+                                                                         self.scale_rewards)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
 CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
-           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum")}
+           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none")}
 
 
 def _flag(name: str) -> str:
@@ -153,7 +181,11 @@ def _flag(name: str) -> str:
 
 
 def _base_type(name: str):
-    """(the type of a value, whether it may be None): for a field of several values, that of each."""
+    """(the type of a value, whether it may be None) of a field or a TRL setting (trl_names): for one of several
+    values, that of each."""
+    if name not in FIELDS:
+        typ, optional = trl_names.kind(name)
+        return (typing.get_args(typ)[0], False) if _several(name) else (typ, optional)
     hint = typing.get_type_hints(Config)[name]
     if name in MULTI:
         return typing.get_args(hint)[0], False
@@ -161,17 +193,22 @@ def _base_type(name: str):
     return (args[0] if args else hint), hint != (args[0] if args else hint)
 
 
-def convert(name: str, value, source: str = "flag"):
+def _several(name: str) -> bool:
+    """Whether `name` (a field or a TRL setting) takes a list of values."""
+    return name in MULTI or (name not in FIELDS and typing.get_origin(trl_names.kind(name)[0]) is list)
+
+
+def convert(name: str, value, source: str = "flag", key: Optional[str] = None):
     """`value` (a string from the command line, or a JSON value) as the field's type; for a field of
-    several values, a list of them (or one)."""
-    if name in MULTI:
+    several values, a list of them (or one). `key`: the name the file used (TRL's, say), for messages."""
+    if _several(name):
         values = value if isinstance(value, (list, tuple)) else [value]
-        return [_convert_one(name, v, source) for v in values]
-    return _convert_one(name, value, source)
+        return [_convert_one(name, v, source, key) for v in values]
+    return _convert_one(name, value, source, key)
 
 
-def _convert_one(name: str, value, source: str):
-    where = _flag(name) if source == "flag" else f"{source}: key {name!r}"
+def _convert_one(name: str, value, source: str, key: Optional[str] = None):
+    where = _flag(name) if source == "flag" else f"{source}: key {key or name!r}"
     typ, optional = _base_type(name)
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
         return None
@@ -198,11 +235,18 @@ def _convert_one(name: str, value, source: str):
         raise ValueError(f"{where}: expected {what}{' or none' if optional else ''}, got {value!r}") from None
 
 
-def _unknown(name: str, where: str) -> ValueError:
-    close = difflib.get_close_matches(name, list(FIELDS), n=1)
+KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE]  # every name a flag or key may have
+
+
+def _unknown(names: List[str], where: str) -> ValueError:
+    """One error naming every unknown flag or --config key (`where`: "flag" or the file), with a guess for one."""
+    close = difflib.get_close_matches(names[0], KNOWN, n=1) if len(names) == 1 else []
     hint = f"; did you mean {_flag(close[0]) if where == 'flag' else repr(close[0])}?" if close else ""
-    what = f"unknown flag {_flag(name)}" if where == "flag" else f"{where}: unknown key {name!r}"
-    return ValueError(what + hint)
+    shown = ", ".join(_flag(n) if where == "flag" else repr(n) for n in names)
+    what = f"unknown flag{'s' * (len(names) > 1)} {shown}" if where == "flag" else \
+        f"{where}: unknown key{'s' * (len(names) > 1)} {shown}"
+    return ValueError(what + hint + (" (not a setting of this trainer, nor a TRL setting it follows: "
+                                     "docs/trainer.md#trls-names)" if not close else ""))
 
 
 # ---- the command line: transformers.HfArgumentParser on Config ----------------------------------------------
@@ -216,8 +260,8 @@ def _unknown(name: str, where: str) -> ValueError:
 #   * defaults are suppressed while parsing, so what was set explicitly is known (a resumed run keeps the
 #     rest from its checkpoint), and a --config file's values fill in under the flags;
 #   * parse errors are ValueErrors naming the flag (`main` prints them as one line and exits 2).
-DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_steps", "warmup_target", "warmup_eval_every",
-             "warmup_batch", "warmup_lr")  # the built-in model/task
+DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_target", "warmup_eval_every", "warmup_batch",
+             "warmup_lr")  # the built-in model/task (warmup_steps is TRL's learning-rate warm-up with --model)
 USAGE = "python -m rlkernels.train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
 
 
@@ -274,7 +318,34 @@ def build_parser(suppress_defaults: bool = False):
             action.metavar = action.dest.upper()[:-1] if action.dest.endswith("s") else action.dest.upper()
         if suppress_defaults:
             action.default = argparse.SUPPRESS
+    _add_trl_names(parser)
     return parser
+
+
+def _add_trl_names(parser) -> None:
+    """TRL's names (trl_names.py): a renamed setting is another spelling of our flag; the others are flags of
+    their own, translated by `trl_names.resolve`."""
+    by_dest = {a.dest: a for a in parser._actions}
+    for alias, name in trl_names.RENAMED.items():
+        for spelling in (_flag(alias), "--" + alias):
+            if spelling not in parser._option_string_actions:
+                by_dest[name].option_strings.append(spelling)
+                parser._option_string_actions[spelling] = by_dest[name]
+    group = parser.add_argument_group("TRL's names", "GRPOConfig settings that set the flags above (also as "
+                                      "--config keys; docs/trainer.md#trls-names)")
+    accepted = {name: (typ, "accepted as " + " or ".join(map(str, values)) + f": {why}")
+                for name, (typ, values, why) in trl_names.SAME_AS_HERE.items()}
+    for name, (typ, help) in {**trl_names.OPTIONS, **accepted}.items():
+        spellings = [_flag(name)] + (["--" + name] if "_" in name else [])
+        if _several(name):
+            group.add_argument(*spellings, dest=name, type=_converter(name), nargs="+", action="extend",
+                               default=argparse.SUPPRESS, metavar="NAME", help=help)
+        elif typ is bool:
+            group.add_argument(*spellings, dest=name, type=_converter(name), nargs="?", const=True,
+                               default=argparse.SUPPRESS, metavar="true|false", help=help)
+        else:
+            group.add_argument(*spellings, dest=name, type=_converter(name), default=argparse.SUPPRESS,
+                               metavar=name.upper(), help=help)
 
 
 def _parse_error(message: str) -> ValueError:
@@ -300,10 +371,10 @@ def parse_flags(argv: List[str]) -> dict:
     except _FlagError as e:
         raise ValueError(str(e)) from None
     if extra:
-        arg = extra[0]
-        if not arg.startswith("--") or arg == "--":
-            raise ValueError(f"unexpected argument {arg!r}: flags look like --key value")
-        raise _unknown(arg[2:].partition("=")[0].replace("-", "_"), "flag")
+        unknown = [a[2:].partition("=")[0].replace("-", "_") for a in extra if a.startswith("--") and a != "--"]
+        if not unknown:
+            raise ValueError(f"unexpected argument {extra[0]!r}: flags look like --key value")
+        raise _unknown(unknown, "flag")
     return vars(namespace)
 
 
@@ -340,15 +411,19 @@ def load_config_file(path: str) -> dict:
             raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a {kind} object of config keys")
-    out = {}
-    for name, value in data.items():
-        if name not in FIELDS:
-            raise _unknown(str(name), f"--config {path}")
-        out[name] = convert(name, value, f"--config {path}")
+    out, keys, unknown = {}, {}, []
+    for key, value in data.items():
+        name = trl_names.RENAMED.get(str(key), str(key))
+        if name not in FIELDS and trl_names.kind(name) is None:
+            unknown.append(str(key))
+            continue
+        if name in out:
+            raise ValueError(f"--config {path}: keys {keys[name]!r} and {key!r} set the same option")
+        out[name], keys[name] = convert(name, value, f"--config {path}", str(key)), key
+    if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
+        message = str(_unknown(unknown, f"--config {path}"))
+        raise ValueError("; ".join([message, *trl_names.refused(out)]))
     return out
-
-
-load_json = load_config_file  # the name before YAML
 
 
 def from_args(argv: List[str]) -> tuple:
@@ -356,6 +431,14 @@ def from_args(argv: List[str]) -> tuple:
     flags = parse_flags(argv)
     values = load_config_file(flags.pop("config")) if "config" in flags else {}
     values.update(flags)
+    if values.get("model") and "warmup_steps" in values:  # TRL's warmup_steps: the learning-rate warm-up
+        if "lr_warmup_steps" in values:
+            raise ValueError("--warmup-steps: with --model it is TRL's learning-rate warm-up, --lr-warmup-steps, "
+                             "which is given too; give one of them")
+        values["lr_warmup_steps"] = values.pop("warmup_steps")
+    base = Config(model=values.get("model", ""))
+    values = trl_names.resolve(values, lambda name: getattr(base, name), set(flags),
+                               int(os.environ.get("WORLD_SIZE", 1)))
     if values.get("model"):
         for name in DEMO_ONLY:
             if name in values:
@@ -370,7 +453,8 @@ def validate(cfg: Config) -> None:
     """Raise a ValueError naming the flag of the first bad value."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{_flag(name)}: expected one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+            shown = ", ".join(a for a in allowed if a is not None)
+            raise ValueError(f"{_flag(name)}: expected one of {shown}, got {getattr(cfg, name)!r}")
     device.check(cfg.device, cfg.dtype)
     for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
         values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
@@ -379,7 +463,7 @@ def validate(cfg: Config) -> None:
                 raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
     positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
-                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every")
+                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every", "logging_steps")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
@@ -389,7 +473,7 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**32:  # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
         raise ValueError(f"--seed: expected an int from 0 to 2**32 - 1, got {cfg.seed}")
-    if not cfg.prompts and cfg.digits > MAX_DIGITS:
+    if not cfg.dataset and cfg.digits > MAX_DIGITS:
         raise ValueError(f"--digits: expected at most {MAX_DIGITS} (the demo task lists all 10^(2·digits) "
                          f"operand pairs in memory, and a tiny model learns no more), got {cfg.digits}")
     for name in ("temperature", "lr", "warmup_lr", "max_grad_norm", "lora_alpha"):
@@ -398,7 +482,7 @@ def validate(cfg: Config) -> None:
     if 1 / cfg.temperature > FLOAT32_MAX:  # the ops scale float32 logits by 1/τ
         raise ValueError(f"--temperature: expected a number >= {1 / FLOAT32_MAX:.3g} (1/τ must fit float32), "
                          f"got {cfg.temperature}")
-    for name in ("kl_coef", "kl_target", "vf_clip", "clip_low", "clip_high"):
+    for name in ("kl_coef", "kl_target", "vf_clip", "clip_low", "clip_high", "weight_decay"):
         v = getattr(cfg, name)
         if v is not None and not v >= 0:
             raise ValueError(f"{_flag(name)}: expected a number >= 0 or none, got {v}")
@@ -438,20 +522,29 @@ def validate(cfg: Config) -> None:
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)")
     for spec in cfg.reward:
-        if spec != "exact" and spec.split(":", 1)[0] not in ("regex", "module"):
-            raise ValueError(f"--reward: expected {REWARD_KINDS}, got {spec!r}")
-    if cfg.reward_model and not os.path.isdir(cfg.reward_model):
-        raise ValueError(f"--reward-model: expected a local Hugging Face checkpoint folder, got {cfg.reward_model!r}")
-    if cfg.prompts and not os.path.isfile(cfg.prompts):
-        raise ValueError(f"--prompts: no such file {cfg.prompts!r}")
-    if cfg.model and not os.path.isdir(cfg.model):
-        raise ValueError(f"--model: expected a local Hugging Face checkpoint folder, got {cfg.model!r}")
-    if cfg.model and not cfg.prompts:
-        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
+        if spec != "exact" and not spec.startswith("regex:") and ":" not in spec and "." not in spec:
+            raise ValueError(f"--reward: expected {REWARD_FORMS}, got {spec!r}")
+    if cfg.scale_rewards is not None and cfg.algo == "ppo":
+        raise ValueError("--scale-rewards: the GRPO family's option; --algo ppo's advantages come from GAE")
+    for name in ("model", "reward_model"):
+        path = getattr(cfg, name)
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            what = "no such folder" if not os.path.isdir(path) else "a folder without config.json"
+            raise ValueError(f"{_flag(name)}: expected a local Hugging Face model folder (save_pretrained's, with "
+                             f"config.json), got {path!r}: {what}")
+    for name in ("dataset", "eval_dataset"):
+        path = getattr(cfg, name)
+        if path and not os.path.exists(path):
+            raise ValueError(f"{_flag(name)}: no such file or folder {path!r}")
+    if cfg.model and not cfg.dataset:
+        raise ValueError("--dataset: required with --model (a file or folder of prompts)")
     if cfg.resume and not (os.path.isdir(cfg.resume) or os.path.isfile(cfg.resume)):
         raise ValueError(f"--resume: no such run folder or checkpoint {cfg.resume!r}")
 
 
 def describe(cfg: Config) -> str:
-    """The config as printed at start: one `key = value` per line."""
-    return "\n".join(f"  {k:<18} = {v!r}" for k, v in dataclasses.asdict(cfg).items())
+    """The settings that differ from their defaults, as flags on one line (summary.json holds them all)."""
+    default = Config(model=cfg.model)
+    shown = [f"{_flag(f)} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+             for f, v in dataclasses.asdict(cfg).items() if v != getattr(default, f) and f not in ("out", "resume")]
+    return " ".join(shown) or "the defaults"

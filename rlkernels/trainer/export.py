@@ -1,7 +1,8 @@
 """The run folder as a Hugging Face model: `save_pretrained` files beside the resumable checkpoint.
 
 `AutoModelForCausalLM.from_pretrained(run_folder)` then loads the policy as it was at the last
-checkpoint (with its tokenizer and generation config when the run used a Hugging Face model).
+checkpoint, and `AutoTokenizer.from_pretrained(run_folder)` its tokenizer (the demo's character
+tokenizer as a `PreTrainedTokenizerFast`).
 A LoRA run saves its adapter (loaded through peft on top of `--model`), or with `--merge-lora`
 the merged weights; the demo's in-memory model has no base on disk, so its LoRA run is merged.
 """
@@ -17,7 +18,7 @@ TMP = ".hf.tmp"  # files are written here first, then moved into the run folder 
 
 
 def save_pretrained(policy, tok, out_dir: str, *, merge_lora: bool) -> None:
-    """Write `policy` (and `tok`'s Hugging Face tokenizer, if any) into `out_dir` as `save_pretrained` does."""
+    """Write `policy` and `tok`'s Hugging Face tokenizer into `out_dir` as `save_pretrained` does."""
     model = policy
     if hasattr(policy, "merge_and_unload") and (merge_lora or not policy.peft_config["default"].base_model_name_or_path):
         model = copy.deepcopy(policy).merge_and_unload()  # training goes on with the adapters
@@ -30,9 +31,7 @@ def save_pretrained(policy, tok, out_dir: str, *, merge_lora: bool) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    hf_tok = getattr(tok, "tok", None)  # the demo's character tokenizer has no Hugging Face form
-    if hf_tok is not None:
-        hf_tok.save_pretrained(tmp)
+    tok.hf().save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
     os.rmdir(tmp)

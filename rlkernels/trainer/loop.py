@@ -29,13 +29,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 import rlkernels
 from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
 from ..integrations.transformers import check_head, output_head
-from . import device, export, report, rewards as rewards_lib, sharding, task, timing, trackers
+from . import data, device, export, report, rewards as rewards_lib, sharding, task, timing, trackers, trl_names
 from .config import Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
@@ -109,7 +110,10 @@ def enable_checkpointing(model) -> None:
     one needs inputs that require grad, which frozen embeddings under LoRA are not)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class Critic(nn.Module):
@@ -184,14 +188,14 @@ def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
     total, samples = 0.0, []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
-        ids, attn = task.left_pad([tok.encode(p) for p, _ in chunk], tok.pad_id)
+        ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in chunk], tok.pad_id)
         with place.autocast():
             seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
         completions = [tok.decode(row) for row in seq[:, ids.shape[1]:].tolist()]  # one copy off the GPU
-        scores = reward_fn([p for p, _ in chunk], completions, [a for _, a in chunk])
+        scores = reward_fn(chunk, completions)
         total += sum(scores)
-        samples += [dict(prompt=p, completion=c, answer=a, reward=r)
-                    for (p, a), c, r in zip(chunk, completions, scores)][:cfg.eval_completions - len(samples)]
+        samples += [dict(prompt=ex["prompt"], completion=c, answer=ex.get("answer"), reward=r)
+                    for ex, c, r in zip(chunk, completions, scores)][:cfg.eval_completions - len(samples)]
     model.train(was_training)
     return total / max(len(examples), 1), samples
 
@@ -201,7 +205,7 @@ def rollout(model, tok, prompts, cfg, rng):
     trees: `tree_roots` sampled roots per prompt, each cut at a random depth and branched into
     `num_generations / tree_roots` continuations that share that prefix.
     Returns (seq, attn, P, tree_ids or None)."""
-    ids, attn = task.left_pad([tok.encode(p) for p, _ in prompts], tok.pad_id)
+    ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
     P, G = ids.shape[1], cfg.num_generations
     if not cfg.tree:
         seq, full_attn = generate(model, tok, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0), cfg)
@@ -235,9 +239,8 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     targets = seq[:, P:]
     mask = task.first_eos_mask(targets, tok.eos_id)
     group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
-    answers = [a for _, a in prompts for _ in range(G)]
     texts = [tok.decode(row) for row in targets.tolist()]
-    totals, parts = reward_fn.score([p for p, _ in prompts for _ in range(G)], texts, answers)
+    totals, parts = reward_fn.score([ex for ex in prompts for _ in range(G)], texts)
     rewards = torch.tensor(totals, dtype=torch.float32, device=seq.device)
     reward_parts = torch.tensor([[math.nan if r is None else r for r in fn_rewards] for fn_rewards in parts],
                                 dtype=torch.float64).T
@@ -469,7 +472,8 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
     from the defaults) taken from `cfg`. `resume` always comes from `cfg`, and `out` unless
     given is the run's own folder."""
     default = Config()
-    saved = {"dtype": "float32", **saved}  # checkpoints from before --dtype ran in float32
+    # checkpoints from before --dtype ran in float32; older names (--prompts) are today's
+    saved = {"dtype": "float32", **{trl_names.RENAMED.get(k, k): v for k, v in saved.items()}}
     if explicit is None:
         explicit = {f for f in saved if getattr(cfg, f, None) != getattr(default, f, None)}
     for f in RESUME_FIXED:
@@ -506,6 +510,26 @@ def loss_config(cfg: Config, group_size: int):
     return base.replace(**over)
 
 
+def lr_factor(cfg: Config, step: int) -> float:
+    """The learning rate of RL step `step` (from 1) as a fraction of --lr: a linear ramp over --lr-warmup-steps,
+    then --lr-scheduler-type: constant, or a linear or cosine decay towards 0 after the last step (as transformers'
+    schedules, whose step s counts from 0)."""
+    if step < cfg.lr_warmup_steps:
+        return step / cfg.lr_warmup_steps
+    if cfg.lr_scheduler_type == "constant":
+        return 1.0
+    progress = max(0, step - 1 - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
+    return 1.0 - progress if cfg.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _loss_text(algo: str, loss_cfg) -> str:
+    """The loss as the preset call that makes it: `presets.grpo(kl_coef=0.0)`."""
+    preset = presets.fields(algo)
+    changed = [f"{f.name}={getattr(loss_cfg, f.name)!r}" for f in dataclasses.fields(loss_cfg)
+               if getattr(loss_cfg, f.name) != preset.get(f.name, f.default)]
+    return f"presets.{algo}({', '.join(changed)})"
+
+
 def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dict:
     """Run (or `--resume`) an RL fine-tuning job; returns the summary dict (also in summary.json).
 
@@ -519,6 +543,9 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     reward_fns, reward_weights = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
     rank, world = dist_info()
     master = rank == 0
+    if cfg.fsdp and world == 1:
+        raise ValueError("--fsdp: shards the models over the processes of torchrun (torchrun --nproc-per-node N "
+                         "-m rlkernels.train ... --fsdp), and this is one process; drop --fsdp (or --fsdp false)")
     # The demo model is so small that one thread per process is fastest (more threads spin on
     # tiny matmuls, badly so on a shared machine); real models get up to 4 per process.
     torch.set_num_threads(cfg.threads or (1 if not cfg.model else max(1, min(4, os.cpu_count() or 1) // world)))
@@ -529,17 +556,22 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     runs_on = place.describe()
     if master:
         prepare_out_dir(out_dir)
-    log(f"rlkernels.train: {'resuming ' + cfg.resume if saved else 'config'}\n{describe(cfg)}\n"
-        f"  running on: device {runs_on['device']}, dtype {runs_on['dtype']} (float32 weights), "
-        f"process group {runs_on['backend'] or 'none (one process)'}")
+    layout = ("one process" if world == 1 else
+              f"{'FSDP2' if cfg.fsdp else 'DDP'} over {world} processes ({runs_on['backend']})")
+    log(f"rlkernels.train: {'resuming ' + cfg.resume + ' with ' if saved else ''}{describe(cfg)}\n"
+        f"  {layout} on {runs_on['device']}, compute dtype {runs_on['dtype']} (float32 weights); writing {out_dir}/")
 
     # the task (its file's errors) before any model loads; its own seeded shuffle draws no global random numbers
-    if cfg.model and not cfg.prompts:
-        raise ValueError("--prompts: required with --model (a JSONL of prompts and answers)")
-    if cfg.prompts:
-        train_set, eval_set = task.jsonl_task(cfg.prompts, cfg.eval_size, cfg.seed)
+    if cfg.dataset:
+        train_set, eval_set, held_out = data.load(cfg)
     else:
         train_set, eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
+        held_out = f"{len(eval_set)} held-out sums"
+    answers = "answer" in train_set[0] and "answer" in eval_set[0]
+    for _, name, _, spec in reward_fns:
+        if name in ("exact", "regex") and spec.startswith(name) and not answers:
+            raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
+                             f"{cfg.dataset} lack; give --reward a function, or --reward-model")
     # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
     reward_fn = rewards_lib.build(reward_fns, reward_weights, cfg.reward_model, place)
 
@@ -553,15 +585,18 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         policy, tok = task.load_model(cfg.model)
     else:
         tok = task.CharTokenizer()
-        for p, _ in train_set[:1] + eval_set[:1]:
-            tok.encode(p)  # a clear error for characters outside the demo vocabulary
-        prompt_len = max(len(tok.encode(p)) for p, _ in train_set + eval_set)
-    source = f" in {cfg.prompts}" if cfg.prompts else ""
+        for ex in train_set[:1] + eval_set[:1]:
+            tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
+        prompt_len = max(len(tok.encode(ex["prompt"])) for ex in train_set + eval_set)
+    source = f" in {cfg.dataset}" if cfg.dataset else ""
     if cfg.prompts_per_step * world > len(train_set):
         ranks = f" × {world} ranks" if world > 1 else ""
         raise ValueError(f"--prompts-per-step: {cfg.prompts_per_step}{ranks} is more than the {len(train_set)} "
                          f"training prompts{source} (after {len(eval_set)} held out for eval)")
     warmup = not saved and not cfg.model and cfg.warmup_steps
+    if warmup and not answers:
+        raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which --dataset "
+                         f"{cfg.dataset} lacks; give --warmup-steps 0")
     if warmup and cfg.warmup_batch > len(train_set):
         raise ValueError(f"--warmup-batch: {cfg.warmup_batch} is more than the {len(train_set)} training "
                          f"prompts{source} (after {len(eval_set)} held out for eval)")
@@ -573,15 +608,16 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         enable_checkpointing(policy)
     policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
     n_params = sum(p.numel() for p in policy.parameters())
-    log(f"policy: {type(policy).__name__}, {n_params / 1e6:.2f}M parameters; "
-        f"{len(train_set)} train / {len(eval_set)} held-out prompts; world size {world}")
+    log(f"policy: {type(policy).__name__}, {n_params / 1e6:.2f}M parameters; {len(train_set)} training prompts, "
+        f"{held_out}")
 
     # ---- supervised warm-up (demo model only; a resumed run loads the weights instead)
     eval_before = saved["eval_reward_before"] if saved else None
     if warmup:
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
-        in_a_row = 0  # checks at or above the target in a row: one alone can be a fluctuation
+        in_a_row, reached = 0, None  # checks at or above the target in a row: one alone can be a fluctuation
+        bar = tqdm(total=cfg.warmup_steps, desc="warm-up", disable=not (cfg.progress and master), dynamic_ncols=True)
         for it in range(1, cfg.warmup_steps + 1):
             sup = task.supervised_batch(tok, rng.sample(train_set, cfg.warmup_batch))
             ids, attn, labels = (t.to(place.device) for t in sup)
@@ -591,13 +627,17 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
+            bar.update(1)
             if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
                 reached = evaluate(policy, tok, eval_set, reward_fn, cfg, place)[0]
-                log(f"warm-up step {it}: held-out greedy reward {reached:.3f} (target {cfg.warmup_target})")
+                bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
                 in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
                 if in_a_row == 2:
                     break
-        log(f"warm-up: {it} supervised steps, final loss {loss.item():.3f}")
+        bar.close()
+        why = "the target twice in a row" if in_a_row == 2 else "--warmup-steps"
+        last_check = f", held-out greedy reward {reached:.3f} at the last check" if reached is not None else ""
+        log(f"warm-up: {it} supervised steps (stopped at {why}){last_check}, final loss {loss.item():.3f}")
 
     # ---- reference model: the policy as RL starts, frozen. Needed for any KL term.
     algo_ppo = cfg.algo == "ppo"
@@ -628,7 +668,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if ref is not None and sharding.is_sharded(policy):
         sharding.shard(ref, place.device)  # else every rank holds a whole copy of it
     params = [p for p in engine.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
     start = 0
     if saved:
@@ -655,7 +695,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     before_samples = []  # a resumed run's are in its completions.jsonl
     if eval_before is None:
         eval_before, before_samples = evaluate_policy()
-    log(f"held-out greedy reward before RL: {eval_before:.3f}  (algo {cfg.algo}, loss {loss_cfg})")
+    log(f"held-out greedy reward ({reward_fn.label}) before RL: {eval_before:.3f}; loss {_loss_text(cfg.algo, loss_cfg)}")
 
     # a resumed run keeps the metrics up to its checkpoint, read from the run's folder (also when --out moves it)
     metrics_path, completions_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "completions.jsonl")
@@ -717,7 +757,6 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             tracking.completions(step, rows)
 
     log_completions(0, before_samples)
-    from tqdm.auto import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and master),
                dynamic_ncols=True, desc=cfg.algo)
     # a resumed run's summary counts the steps before its checkpoint too
@@ -791,9 +830,14 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                     weights = weights + [1.0]
                 advantages = rewards_lib.normalize_then_sum(fn_rewards, weights, group_ids, nan_mean_std).float()
             else:
-                # GRPO family: each reward against its prompt group (Dr. GRPO: not scaled)
-                scale = None if cfg.algo == "dr_grpo" else "group"
-                advantages = adv_lib.group_normalized(rewards, group_ids, scale=scale) if len(rewards) else rewards
+                # GRPO family: each reward against its prompt group, divided by the group's std, the batch's or
+                # nothing (Dr. GRPO's default); the batch's is over every rank's rewards, as TRL's over its processes
+                scale = cfg.scale_rewards or ("none" if cfg.algo == "dr_grpo" else "group")
+                std = nan_mean_std(rewards.double())[1] if scale == "batch" else None
+                advantages = adv_lib.group_normalized(rewards, group_ids, scale="group" if scale == "group" else None
+                                                      ) if len(rewards) else rewards
+                if std is not None:
+                    advantages = advantages / (std + 1e-6)  # group_normalized's ε
             batch = dict(seq=seq, attn=attn, targets=targets, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
                          group_ids=group_ids, rewards=rewards, advantages=advantages,
                          values=values if algo_ppo else None, returns=returns if algo_ppo else None)
@@ -802,7 +846,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             # (the learning rate ramps up linearly over the first `lr_warmup_steps` steps: a fresh
             # AdamW state after the supervised warm-up otherwise takes too large first steps)
             for g in optimizer.param_groups:
-                g["lr"] = cfg.lr * min(1.0, step / cfg.lr_warmup_steps) if cfg.lr_warmup_steps else cfg.lr
+                g["lr"] = cfg.lr * lr_factor(cfg, step)
             policy.train()
             groups = sorted(set(group_ids.tolist()))
             n_groups_global = int(all_sum(len(groups)))
@@ -861,7 +905,9 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
-            if master:
+            stopping = all_sum(float(stop["now"])) > 0  # a signal that reached only some ranks stops them all
+            logged = step % cfg.logging_steps == 0 or "eval_reward" in row or step == cfg.steps or stopping
+            if master and logged:
                 write_file(metrics_path, report.dumps(row) + "\n", "a")
                 tracking.metrics(row)
             log_completions(step, samples)
@@ -869,7 +915,6 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                             ent=f"{row['entropy'] or 0:.3f}",
                             **({"eval": f"{row['eval_reward']:.3f}"} if "eval_reward" in row else {}))
-            stopping = all_sum(float(stop["now"])) > 0  # a signal that reached only some ranks stops them all
             if step % cfg.ckpt_every == 0 or step == cfg.steps or stopping:
                 checkpoint(step)
             if stopping:
@@ -893,9 +938,9 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     if master:
         write_file(os.path.join(out_dir, "summary.json"), report.dumps(summary, indent=2), "w")
         plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
-                              f"rlkernels.train --algo {cfg.algo}")
+                              f"rlkernels.train --algo {cfg.algo}", reward_fn.label, eval_before)
         log(report.summary_table(summary))
-        log(f"files in {out_dir}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model "
-            f"(from_pretrained)" + "".join(f", {name} logs" for name in cfg.report_to if name != "none")
+        log(f"files in {out_dir}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model and its "
+            f"tokenizer (from_pretrained)" + "".join(f", {name} logs" for name in cfg.report_to if name != "none")
             + (", metrics.png" if plotted else " (no plot: matplotlib is not installed)"))
     return summary

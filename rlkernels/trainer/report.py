@@ -9,8 +9,8 @@ from typing import List
 
 from .._pyplot import pyplot
 
-PLOTTED = (("reward_mean", "reward (train) / accuracy (eval)"), ("kl", "KL to reference"),
-           ("entropy", "entropy"), ("clip_frac", "clip fraction"))
+PLOTTED = (("reward_mean", "reward"), ("kl", "KL to reference"), ("entropy", "entropy"),
+           ("clip_frac", "clip fraction"))
 
 
 def read_metrics(path: str) -> List[dict]:
@@ -63,8 +63,9 @@ def dumps(obj, **kw) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
-def plot(rows: List[dict], path: str, title: str) -> bool:
-    """Reward, KL, entropy and clip fraction against step; False when matplotlib is missing."""
+def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: float) -> bool:
+    """Reward (`reward` names it), KL, entropy and clip fraction against step, the held-out reward from its
+    step-0 evaluation (`eval_before`, before RL) on; False when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
         return False
@@ -72,12 +73,12 @@ def plot(rows: List[dict], path: str, title: str) -> bool:
     for ax, (key, label) in zip(axes.flat, PLOTTED):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            ax.plot(*zip(*pts), label=key)
+            ax.plot(*zip(*pts), label="train (sampled)" if key == "reward_mean" else key)
         if key == "reward_mean":
-            ev = [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
-            if ev:
-                ax.plot(*zip(*ev), "o-", label="eval_reward (greedy)")
+            ev = [(0, eval_before)] + [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
+            ax.plot(*zip(*ev), "o-", label="held-out (greedy)")
             ax.legend()
+            label = f"reward: {reward}"
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -30,17 +30,19 @@ GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_
 
 
 def checked_reward(reward_fn, name: str, flag: str = "--reward"):
-    """`rewards(prompts, completions, answers) -> list of floats or None` from `reward_fn`: per sample,
-    `reward_fn(prompt, completion, answer) -> float`, or TRL's signature `reward_fn(prompts, completions,
-    **columns) -> list[float]` (one call per batch; the JSONL's `answer` column as `answer=`; a
-    conversation's completions as [{"role": "assistant", "content": text}], as TRL gives them). None is
-    "not applicable". An error names `flag`, `name` and the prompt when it raises or returns anything
-    but None or a finite number within float32 (a NaN reward would silently train nothing)."""
+    """`rewards(examples, completions) -> list of floats or None` from `reward_fn`, given the examples (dicts of
+    a dataset's columns, data.py) and their completions: per sample, `reward_fn(prompt, completion, answer) ->
+    float` (answer None where the dataset has none), or TRL's `reward_fn(prompts, completions, **columns) ->
+    list[float]`, any function with a `completions` parameter (one call per batch; every column but the prompt
+    as a keyword argument of per-completion lists; a conversation's completions as [{"role": "assistant",
+    "content": text}], as TRL gives them). None is "not applicable". An error names `flag`, `name` and the
+    prompt when it raises or returns anything but None or a finite number within float32 (a NaN reward would
+    silently train nothing)."""
     try:
         params = inspect.signature(reward_fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: per sample
         params = {}
-    trl_style = "prompts" in params and "completions" in params
+    trl_style = "completions" in params
 
     def value(r, prompt):
         if r is None:
@@ -60,12 +62,14 @@ def checked_reward(reward_fn, name: str, flag: str = "--reward"):
         except Exception as e:
             raise ValueError(f"{flag}: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
 
-    def rewards(prompts, completions, answers):
+    def rewards(examples, completions):
+        prompts = [ex["prompt"] for ex in examples]
         if not trl_style:
-            return [value(call(p, p, c, a), p) for p, c, a in zip(prompts, completions, answers)]
+            return [value(call(p, p, c, ex.get("answer")), p) for p, c, ex in zip(prompts, completions, examples)]
         completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                        for p, c in zip(prompts, completions)]
-        out = call(prompts[0], prompts=prompts, completions=completions, answer=answers)
+        columns = {k: [ex.get(k) for ex in examples] for k in examples[0] if k != "prompt"}
+        out = call(prompts[0], prompts=prompts, completions=completions, **columns)
         if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
             raise ValueError(f"{flag}: {name} returned {reprlib.repr(out)} for {len(prompts)} completions; "
                              f"expected a list of {len(prompts)} numbers (TRL's signature)")
@@ -90,7 +94,7 @@ class RewardModel:
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, local_files_only=True, torch_dtype=torch.float32)
+                path, num_labels=1, local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise ValueError(f"--reward-model: cannot load {path!r} as a Hugging Face sequence classifier "
                              f"with one label ({e})") from None
@@ -147,20 +151,27 @@ def _unique(names: List[str]) -> List[str]:
 
 
 class Rewards:
-    """The reward of a run: callable as `rewards(prompts, completions, answers) -> list[float]` (the weighted
-    sums); `score` also returns each function's values, None where it did not apply."""
+    """The reward of a run: callable as `rewards(examples, completions) -> list[float]` (the weighted sums, the
+    examples as data.py makes them); `score` also returns each function's values, None where it did not apply."""
 
     def __init__(self, fns, names: List[str], labels: List[str], weights: List[float]):
         self.fns, self.names, self.labels, self.weights = fns, _unique(names), labels, weights
 
-    def score(self, prompts, completions, answers):
+    @property
+    def label(self) -> str:
+        """What the reward is, for logs and plots: `exact`, or `0.5·exact + 1·rm`."""
+        if all(w == 1.0 for w in self.weights):
+            return " + ".join(self.names)
+        return " + ".join(f"{w:g}·{n}" for w, n in zip(self.weights, self.names))
+
+    def score(self, examples, completions):
         """(weighted sums, one list of values or None per function)."""
-        parts = [fn(prompts, completions, answers) for fn in self.fns]
-        totals = [self._total(row, p, c) for row, p, c in zip(zip(*parts), prompts, completions)]
+        parts = [fn(examples, completions) for fn in self.fns]
+        totals = [self._total(row, ex["prompt"], c) for row, ex, c in zip(zip(*parts), examples, completions)]
         return totals, parts
 
-    def __call__(self, prompts, completions, answers) -> List[float]:
-        return self.score(prompts, completions, answers)[0]
+    def __call__(self, examples, completions) -> List[float]:
+        return self.score(examples, completions)[0]
 
     def _total(self, row, prompt, completion) -> float:
         terms = [w * r for w, r in zip(self.weights, row) if r is not None]

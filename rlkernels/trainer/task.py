@@ -2,18 +2,22 @@
 
 The offline demo: a character tokenizer over digits, '+', '=' and three specials, and a tiny
 Llama built from a `transformers` config (nothing downloaded), on "a+b=" → the sum.
-Real use: a local Hugging Face checkpoint (`--model`), prompts from JSONL (`--prompts`) and a
-reward of `exact`, `regex:PATTERN` or `module:function`.
+Real use: a local Hugging Face checkpoint (`--model`), prompts from a dataset (`--dataset`, data.py) and
+rewards given as `exact`, `regex:PATTERN`, `package.module:function` or `path/to/file.py:function`.
 """
 from __future__ import annotations
 
 import importlib
-import json
+import importlib.util
+import os
 import random
 import re
+import sys
 from typing import Callable, List, Tuple
 
 import torch
+
+from .config import REWARD_FORMS
 
 
 class CharTokenizer:
@@ -29,7 +33,7 @@ class CharTokenizer:
     def encode(self, text: str) -> List[int]:
         """bos + the characters (a prompt)."""
         if not isinstance(text, str):
-            raise ValueError("--prompts: conversational prompts need --model (a tokenizer with a chat template); "
+            raise ValueError("--dataset: conversational prompts need --model (a tokenizer with a chat template); "
                              "the demo's character tokenizer takes plain text")
         bad = set(text) - set(self._id)
         if bad:
@@ -47,6 +51,19 @@ class CharTokenizer:
                 out.append(self.chars[i - 3])
         return "".join(out)
 
+    def hf(self):
+        """The same tokenizer as a `transformers.PreTrainedTokenizerFast` (what the run folder saves): one token
+        per character, bos prepended, decoded without spaces."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        specials = ["<pad>", "<s>", "</s>"]  # pad_id, bos_id, eos_id
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + list(self.chars))}, unk_token="<pad>"))
+        tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", self.bos_id)])
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
 
 class HFTokenizer:
     """A `transformers` tokenizer behind the same three calls."""
@@ -60,13 +77,16 @@ class HFTokenizer:
         self.bos_id = tok.bos_token_id
         self.vocab_size = len(tok)
 
+    def hf(self):
+        return self.tok
+
     def encode(self, prompt) -> List[int]:
         """A plain prompt with the tokenizer's special tokens, unless it already starts with its BOS (a
         pre-templated prompt); a conversation (a list of {"role", "content"}) through the chat template
         with the assistant's turn opened, whose text holds its own special tokens."""
         if isinstance(prompt, list):
             if not getattr(self.tok, "chat_template", None):
-                raise ValueError("--prompts: conversational prompts need a tokenizer with a chat template, and "
+                raise ValueError("--dataset: conversational prompts need a tokenizer with a chat template, and "
                                  "the --model tokenizer has none")
             text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -81,79 +101,57 @@ class HFTokenizer:
 
 
 def addition_task(digits: int, eval_size: int, seed: int) -> Tuple[list, list]:
-    """(train, eval) lists of (prompt, answer); operands zero-padded so prompts have one length.
+    """(train, eval) lists of {"prompt", "answer"}; operands zero-padded so prompts have one length.
 
     The eval prompts are held out: never sampled for training or warm-up."""
     n = 10 ** digits
     pairs = [(a, b) for a in range(n) for b in range(n)]
     random.Random(seed + 12345).shuffle(pairs)
     eval_size = min(eval_size, len(pairs) // 2)
-    fmt = lambda a, b: (f"{a:0{digits}d}+{b:0{digits}d}=", str(a + b))  # noqa: E731
+    fmt = lambda a, b: {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}  # noqa: E731
     return [fmt(*p) for p in pairs[eval_size:]], [fmt(*p) for p in pairs[:eval_size]]
 
 
-def _is_conversation(prompt) -> bool:
-    return (isinstance(prompt, list) and len(prompt) > 0
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in prompt))
-
-
-def jsonl_task(path: str, eval_size: int, seed: int) -> Tuple[list, list]:
-    """(train, eval) from a JSONL file of {"prompt": ..., "answer": ...}, the prompt a string or a
-    conversation (TRL's conversational format: a list of {"role": str, "content": str}); the last
-    eval_size held out."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompts: {path} line {n} is not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or "answer" not in obj or not (
-                isinstance(obj.get("prompt"), str) or _is_conversation(obj.get("prompt"))):
-            raise ValueError(f'--prompts: {path} line {n}: expected {{"prompt": str or [{{"role": str, "content": '
-                             f'str}}, ...], "answer": ...}}')
-        rows.append((obj["prompt"], str(obj["answer"])))
-    if len(rows) < 2:
-        raise ValueError(f"--prompts: {path} needs at least 2 prompts, has {len(rows)}")
-    random.Random(seed + 12345).shuffle(rows)
-    k = min(eval_size, len(rows) // 2)
-    return rows[k:], rows[:k]
-
-
-def make_reward(spec: str) -> Callable[[str, str, str], float]:
-    """reward(prompt, completion, answer) → float from `--reward`."""
+def make_reward(spec: str) -> Callable:
+    """The reward function of one `--reward` (REWARD_FORMS): exact match and regex take
+    (prompt, completion, answer) -> float; a function from a module or a file is taken as it is."""
     if spec == "exact":
-        return lambda prompt, completion, answer: float(completion.strip() == answer.strip())
-    kind, _, arg = spec.partition(":")
-    if kind == "regex":
+        return lambda prompt, completion, answer: float(completion.strip() == str(answer).strip())
+    if spec.startswith("regex:"):
         try:
-            pattern = re.compile(arg)
+            pattern = re.compile(spec[len("regex:"):])
         except re.error as e:
-            raise ValueError(f"--reward: bad regex {arg!r} ({e})") from None
+            raise ValueError(f"--reward: bad regex {spec[len('regex:'):]!r} ({e})") from None
 
         def regex_reward(prompt, completion, answer):
             m = pattern.search(completion)
             got = (m.group(1) if m.groups() else m.group(0)) if m else None
-            return float(got is not None and got.strip() == answer.strip())
+            return float(got is not None and got.strip() == str(answer).strip())
 
         return regex_reward
-    if kind == "module":
-        mod, _, fn = arg.rpartition(":") if arg.count(":") else arg.rpartition(".")
-        try:
-            f = getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"--reward: cannot load {arg!r} as module:function ({e})") from None
-        if not callable(f):
-            raise ValueError(f"--reward: {arg!r} is not callable")
-        return f
-    raise ValueError(f"--reward: expected exact | regex:PATTERN | module:function, got {spec!r}")
+    return _load_function(spec.removeprefix("module:"))  # module:... was this flag's form before
+
+
+def _load_function(spec: str) -> Callable:
+    """`path/to/file.py:function`, `package.module:function`, or TRL's dotted `package.module.function`."""
+    where, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ImportError(f"no such file {where!r}")
+            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:  # as TRL's scripts: modules beside the run
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+        f = getattr(module, name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
+    if not callable(f):
+        raise ValueError(f"--reward: {spec!r} is not callable")
+    return f
 
 
 def tiny_model(cfg, tok: CharTokenizer, prompt_len: int):
@@ -175,7 +173,7 @@ def load_model(path: str):
 
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model: cannot load {path!r} as a Hugging Face causal LM ({e})") from None
     return model, HFTokenizer(tok)
@@ -216,8 +214,8 @@ def answer_ids(tok, answer: str) -> List[int]:
 def supervised_batch(tok, examples) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention_mask, labels) for teacher forcing on answer tokens only (-100 elsewhere)."""
     full, lab = [], []
-    for prompt, answer in examples:
-        p, a = tok.encode(prompt), answer_ids(tok, answer)
+    for ex in examples:
+        p, a = tok.encode(ex["prompt"]), answer_ids(tok, str(ex["answer"]))
         full.append(p + a)
         lab.append([-100] * len(p) + a)
     T = max(len(s) for s in full)

@@ -1,0 +1,64 @@
+"""The `rlkernels` console script (also `python -m rlkernels`).
+
+    rlkernels train [FLAGS]        RL fine-tuning with the fused loss (no flags: the offline demo; --help)
+    rlkernels demo [FLAGS]         the offline demo: a tiny model learns 2-digit addition, warm-up then GRPO
+    rlkernels bench [FLAGS]        the GRPO loss head against a plain log_softmax: time, memory, a PNG
+    rlkernels trl grpo [ARGS]      TRL's own GRPO script (trl grpo ...) with rlkernels' log-probs and loss;
+                                   `accelerate launch -m rlkernels trl grpo ...` for several processes
+"""
+from __future__ import annotations
+
+import sys
+
+
+def _train(argv):
+    from .train import main
+    return main(argv)
+
+
+def _demo(argv):
+    if any(a.split("=")[0] in ("--model", "--model_name_or_path", "--model-name-or-path") for a in argv):
+        print("rlkernels demo: error: the demo builds its own tiny model; train yours with rlkernels train --model DIR",
+              file=sys.stderr)
+        return 2
+    return _train(argv)
+
+
+def _bench(argv):
+    from .demo import main
+    return main(argv)
+
+
+def _trl(argv):
+    """TRL's script `trl/scripts/<name>.py` in this process, after `integrations.trl.apply()`: what `trl <name>`
+    runs in the processes `accelerate launch` starts, there without rlkernels."""
+    if argv[:1] != ["grpo"]:
+        print("rlkernels trl: error: expected `rlkernels trl grpo [ARGS]` (TRL's GRPO script; its ARGS, "
+              "--config recipe.yaml included)", file=sys.stderr)
+        return 2
+    from .integrations.trl import apply
+    from trl.scripts import grpo
+
+    apply()
+    parser = grpo.make_parser(prog="rlkernels trl grpo")
+    grpo.main(*parser.parse_args_and_config(argv[1:], fail_with_unknown_args=False))
+    return 0
+
+
+COMMANDS = {"train": _train, "demo": _demo, "bench": _bench, "trl": _trl}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"rlkernels: error: unknown command {argv[0]!r}; expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The prompts of a `--dataset` run, as TRL reads them: a local JSON/JSONL/CSV/Parquet file or a `datasets`
+folder (`save_to_disk`'s, or a folder of data files), a split, and a prompt column.
+
+Every example is a dict of the row's columns, the prompt under "prompt" (from `--prompt-column`), a string or
+a conversation (a list of {"role": str, "content": str}); the other columns (`answer`, `solution`, ...) reach
+the reward functions as keyword arguments, as in TRL. Held out: `--eval-dataset` (or `--eval-split`), else the
+last `--eval-size` rows of a seeded shuffle of the training split, at most half of them.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import List, Tuple
+
+FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+FORMS = "a .json, .jsonl, .csv or .parquet file, or a datasets folder"
+
+
+def _load(path: str, split: str, flag: str, split_flag: str) -> List[dict]:
+    """The rows of `split` of the dataset at `path`."""
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # no "Generating train split" bars in the run's log
+    try:
+        if os.path.isdir(path):
+            saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+            ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+        else:
+            kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
+            if kind is None:
+                raise ValueError(f"{flag}: expected {FORMS}, got {path!r}")
+            ds = datasets.load_dataset(kind, data_files=path)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{split_flag}: {path!r} has no split {split!r} (it has {', '.join(ds)})")
+            ds = ds[split]
+        return ds.to_list()  # the rows are decoded here (a file that is not UTF-8 fails here)
+    except ValueError as e:
+        if str(e).startswith((flag, split_flag)):
+            raise
+        raise ValueError(f"{flag}: cannot read {path!r} ({' '.join(str(e).split())[:300]})") from None
+    except Exception as e:  # pyarrow's parse errors, a folder without data files, ...
+        raise ValueError(f"{flag}: cannot read {path!r} as {FORMS} ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _is_conversation(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt))
+
+
+def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: str) -> List[dict]:
+    """The rows of a dataset as examples (module docstring), checked."""
+    rows = _load(path, split, flag, split_flag)
+    if rows and prompt_column not in rows[0]:
+        raise ValueError(f"--prompt-column: {path!r} has no column {prompt_column!r} (its columns: "
+                         f"{', '.join(rows[0])})")
+    out = []
+    for n, row in enumerate(rows):
+        prompt = row.pop(prompt_column)
+        if not (isinstance(prompt, str) or _is_conversation(prompt)):
+            raise ValueError(f"{flag}: {path!r} row {n}: expected a prompt that is a string or a conversation "
+                             f"[{{\"role\": str, \"content\": str}}, ...], got {str(prompt)[:80]!r}")
+        out.append({"prompt": prompt, **row})
+    return out
+
+
+def load(cfg) -> Tuple[List[dict], List[dict], str]:
+    """(train examples, held-out examples, a line that says where the held-out ones come from)."""
+    train = examples(cfg.dataset, cfg.dataset_split, cfg.prompt_column, "--dataset", "--dataset-split")
+    if cfg.eval_dataset or cfg.eval_split:
+        source, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split or "train"
+        flag = "--eval-dataset" if cfg.eval_dataset else "--dataset"
+        held_out = examples(source, split, cfg.prompt_column, flag, "--eval-split")[:cfg.eval_size]
+        if not train or not held_out:
+            raise ValueError(f"{'--dataset' if not train else flag}: no prompts in {source!r}")
+        return train, held_out, f"{len(held_out)} held-out prompts from {source} ({split})"
+    if len(train) < 2:
+        raise ValueError(f"--dataset: {cfg.dataset!r} needs at least 2 prompts (some are held out), has {len(train)}")
+    random.Random(cfg.seed + 12345).shuffle(train)
+    k = min(cfg.eval_size, len(train) // 2)
+    return train[k:], train[:k], (f"{k} of the {len(train)} prompts of {cfg.dataset} held out for evaluation "
+                                  f"(--eval-size; --eval-dataset for a separate set)")
