@@ -10,8 +10,6 @@ word-level tokenizer built here (nothing downloaded).
 from __future__ import annotations
 
 import math
-import pathlib
-import re
 import types
 import warnings
 
@@ -24,16 +22,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from doc_blocks import block  # noqa: E402
 from rlkernels.integrations import trl as rk_trl  # noqa: E402
 from rlkernels.integrations.trl import RLKernelsGRPOTrainer  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _readme_block(name):
-    text = README.read_text()
-    return re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S).group(1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -276,7 +269,7 @@ def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
     namespace = dict(model_id=model_id, reward_fn=reward_fn, grpo_config=grpo_config, dataset=dataset)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exec(_readme_block("trl"), namespace)  # builds RLKernelsGRPOTrainer, then patches a GRPOTrainer and trains it
+        exec(block("trl", "docs/integrations.md"), namespace)  # builds RLKernelsGRPOTrainer, then patches a GRPOTrainer and trains it
     assert not [w for w in caught if "TRL computes this loss itself" in str(w.message)], "the fused path ran"
     losses, params = _losses_and_params(namespace["trainer"])
 

@@ -3,8 +3,7 @@ gradient w.r.t. log_prob) where the two overlap, under every `loss_agg_mode`, wi
 batch counts and with rollout correction weights. Skipped only when verl cannot be imported."""
 from __future__ import annotations
 
-import pathlib
-import re
+import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 
+from doc_blocks import block  # noqa: E402
 from rlkernels import presets  # noqa: E402
 from rlkernels.integrations import verl as rk_verl  # noqa: E402
 
@@ -222,11 +222,44 @@ def test_bad_agg_mode():
         rk_verl.policy_loss_fn("ppo")(old, logp, adv, mask, "token-median", _actor_config())
 
 
+def test_errors_name_verls_settings():
+    """A sequence-level loss given per-token advantages (GAE's): the error names verl's loss_mode, not rlkernels'
+    ratio field."""
+    logp, old, _, mask, _ = _inputs()
+    per_token = torch.randn(logp.shape, dtype=torch.float64)
+    with pytest.raises(ValueError) as err:
+        rk_verl.policy_loss_fn("gspo")(old, logp, per_token, mask, "token-mean", _actor_config())
+    message = str(err.value)
+    assert "loss_mode=rlkernels_gspo needs one advantage per response" in message, message
+    assert "use loss_mode=rlkernels_gspo_token for per-token advantages" in message and "ratio=" not in message
+
+
 def test_readme_register(restore_verl):
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    exec(re.search(r"<!-- example: verl -->\s*```python\n(.*?)```", text, re.S).group(1), {})
+    exec(block("verl", "docs/integrations.md"), {})
     for name in [*presets.NAMES, *rk_verl.VERL_MODES, "bypass_mode"]:  # the presets, and verl's own names
         assert core_algos.get_policy_loss_fn(f"rlkernels_{name}").__name__ == f"rlkernels_{name}"
+
+
+def test_readme_hydra_override_registers_the_losses_in_ray_workers(restore_verl):
+    """The README's override of `python -m verl.trainer.main_ppo`, applied with Hydra's rules to verl's composed
+    config: the hook lands in the runtime_env that main_ppo merges and passes to ray.init, and what it names
+    registers the losses (as Ray calls it in each worker); the loss_mode key is verl's."""
+    import importlib
+
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(core_algos.__file__), "..", "config",
+                                      "_generated_ppo_trainer.yaml"))
+    OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a key that is not there needs `+`
+    for override in " ".join(line.split("#")[0] for line in block("verl-override").split("\\\n")).split():
+        key, value = override.split("=", 1)
+        OmegaConf.update(cfg, key.lstrip("+"), value, force_add=key.startswith("+"))
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "rlkernels_gspo"
+    hook = OmegaConf.merge(get_ppo_ray_runtime_env(), cfg.ray_kwargs.ray_init.runtime_env).worker_process_setup_hook
+    module, name = hook.rsplit(".", 1)
+    getattr(importlib.import_module(module), name)()
+    assert core_algos.get_policy_loss_fn("rlkernels_gspo").__name__ == "rlkernels_gspo"
 
 
 # verl's bypass_mode: (loss_type, rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold)
@@ -274,3 +307,31 @@ def test_bypass_mode_rejects_what_verl_rejects():
         rk_verl._rejection_mask(logp.detach(), old, mask, "token_k4", 1.0)
     with pytest.raises(ValueError, match="rollout_correction"):  # as verl's, which needs it too
         rk_verl.bypass_mode_fn()(old, logp, adv, mask.float(), "token-mean", {"policy_loss": {}}, None)
+
+
+def test_bad_verl_settings_name_the_field():
+    """Values verl's config could hold that rlkernels cannot use fail with the field's name (they once failed in
+    int(nan), float('abc') or torch.where's broadcast), and a fractional response_mask is refused: verl would
+    weight its tokens, rlkernels' 0/1 masks cannot."""
+    logp, old, adv, mask, w = _inputs()
+    fn = rk_verl.policy_loss_fn("dr_grpo")
+    for scale in (float("nan"), "abc", 0, 2.5):
+        cfg = _actor_config()
+        cfg.global_batch_info.update(loss_scale_factor=scale)
+        with pytest.raises(ValueError, match="loss_scale_factor"):
+            fn(old, logp, adv, mask, "seq-mean-token-sum-norm", cfg)
+    with pytest.raises(ValueError, match="rollout_is_weights: expected shape"):
+        rk_verl.policy_loss_fn("ppo")(old, logp, adv, mask, "token-mean", _actor_config(),
+                                      torch.ones(mask.shape[0], mask.shape[1] + 1, dtype=torch.float64))
+    fractional = mask.double()
+    fractional[0, 0] = 0.5
+    with pytest.raises(ValueError, match="response_mask"):
+        rk_verl.policy_loss_fn("ppo")(old, logp, adv, fractional, "token-mean", _actor_config())
+    for threshold in ("abc", "nan", "0.5_abc", "-1"):
+        with pytest.raises(ValueError, match="rollout_rs_threshold"):
+            rk_verl._rejection_mask(logp.detach(), old, mask, "token_k2" if "_" not in threshold else "token_k1",
+                                    threshold)
+    correction = dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold="abc")
+    cfg = _actor_config(policy_loss=VerlPolicyLossConfig(loss_mode="bypass_mode", rollout_correction=correction))
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        rk_verl.bypass_mode_fn()(old, logp, adv, mask.float(), "token-mean", cfg, None)

@@ -1,5 +1,6 @@
-"""TRL's `GRPOTrainer` with rlkernels' hidden-state path: `RLKernelsGRPOTrainer`, or
-`patch_trl_grpo_trainer(trainer)` on a trainer already built.
+"""TRL's `GRPOTrainer` with rlkernels' hidden-state path: `apply()` (every `trl.GRPOTrainer` built afterwards
+in this process: scripts, `accelerate launch` recipes, and TRL's GRPO script through `rlkernels trl grpo`),
+`RLKernelsGRPOTrainer`, or `patch_trl_grpo_trainer(trainer)` on a trainer already built.
 
 Either way two methods change:
 * `_get_per_token_logps_and_entropies` (old and reference log-probs, and the log-probs of
@@ -41,7 +42,7 @@ coefficient is moved as TRL moves it; TRL's `policy_loss` and `entropy_coef` met
 does (`entropy_quantile_group`). Everything else runs TRL's own `_compute_loss` on rlkernels' log-probs,
 with a warning that says why: a MoE auxiliary loss of a model that does not form it with its module's
 `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE, ... do: their backbone's router logits give
-it, added as TRL adds it); multimodal inputs; `delta ≤ 1`. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
+it, added as TRL adds it); multimodal inputs. Why multimodal batches (`pixel_values`, `image_grid_thw`, ...) stay with TRL:
 rlkernels' head needs the decoder's final hidden states and runs the decoder itself
 (`backbone_outputs`: `model.model(input_ids, attention_mask)`), but a vision-language model
 encodes the images and merges their features into the token embeddings inside its
@@ -73,6 +74,9 @@ from . import _versions
 
 _versions.check("trl")
 from trl import GRPOTrainer  # noqa: E402
+
+# TRL's own methods, which the fallbacks below call: `apply()` replaces them on the class itself
+_TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrainer._compute_loss
 
 from ..losses import PolicyLossConfig
 from ..losses.policy_loss import high_entropy_tokens
@@ -126,7 +130,7 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
         masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     try:
         cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm, **masks)
-    except (TypeError, ValueError) as err:  # e.g. delta <= 1
+    except (TypeError, ValueError) as err:  # e.g. delta <= 0, which TRL does not check
         return None, str(err)
     return cfg, ""
 
@@ -270,7 +274,7 @@ def get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, lo
                                       compute_entropy=False, compute_aux_loss=False, **multimodal):
     """TRL's `_get_per_token_logps_and_entropies` from hidden states (masked positions are 0, as TRL's)."""
     if compute_aux_loss or any(v is not None for v in multimodal.values()):
-        return GRPOTrainer._get_per_token_logps_and_entropies(
+        return _TRL_LOGPS(
             self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
             compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
     _check_head(self, model, input_ids, attention_mask)
@@ -310,7 +314,7 @@ def compute_loss(self, model, inputs):
             warned.add(why)
             warnings.warn(f"rlkernels: TRL computes this loss itself (log-probs still from rlkernels) because of {why}",
                           stacklevel=2)
-        return GRPOTrainer._compute_loss(self, model, inputs)
+        return _TRL_LOSS(self, model, inputs)
 
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -386,7 +390,7 @@ _CLIP_LOGGED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 def _log_ratio_metrics(self, logp, inputs, mask, cfg, is_weights):
     """TRL's metrics of the ratio by TRL's definitions, from the log-probs the fused pass computed: the clip
-    metrics (its ratio of each token, of each row at sequence level, against ε; means over the tokens, or
+    metrics (its ratio of each token, of each row at sequence level, capped at δ, against ε; means over the tokens, or
     rows, of every process; the smallest / largest per-row fraction over every process's rows) and VESPO's
     mean φ over the rows."""
     if self.loss_type not in _CLIP_LOGGED + ("cispo", "vespo"):
@@ -421,6 +425,8 @@ def _log_ratio_metrics(self, logp, inputs, mask, cfg, is_weights):
     if self.loss_type == "cispo":
         self._metrics[mode]["cispo_clip_ratio"].append(global_mean(((ratio > self.epsilon_high) & (adv > 0)).float()))
         return
+    if cfg.delta is not None:  # TRL counts on its two-sided clip's ratio min(w, δ)
+        ratio = ratio.clamp(max=cfg.delta)
     low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
     high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
     self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))
@@ -453,4 +459,23 @@ def patch_trl_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
     return trainer
 
 
-__all__ = ["RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config"]
+def apply() -> None:
+    """Make `trl.GRPOTrainer` itself compute log-probs and loss as `RLKernelsGRPOTrainer` does, for every trainer
+    built afterwards in this process (as Liger's `apply_liger_kernel_to_*` patch a model class). Idempotent."""
+    if GRPOTrainer.__dict__.get("_rlkernels_applied"):
+        return
+    trl_init = GRPOTrainer.__init__
+
+    @functools.wraps(trl_init)
+    def __init__(self, *args, **kwargs):
+        trl_init(self, *args, **kwargs)
+        for module in _models(self):
+            _install_forward(module)
+
+    GRPOTrainer.__init__ = __init__
+    GRPOTrainer._get_per_token_logps_and_entropies = get_per_token_logps_and_entropies
+    GRPOTrainer._compute_loss = compute_loss
+    GRPOTrainer._rlkernels_applied = True
+
+
+__all__ = ["apply", "RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config"]

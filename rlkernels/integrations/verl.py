@@ -34,8 +34,10 @@ config its numbers, as verl's own losses read them):
 
 The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
 `global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
-The KL and entropy terms are 0 here: verl adds them outside the policy loss
-(`actor.use_kl_loss`, `kl_loss_type=low_var_kl` is the `grpo` preset's k3; `entropy_coeff`).
+The KL and entropy terms are 0 here: verl adds them outside the policy loss (`actor.use_kl_loss` with
+`kl_loss_type`, `entropy_coeff`). `kl_estimator(kl_loss_type)` names rlkernels' estimator equal to verl's
+(docs/math.md §6): `low_var_kl`/`k3` is `"low_var_kl"` (k3 clamped to ±10, not the `grpo` preset's unclamped
+`"k3"`), `kl`/`k1` is `"kl"`, `mse`/`k2` is `"mse"`, `abs` is `"abs"`, and each `+` form is the same name with `+`.
 `**overrides` of `register()` / `policy_loss_fn()` replace any field last.
 
 verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies the dual clip;
@@ -56,12 +58,15 @@ not NaN, for an empty mask.
 """
 from __future__ import annotations
 
+import functools
 import math
+import re
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .. import presets as _presets
+from .._checks import check_mask, check_real, check_tensor
 from . import _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_correction
 from ..losses.aggregation import aggregate, masked_mean
@@ -80,6 +85,20 @@ _FIXED_AGG = {"sapo": "seq-mean-token-mean"}
 VERL_MODES = {"vanilla": "ppo", "geo_mean": "gmpo"}
 
 
+# verl's kl_penalty names → rlkernels' estimator computing the same (verl's k1, k2 do not clamp Δ; its k3 clamps k3)
+_VERL_KL = {"kl": "kl", "k1": "kl", "mse": "mse", "k2": "mse", "abs": "abs", "low_var_kl": "low_var_kl",
+            "k3": "low_var_kl"}
+
+
+def kl_estimator(kl_loss_type: str) -> str:
+    """The `PolicyLossConfig.kl_estimator` equal to verl's `kl_penalty(..., kl_loss_type)`, value and gradient."""
+    base = kl_loss_type[:-1] if isinstance(kl_loss_type, str) and kl_loss_type.endswith("+") else kl_loss_type
+    if base not in _VERL_KL:
+        raise ValueError(f"kl_loss_type: expected one of {tuple(_VERL_KL)}, optionally with '+', got {kl_loss_type!r} "
+                         "('full' needs whole distributions; verl 0.9.1 does not implement it either)")
+    return _VERL_KL[base] + kl_loss_type[len(base):]
+
+
 def _get(config, name, default=None):
     """A field of verl's ActorConfig, an omegaconf DictConfig or a dict."""
     if config is None:
@@ -91,14 +110,24 @@ def _get(config, name, default=None):
     return default if value is None else value
 
 
+def _number(field: str, value, positive: bool = False) -> float:
+    """A number of verl's config (or its text) as a finite float, > 0 when `positive`; errors name the field."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: expected a number, got {value!r}") from None
+    return check_real(field, number, 0.0 if positive else None, lo_open=True)
+
+
 def aggregation(loss_agg_mode: str, mask: torch.Tensor, config=None) -> Tuple[dict, dict]:
     """(config fields, counts for `policy_loss`) that reproduce verl's `agg_loss(loss_agg_mode, **global_batch_info)`."""
     info = dict(_get(config, "global_batch_info", {}) or {})
-    dp = float(info.get("dp_size") or 1)
+    dp = _number("global_batch_info.dp_size", info.get("dp_size") or 1, positive=True)
     tokens, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
-    seqs = None if seqs is None else float(seqs) / dp
+    seqs = None if seqs is None else _number("global_batch_info.global_batch_size", seqs, positive=True) / dp
     if loss_agg_mode == "token-mean":
-        return {"agg": "token_mean"}, {"num_items": None if tokens is None else float(tokens) / dp, "num_seqs": None}
+        tokens = None if tokens is None else _number("global_batch_info.batch_num_tokens", tokens, positive=True) / dp
+        return {"agg": "token_mean"}, {"num_items": tokens, "num_seqs": None}
     if loss_agg_mode == "token-sum":
         return {"agg": "token_mean"}, {"num_items": 1.0 / dp, "num_seqs": None}
     if loss_agg_mode == "seq-mean-token-sum":
@@ -107,8 +136,8 @@ def aggregation(loss_agg_mode: str, mask: torch.Tensor, config=None) -> Tuple[di
         return {"agg": "seq_mean_token_mean"}, {"num_items": None, "num_seqs": seqs}
     if loss_agg_mode == "seq-mean-token-sum-norm":
         scale = info.get("loss_scale_factor", _get(config, "loss_scale_factor"))
-        scale = mask.shape[-1] if scale is None else scale
-        if float(scale) != int(scale) or int(scale) < 1:
+        scale = _number("loss_scale_factor", mask.shape[-1] if scale is None else scale, positive=True)
+        if scale != int(scale):
             raise ValueError(f"loss_scale_factor: expected a positive integer, got {scale!r}")
         return {"agg": "constant", "norm_length": int(scale)}, {"num_items": None, "num_seqs": seqs}
     raise ValueError(
@@ -126,7 +155,7 @@ def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
         fields["clip_low"] = _get(config, "clip_ratio_low", clip if clip is not None else base.get("clip_low"))
         fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.get("clip_high"))
     if base.get("dual_clip") is not None:
-        fields["dual_clip"] = float(_get(config, "clip_ratio_c", base["dual_clip"]))
+        fields["dual_clip"] = _number("clip_ratio_c", _get(config, "clip_ratio_c", base["dual_clip"]))
     if base.get("ratio") in _GROUPED and _get(config, "rollout_n") is not None:
         fields["group_size"] = int(_get(config, "rollout_n"))
     if config is not None:
@@ -138,19 +167,23 @@ def _objective_fields(objective: str, config, overrides) -> dict:
     """The fields of the new objectives, read from verl's ActorConfig as verl's own loss functions read them."""
     pl = _get(config, "policy_loss")
     if objective == "sapo":
-        return {"sapo_tau_pos": float(_get(config, "tau_pos", 1.0)), "sapo_tau_neg": float(_get(config, "tau_neg", 1.05))}
+        return {"sapo_tau_pos": _number("tau_pos", _get(config, "tau_pos", 1.0)),
+                "sapo_tau_neg": _number("tau_neg", _get(config, "tau_neg", 1.05))}
     if objective in ("dppo_tv", "dppo_kl"):  # verl: config.get("clip_ratio_c", 20.0) caps the detached ratio
-        return {"ratio_cap": float(_get(config, "clip_ratio_c", 20.0))}
+        return {"ratio_cap": _number("clip_ratio_c", _get(config, "clip_ratio_c", 20.0))}
     if objective == "clip_cov":
-        return {"clip_cov_ratio": float(_get(pl, "clip_cov_ratio", 2e-4)), "clip_cov_lb": float(_get(pl, "clip_cov_lb", 1.0)),
-                "clip_cov_ub": float(_get(pl, "clip_cov_ub", 5.0)), "clip_cov_draw": "verl"}  # verl's tokens
+        return {"clip_cov_ratio": _number("policy_loss.clip_cov_ratio", _get(pl, "clip_cov_ratio", 2e-4)),
+                "clip_cov_lb": _number("policy_loss.clip_cov_lb", _get(pl, "clip_cov_lb", 1.0)),
+                "clip_cov_ub": _number("policy_loss.clip_cov_ub", _get(pl, "clip_cov_ub", 5.0)),
+                "clip_cov_draw": "verl"}  # verl's tokens
     if objective == "kl_cov":
-        return {"kl_cov_ratio": float(_get(pl, "kl_cov_ratio", 2e-4)), "kl_cov_coef": float(_get(pl, "ppo_kl_coef", 1.0))}
+        return {"kl_cov_ratio": _number("policy_loss.kl_cov_ratio", _get(pl, "kl_cov_ratio", 2e-4)),
+                "kl_cov_coef": _number("policy_loss.ppo_kl_coef", _get(pl, "ppo_kl_coef", 1.0))}
     if objective == "dro":
         beta = _get(pl, "dro_beta")
         if beta is None and "dro_beta" not in overrides:
             raise ValueError("policy_loss.dro_beta: required (a positive value) for rlkernels_dro, as for verl's dro")
-        return {} if beta is None else {"dro_beta": float(beta)}
+        return {} if beta is None else {"dro_beta": _number("policy_loss.dro_beta", beta)}
     return {}
 
 
@@ -178,13 +211,16 @@ def policy_loss_fn(preset: str, _all_rows: bool = False, **overrides) -> Callabl
         config=None,
         rollout_is_weights: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
+        mask = _mask(response_mask)
+        if rollout_is_weights is not None:
+            check_tensor("rollout_is_weights", rollout_is_weights, shape=tuple(response_mask.shape),
+                         device=response_mask.device)
         if _all_rows:
             agg_fields, counts = {"agg": "seq_mean_token_mean"}, {"num_items": None,
                                                                   "num_seqs": float(response_mask.shape[0])}
         else:
             agg_fields, counts = aggregation(_FIXED_AGG.get(preset, loss_agg_mode), response_mask, config)
         cfg = loss_config(preset, config, **{**agg_fields, **overrides})
-        mask = response_mask.bool()
         logp = log_prob if log_prob.dtype in (torch.float32, torch.float64) else log_prob.float()
         advantages = advantages.to(logp.dtype)
         kwargs = dict(old_logp=old_log_prob.to(logp.dtype), **counts)
@@ -202,7 +238,44 @@ def policy_loss_fn(preset: str, _all_rows: bool = False, **overrides) -> Callabl
 
     loss_fn.__name__ = f"{PREFIX}{preset}"
     loss_fn.__doc__ = f"verl policy loss for the rlkernels `{preset}` preset (rlkernels.integrations.verl)."
-    return loss_fn
+    return _in_verl_terms(loss_fn, preset)
+
+
+# rlkernels' words in loss errors, and verl's: a verl user chooses loss_mode and passes (B, T) advantages
+_VERL_WORDS = (("one advantage per row", "one advantage per response"),
+               ("a (B, T) advantage varies within a row",
+                "the advantages vary within a response (per-token advantages, e.g. algorithm.adv_estimator=gae)"),
+               ("pass (B,) advantages, or use", "use"),
+               ("needs group_ids or config.group_size", "needs the group size, actor.rollout_n (verl sets it from "
+                                                        "actor_rollout_ref.rollout.n)"))
+
+
+def _in_verl_terms(loss_fn: Callable, preset: str) -> Callable:
+    """`loss_fn` whose ValueErrors name verl's settings: `ratio='sequence_token'` becomes the loss_mode with that
+    ratio (`loss_mode=rlkernels_gspo_token`), this preset's own first."""
+    def mode(match):
+        ratio = match.group(1)
+        names = [preset] + list(_presets.NAMES)
+        name = next((n for n in names if _presets.fields(n).get("ratio") == ratio), None)
+        return f"loss_mode={PREFIX}{name}" if name else match.group(0)
+
+    @functools.wraps(loss_fn)
+    def verl_loss(*args, **kwargs):
+        try:
+            return loss_fn(*args, **kwargs)
+        except ValueError as e:
+            message = str(e)
+            for ours, verls in _VERL_WORDS:
+                message = message.replace(ours, verls)
+            raise ValueError(re.sub(r"ratio='(\w+)'", mode, message)) from None
+
+    return verl_loss
+
+
+def _mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's `response_mask` as a bool mask. verl weights each token by a fractional mask; rlkernels' losses take
+    0/1 masks, so other values are refused (checked on the device)."""
+    return check_mask("response_mask", check_tensor("response_mask", response_mask, ndim=2))
 
 
 def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
@@ -262,7 +335,7 @@ def bypass_mode_fn(**overrides) -> Callable:
         if loss_type not in ("reinforce", "ppo_clip"):
             raise ValueError(f"rollout_correction.loss_type: expected 'reinforce' or 'ppo_clip', got {loss_type!r}")
         with torch.no_grad():  # verl's ratio here: the current policy over the sampler's
-            current, mask = log_prob.detach(), response_mask.bool()
+            current, mask = log_prob.detach(), _mask(response_mask)
             kept = mask
             if _get(rc, "rollout_rs") is not None:
                 kept = _rejection_mask(current, old_log_prob, mask, _get(rc, "rollout_rs"), _get(rc, "rollout_rs_threshold"))
@@ -283,10 +356,11 @@ def bypass_mode_fn(**overrides) -> Callable:
 def _is_bounds(threshold) -> dict:
     """`rollout_is_weights` bounds from verl's `rollout_is_threshold`: a number truncates at it, "lower_upper"
     keeps the weights inside the band and zeroes the others (IcePop)."""
+    field = "rollout_correction.rollout_is_threshold"
     if isinstance(threshold, str) and "_" in threshold:
-        lower, upper = (float(x) for x in threshold.split("_", 1))
+        lower, upper = (_number(field, x, positive=True) for x in threshold.split("_", 1))
         return dict(mode="mask", lower=lower, upper=upper)
-    return dict(mode="truncate", upper=float(threshold))
+    return dict(mode="truncate", upper=_number(field, threshold, positive=True))
 
 
 def _rejection_mask(current, rollout, mask, options: str, thresholds):
@@ -305,17 +379,18 @@ def _rejection_mask(current, rollout, mask, options: str, thresholds):
         level, _, estimator = name.rpartition("_")
         if level not in ("token", "seq_sum", "seq_mean", "seq_max") or estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"rollout_correction.rollout_rs: unknown option {name!r}")
+        field = f"rollout_correction.rollout_rs_threshold ({name})"
         if estimator == "k1":
             low, _, high = spec.rpartition("_")
-            high = float(high)
-            low = float(low) if low else 1.0 / high
-            if not 0 < low <= high:
-                raise ValueError(f"rollout_correction.rollout_rs_threshold: expected 0 < lower <= upper for {name}, got {spec!r}")
+            high = _number(field, high, positive=True)
+            low = _number(field, low, positive=True) if low else 1.0 / high
+            if not low <= high:
+                raise ValueError(f"{field}: expected 0 < lower <= upper, got {spec!r}")
             bounds = dict(lower=math.log(low), upper=math.log(high))
         else:
-            if "_" in spec or float(spec) <= 0:
-                raise ValueError(f"rollout_correction.rollout_rs_threshold: expected one positive bound for {name}, got {spec!r}")
-            bounds = dict(upper=float(spec))
+            if "_" in spec:
+                raise ValueError(f"{field}: expected one positive bound, got {spec!r}")
+            bounds = dict(upper=_number(field, spec, positive=True))
         kept = kept & rollout_correction.rollout_rejection_mask(current, rollout, mask, estimator=estimator, level=level,
                                                                 **bounds)
     return kept
@@ -348,4 +423,4 @@ def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fuse
 
 
 __all__ = ["register", "policy_loss_fn", "verl_mode_fn", "VERL_MODES", "loss_config", "aggregation", "PREFIX",
-           "patch_fused_kernels", "linear_cross_entropy", "FusedLinearForPPO"]
+           "kl_estimator", "patch_fused_kernels", "linear_cross_entropy", "FusedLinearForPPO"]
