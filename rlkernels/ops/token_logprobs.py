@@ -136,7 +136,7 @@ class _ViewLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        refuse_create_graph()
+        refuse_create_graph("token_logprobs")
         _, lse_parts, entropy = ctx.saved_tensors
         g = torch.zeros_like(lse_parts[:, 0]) if grad_logp is None else grad_logp.contiguous()
         h = grad_entropy.contiguous() if ctx.need_entropy and grad_entropy is not None else None
