@@ -20,7 +20,7 @@ SETUP = """
 import dataclasses, math, torch
 from rlkernels.kernels import cpu, cuda
 from rlkernels.losses import PolicyLossConfig, presets
-from rlkernels.ops.token_loss_params import covariance_choice_params, token_loss_params
+from rlkernels.ops.kernel_params import covariance_choice_params, token_loss_params
 PARAMS = token_loss_params(PolicyLossConfig(kl_estimator="k3", kl_coef=0.1))
 KL_COV = covariance_choice_params(presets.kl_cov())
 
@@ -58,7 +58,7 @@ CASES = [
     ("cuda: float64 logits", "cuda.token_logprobs_fwd(z.cuda().double(), y.cuda(), 1.0, True)", "TypeError", "logits"),
     ("cuda: targets on the CPU", "cuda.token_logprobs_fwd(z.cuda(), y, 1.0, True)", "ValueError", "targets"),
     ("cuda: mask on the CPU", "fwd(cuda, *inputs('cuda')[:2], mask, *inputs('cuda')[3:])", "ValueError", "mask"),
-    ("cuda: delta 1", "fwd(cuda, *inputs('cuda'), delta=1.0)", "ValueError", "delta"),
+    ("cuda: delta 0", "fwd(cuda, *inputs('cuda'), delta=0.0)", "ValueError", "delta"),
     ("cuda: fp64 log-probs", "loss(cuda, *[t.cuda() for t in (old.double(), mask, one, adv, old)])", "TypeError",
      "logp"),
     ("cuda: an error after two caught ones",

@@ -336,11 +336,9 @@ def _flag_domains():
         "NEED_ENTROPY": on_off, "HAS_H": on_off, "HAS_OLD": on_off, "HAS_REF": on_off,
         "HAS_ENTROPY": on_off, "HAS_ADV": on_off,
         "HAS_CHOSEN": on_off, "HAS_IS_WEIGHTS": on_off,
-        "OBJECTIVE": {"clip": P.CLIP, "cispo": P.CISPO, "reinforce": P.REINFORCE, "sapo": P.SAPO,
-                      "dppo_tv": P.DPPO_TV, "dppo_kl": P.DPPO_KL, "dro": P.DRO, "clip_cov": P.CLIP_COV,
-                      "kl_cov": P.KL_COV},
+        "OBJECTIVE": {e.name: e.id for e in P.OBJECTIVES},  # clip (GRPO's) first
         "CHOICE": {"clip_cov": P.CHOOSE_CLIP_COV, "kl_cov": P.CHOOSE_KL_COV},
-        "KL": {"k3": P.KL_K3, "none": P.KL_NONE, "k1": P.KL_K1, "k2": P.KL_K2},
+        "KL": {"k3": P.KL_K3, "none": P.KL_NONE, **{e.name: e.id for e in P.KL_ESTIMATORS}},
         "BIAS_CORRECTION": {"0": False, "1": True},
         "HAS_CAP": {"0": False, "1": True},
     }
@@ -348,7 +346,7 @@ def _flag_domains():
 
 
 def _reachable(flags):
-    """A KL term needs ref log-probs (losses/inputs.py); bias correction needs a KL term (ops/token_loss_params.py);
+    """A KL term needs ref log-probs (losses/inputs.py); bias correction needs a KL term (ops/kernel_params.py);
     Clip-Cov and KL-Cov run in `policy_token_loss` only, the only objectives that read its chosen tokens."""
     kl_term = flags.get("KL", "none") != "none"
     if kl_term and flags.get("HAS_REF") == "0":
@@ -490,6 +488,9 @@ def _stand_in(name, logits_dtype, size):
         return _Rows(logits_dtype if name in _LOGITS_DTYPE else getattr(torch, _POINTEES.get(name, "float32")))
     if name in ("V", "n") or name.startswith("stride"):
         return size  # contiguous rows; n: the tokens of an elementwise kernel
+    if name == "loss_params":  # the token loss's packed scalars, as TokenLossParams.packed() gives them
+        from rlkernels.kernels.token_loss_params import NUM_PARAMS
+        return (1.0,) * NUM_PARAMS
     return 1.0  # the launchers pass float() scalars: typed fp32, never specialised
 
 

@@ -11,6 +11,8 @@ import zlib
 import torch
 
 from rlkernels import reference
+from rlkernels.kernels import token_loss_params
+from rlkernels.losses.kl import kl_estimate
 
 # V: 1 and 7 are all tail (smaller than one 16-lane step); 1000 is not a multiple of the step;
 # 4099 (prime) spans three 2048-element blocks with a partial last one; 151936 = Qwen's vocabulary.
@@ -313,8 +315,9 @@ class RelativeBounds:
 # Bad scalars of the token loss (TokenLossParams fields), each refused with an error naming it, by
 # policy_token_fwd and policy_token_loss alike (the checks of csrc/include/rlkernels/token_loss_args.h).
 BAD_LOSS_SCALARS = [
-    ("objective", dict(objective=9)),
-    ("kl_estimator", dict(kl_estimator=4)),
+    ("objective", dict(objective=max(e.id for e in token_loss_params.OBJECTIVES) + 1)),
+    ("objective", dict(objective=1.5)),
+    ("kl_estimator", dict(kl_estimator=max(e.id for e in token_loss_params.KL_ESTIMATORS) + 1)),
     ("clip_low", dict(clip_low=math.nan)),
     ("clip_low", dict(clip_low=-0.1)),
     ("clip_high", dict(clip_high=math.nan)),
@@ -359,9 +362,9 @@ def close_to(x, points):
     return torch.stack([(x - p).abs() < KINK_MARGIN for p in points]).any(0)
 
 
-def kl_term(delta, estimator):
-    """The KL estimate of (clamped) Δ before its kl_clamp."""
-    return {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.expm1(delta) - delta}[estimator]
+def kl_term(delta, estimator, log_ratio_clamp):
+    """The KL estimate of Δ = ℓ_ref − ℓ before its kl_clamp (the spec's, which clamps Δ where the estimator does)."""
+    return kl_estimate(delta, torch.zeros_like(delta), estimator, log_ratio_clamp).detach()
 
 
 # NaN in a per-token input of the token loss: each output NaN exactly where the spec's is (torch's min, max and

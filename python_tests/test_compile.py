@@ -199,10 +199,9 @@ def _loss_op_args(device):
     """(op, args) of the extension's other ops: the backward into a buffer, the fused forward with the
     token loss, the token loss at given log-probs (the latter two with and without optional inputs; KL-Cov with
     chosen tokens) and Clip-Cov's and KL-Cov's choice."""
-    from rlkernels.kernels._extension import _loss_scalars
-    from rlkernels.ops.token_loss_params import covariance_choice_params, covariance_params, token_loss_params
+    from rlkernels.ops.kernel_params import covariance_choice_params, covariance_params, token_loss_params
 
-    scalars = _loss_scalars(token_loss_params(presets.grpo(entropy_coef=0.01)))
+    params = token_loss_params(presets.grpo(entropy_coef=0.01)).packed()
     for logits, targets, temperature, softcap, need_entropy in SAMPLES[-1:]:
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]).to(device), targets.reshape(-1).to(device)
         n = flat.shape[0]
@@ -218,15 +217,15 @@ def _loss_op_args(device):
         omega = torch.rand(n, generator=g).to(device)
         for optional in ((old, ref, omega), (None, None, None)):
             yield (torch.ops.rlkernels_C.policy_token_fwd.default,
-                   (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, *scalars))
+                   (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, params))
             yield (torch.ops.rlkernels_C.policy_token_loss.default,
-                   (logp, entropy, mask, weight, adv, *optional[:2], None, optional[2], *scalars))
+                   (logp, entropy, mask, weight, adv, *optional[:2], None, optional[2], params))
         yield (torch.ops.rlkernels_C.policy_token_loss.default,
-               (logp, None, mask, weight, None, old, None, None, None, *scalars))
+               (logp, None, mask, weight, None, old, None, None, None, params))
         chosen = torch.where(mask, 0.3, 0.0)
         yield (torch.ops.rlkernels_C.policy_token_loss.default,
                (logp, entropy, mask, weight, adv, old, ref, chosen, omega,
-                *_loss_scalars(covariance_params(presets.kl_cov()))))
+                covariance_params(presets.kl_cov()).packed()))
         for name, draws in (("kl_cov", None), ("clip_cov", torch.rand(n, generator=g).to(device))):
             p = covariance_choice_params(presets.get(name, clip_cov_lb=-1.0, kl_cov_ratio=0.3, clip_cov_ratio=0.3))
             for old_logp in (old, None):

@@ -13,7 +13,7 @@ import rlkernels
 from rlkernels import presets
 from rlkernels.kernels import cpu, cuda, triton as triton_kernels
 from rlkernels.losses.surrogates import clip_cov_tokens, kl_cov_tokens
-from rlkernels.ops.token_loss_params import covariance_choice_params
+from rlkernels.ops.kernel_params import covariance_choice_params
 
 from loss_inputs import random_loss_inputs
 

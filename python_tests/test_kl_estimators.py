@@ -8,7 +8,7 @@ import torch
 import rlkernels
 from rlkernels import presets, reference
 from rlkernels.losses.kl import kl_estimate
-from rlkernels.ops.token_loss_params import kernel_supports
+from rlkernels.ops.kernel_params import kernel_supports
 
 from loss_inputs import random_loss_inputs
 
@@ -85,6 +85,20 @@ def test_fused_takes_the_general_path(backend, estimator, name):
     config = presets.get(name, kl_estimator=estimator, kl_coef=0.2)
     assert not kernel_supports(config)
     assert kernel_supports(presets.dapo(kl_estimator="k2", kl_coef=0.2))
+    _fused_equals_composed(config, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("estimator", ["abs", "low_var_kl+"])
+def test_fused_kernel_evaluates_abs_and_low_var_kl_plus(backend, estimator):
+    """verl's abs and low_var_kl+ (k3+) stay in the forward kernel (a table entry each), with the composition's
+    values; Δ ~ 3·N(0, 1), past the log-ratio clamp and the low_var_kl bound of 10."""
+    config = presets.dapo(kl_estimator=estimator, kl_coef=0.2, log_ratio_clamp=5.0)
+    assert kernel_supports(config)
+    _fused_equals_composed(config, backend)
+
+
+def _fused_equals_composed(config, backend):
     g = torch.Generator().manual_seed(1)
     B, T, V = 4, 5, 11
     logits = torch.randn(B, T, V, generator=g)

@@ -26,7 +26,7 @@ from rlkernels.losses.aggregation import aggregation_weights
 from rlkernels.losses.inputs import LossInputs
 from rlkernels.losses.kl import kl_estimate
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss
-from rlkernels.ops.token_loss_params import token_loss_params
+from rlkernels.ops.kernel_params import token_loss_params
 
 from kernel_cases import BAD_LOSS_SCALARS, assert_same_nans, close_to, kl_term, uniform_away, with_nans
 
@@ -69,11 +69,18 @@ CASES = {
     "dppo_kl_cap": _case(objective="dppo_kl", clip_low=0.05, clip_high=0.03, ratio_cap=1.5, entropy_coef=0.01),
     "dro": _case(objective="dro", dro_beta=0.3, ref=True, kl_estimator="k2", kl_coef=0.1),
     "dro_on_policy": _case(objective="dro", dro_beta=0.3, on_policy=True),
+    "topr": _case(objective="topr", clip_low=None, clip_high=None, ref=True, kl_estimator="k3", kl_coef=0.05,
+                  exercises=("clip_high",)),
+    "topr_on_policy": _case(objective="topr", on_policy=True, entropy_coef=0.01),
     "kl_k1": _case(ref=True, kl_estimator="k1", kl_coef=0.1),
     "kl_k1_bias": _case(ref=True, kl_estimator="k1", kl_coef=0.2, kl_bias_correction=True),
     "kl_k2_clamp": _case(ref=True, kl_estimator="k2", kl_coef=0.05, kl_clamp=0.2, exercises=("kl_clamp",)),
     "kl_k3_clamp_bias": _case(ref=True, kl_estimator="k3", kl_coef=0.1, kl_clamp=0.1, kl_bias_correction=True,
                               exercises=("kl_clamp",)),
+    "kl_abs_clamp": _case(ref=True, kl_estimator="abs", kl_coef=0.1, kl_clamp=0.3, log_ratio_clamp=0.5,
+                          exercises=("kl_clamp", "kl_log_ratio_clamp")),
+    "kl_low_var_kl_plus_bias": _case(ref=True, kl_estimator="low_var_kl+", kl_coef=0.1, kl_bias_correction=True,
+                                     log_ratio_clamp=0.5, exercises=("log_ratio_clamp", "kl_log_ratio_clamp")),
     "kl_metric_only": _case(ref=True, kl_estimator="k2", kl_coef=0.0),
     "on_policy": _case(on_policy=True, ref=True, kl_estimator="k3", kl_coef=0.1),
     "entropy": _case(entropy_coef=0.01, agg="constant", norm_length=T),
@@ -131,7 +138,7 @@ def _inputs(case: Case, seed: int) -> Inputs:
         def kl_kinks(d):
             near = close_to(d, [-c, c])
             if cfg.kl_coef > 0 and cfg.kl_clamp is not None:
-                near |= close_to(kl_term(d.clamp(-c, c), cfg.kl_estimator).abs(), [cfg.kl_clamp])
+                near |= close_to(kl_term(d, cfg.kl_estimator, c).abs(), [cfg.kl_clamp])
             return near
 
         ref = logp + uniform_away(gen, B * T, 1.5, kl_kinks).view(B, T)
@@ -191,7 +198,7 @@ def _missing_branches(case: Case, x: Inputs, spec: Spec):
         delta = (x.ref_logp.reshape(-1) - spec.logp)
         reached["kl_log_ratio_clamp"] = delta.abs() > cfg.log_ratio_clamp
         if cfg.kl_clamp is not None:
-            reached["kl_clamp"] = kl_term(delta.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp), cfg.kl_estimator).abs() > cfg.kl_clamp
+            reached["kl_clamp"] = kl_term(delta, cfg.kl_estimator, cfg.log_ratio_clamp).abs() > cfg.kl_clamp
     # each branch taken by some tokens, and not by all of them
     return [name for name in case.exercises if not (reached[name] & m).any() or (reached[name] | ~m).all()]
 

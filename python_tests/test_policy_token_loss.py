@@ -36,7 +36,7 @@ from rlkernels.losses.aggregation import aggregation_weights  # noqa: E402
 from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
-from rlkernels.ops.token_loss_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
+from rlkernels.ops.kernel_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
 from kernel_cases import (  # noqa: E402
     BAD_LOSS_SCALARS, assert_same_nans, close_to, kl_term, uniform_away, with_nans,
 )
@@ -92,12 +92,13 @@ def _terms_case(*, old=True, entropy=True, exercises=(), **config):
 
 
 def _kl_cases():
-    clamps = {"k1": 0.5, "k2": 0.3, "k3": 0.2}  # each below the estimate's largest value on the drawn Δ
+    # each below the estimate's largest value on the drawn Δ
+    clamps = {"k1": 0.5, "k2": 0.3, "k3": 0.2, "abs": 0.5, "low_var_kl+": 0.2}
     cases = {}
-    for est in ("k1", "k2", "k3"):
+    for est in clamps:
         for clamp in (None, clamps[est]):
             for bias in (False, True):
-                name = f"kl_{est}" + ("_clamp" if clamp else "") + ("_bias" if bias else "")
+                name = f"kl_{est.replace('+', '_plus')}" + ("_clamp" if clamp else "") + ("_bias" if bias else "")
                 # with bias correction, c = 1: some w (and so the KL weight) clamped, and some Δ
                 c = 1.0 if bias else 20.0
                 exercises = ("kl_clamp",) if clamp else ()
@@ -126,6 +127,9 @@ CASES = {
                          exercises=("clip_low", "clip_high")),
     "dro": _case(objective="dro", dro_beta=0.3, ref=True, kl_estimator="k2", kl_coef=0.1),
     "dro_on_policy": _case(objective="dro", dro_beta=0.3, old=False),
+    "topr": _case(objective="topr", clip_low=None, clip_high=None, exercises=("clip_high",)),
+    "topr_clamp_kl": _case(objective="topr", log_ratio_clamp=0.8, ref=True, kl_estimator="k1", kl_coef=0.1,
+                           entropy_coef=0.01, exercises=("clip_high", "log_ratio_clamp")),
     "cispo_no_low_clamp": _case(objective="cispo", clip_low=None, clip_high=0.3, log_ratio_clamp=0.8,
                                 ref=True, kl_estimator="k1", kl_coef=0.1,
                                 exercises=("clip_high", "log_ratio_clamp", "kl_log_ratio_clamp")),
@@ -198,7 +202,7 @@ def _inputs(case: Case, acc: torch.dtype, seed: int, shape=(B, T)) -> Inputs:
         def kl_kinks(d):
             near = close_to(d, [-c, c])
             if case.params.kl_estimator != KL_NONE and cfg.kl_clamp is not None:
-                near |= close_to(kl_term(d.clamp(-c, c), cfg.kl_estimator).abs(), [cfg.kl_clamp])
+                near |= close_to(kl_term(d, cfg.kl_estimator, c).abs(), [cfg.kl_clamp])
             return near
 
         ref = logp + uniform_away(gen, n, REF_HALF_WIDTH, kl_kinks).view(b, t)
@@ -255,7 +259,7 @@ def _missing_branches(case: Case, x: Inputs, spec: Spec):
         d = x.ref.reshape(-1) - logp
         reached["kl_log_ratio_clamp"] = d.abs() > c
         if cfg.kl_clamp is not None and cfg.kl_estimator is not None:
-            reached["kl_clamp"] = kl_term(d.clamp(-c, c), cfg.kl_estimator).abs() > cfg.kl_clamp
+            reached["kl_clamp"] = kl_term(d, cfg.kl_estimator, c).abs() > cfg.kl_clamp
     return [name for name in case.exercises
             if name not in reached or not (reached[name] & m).any() or (reached[name] | ~m).all()]
 

@@ -28,7 +28,7 @@ from rlkernels.losses.aggregation import aggregation_weights  # noqa: E402
 from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
-from rlkernels.ops.token_loss_params import token_loss_params  # noqa: E402
+from rlkernels.ops.kernel_params import token_loss_params  # noqa: E402
 
 from kernel_cases import assert_same_nans, with_nans  # noqa: E402
 
@@ -133,6 +133,9 @@ CASES = [
     case("k3-clamp-bias", kl_estimator="k3", kl_coef=0.3, kl_clamp=0.1, kl_bias_correction=True),
     case("k3-no-clamp-bias-c20", kl_estimator="k3", kl_coef=0.3, kl_bias_correction=True,
          log_ratio_clamp=20.0),
+    case("abs-clamp-c0.5", kl_estimator="abs", kl_coef=0.1, kl_clamp=0.3, log_ratio_clamp=0.5),
+    case("low-var-kl-plus-bias-c0.5", kl_estimator="low_var_kl+", kl_coef=0.1, kl_bias_correction=True,
+         log_ratio_clamp=0.5),
     case("kl-coef-0", kl_estimator="k2", kl_coef=0.0, entropy_coef=0.01),
     case("no-ref", ref=False, entropy_coef=0.01),
     case("on-policy", old=False, kl_estimator="k3", kl_coef=0.05, kl_bias_correction=True),
@@ -145,6 +148,8 @@ CASES = [
          ratio_cap=1.5),
     case("dro", objective="dro", dro_beta=0.1, kl_estimator="k2", kl_coef=0.1),
     case("dro-on-policy", objective="dro", dro_beta=0.1, old=False),
+    case("topr", objective="topr", kl_estimator="k3", kl_coef=0.05, entropy_coef=0.01),
+    case("topr-on-policy-bf16", dtype=torch.bfloat16, objective="topr", old=False),
 ]
 
 

@@ -342,6 +342,9 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 low, high = ~inside & (a < 0), ~inside & (a > 0)
             elif objective == "dro":                # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
                 surr = -(a * l - 0.5 * _cfg(config, "dro_beta") * (l - lo) ** 2)
+            elif objective == "topr":               # §5 -A ℓ for A ≥ 0, -sg(clip(w, 0, 1)) A ℓ for A < 0
+                surr = -torch.where(a < 0, torch.clamp(w_tok, 0, 1), torch.ones_like(w_tok)).detach() * a * l
+                high = (w_tok > 1) & (a < 0)
             elif objective == "clip_cov":           # §5 PPO clip, no gradient on the chosen tokens
                 surr, low, high = _clip_surrogate(w_tok, a, config)
                 cols = torch.nonzero(valid[i]).reshape(-1).tolist()

@@ -25,10 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen,
-    const std::optional<at::Tensor>& is_weights, int64_t objective,
-    double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
-    double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
-    double sapo_tau_neg, double ratio_cap, double dro_beta) {
+    const std::optional<at::Tensor>& is_weights, at::ArrayRef<double> params) {
   RLK_CHECK_VALUE(logp.device().is_cpu(), "logp: expected a CPU tensor, got ", logp.device());
   RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat || logp.scalar_type() == at::kDouble,
                  "logp: expected dtype float32 or float64, got ", logp.scalar_type());
@@ -46,9 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
   rlk::dispatch_floating<false>(acc, "logp", [&](auto zero) {
     using scalar_t = decltype(zero);
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
-    const rlk::TokenLossParams<scalar_t> params = rlk::token_loss_params<scalar_t>(
-        objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-        entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
+    const rlk::TokenLossParams<scalar_t> loss = rlk::token_loss_params<scalar_t>(params);
     if (N == 0) return;
     const rlk::TokenArrays<scalar_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<scalar_t>(),
                                         rlk::optional_ptr<scalar_t>(adv), rlk::optional_ptr<scalar_t>(old_logp),
@@ -61,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
     at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const scalar_t h = h_p != nullptr ? h_p[n] : scalar_t(0);  // absent: H = 0
-        rlk::token_loss(in.at(n, l_p[n], h), params).store(n, gl_p, ge_p, st_p);
+        rlk::token_loss(in.at(n, l_p[n], h), loss).store(n, gl_p, ge_p, st_p);
       }
     });
   });
@@ -72,14 +67,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
 }  // namespace rlk_cpu
 
 TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
-  // The per-token policy loss at given log-probs (N,); the scalars are those of policy_token_fwd.
+  // The per-token policy loss at given log-probs (N,); `params` as in policy_token_fwd.
   // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
   // 1). Returns (grad_logp, grad_entropy, stats).
   m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
-        " Tensor? ref_logp, Tensor? chosen, Tensor? is_weights, int objective, float clip_low, float clip_high, float delta, float dual_clip,"
-        " int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction, float entropy_coef,"
-        " float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap, float dro_beta)"
-        " -> (Tensor, Tensor, Tensor)");
+        " Tensor? ref_logp, Tensor? chosen, Tensor? is_weights, float[] params) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) { m.impl("policy_token_loss", &rlk_cpu::policy_token_loss_cpu); }

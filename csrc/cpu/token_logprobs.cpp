@@ -459,10 +459,7 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
-    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
-    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
-    double dro_beta) {
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params) {
   check_logits(logits);
   const int64_t N = logits.size(0), V = logits.size(1);
   RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
@@ -481,9 +478,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     using scalar_t = decltype(zero);
     using acc_t = typename Io<scalar_t>::acc_t;
     // Checked before the N == 0 return, so that bad scalars fail on every batch.
-    const rlk::TokenLossParams<acc_t> params = rlk::token_loss_params<acc_t>(
-        objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-        entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
+    const rlk::TokenLossParams<acc_t> loss = rlk::token_loss_params<acc_t>(params);
     if (N == 0) return;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     const int64_t* y = tgt.const_data_ptr<int64_t>();
@@ -506,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         ent_p[n] = r.entropy;
         lse_p[2 * n] = r.m;
         lse_p[2 * n + 1] = r.log_s;
-        rlk::token_loss(in.at(n, r.logp, r.entropy), params).store(n, gl_p, ge_p, st_p);
+        rlk::token_loss(in.at(n, r.logp, r.entropy), loss).store(n, gl_p, ge_p, st_p);
       }
     });
   });
@@ -527,14 +522,12 @@ TORCH_LIBRARY(rlkernels_C, m) {
   // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
   m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
         " Tensor? grad_entropy, float temperature, float softcap, Tensor(a!) out) -> ()");
-  // The forward plus the per-token policy loss; the scalars are those of
-  // rlkernels/kernels/token_loss_params.py; is_weights: ω of the surrogate (None: 1). Returns (logp, entropy,
-  // lse_parts, grad_logp, grad_entropy, stats).
+  // The forward plus the per-token policy loss; `params` packed as PARAMS of
+  // rlkernels/kernels/token_loss_params.py lays them out; is_weights: ω of the surrogate (None: 1). Returns (logp,
+  // entropy, lse_parts, grad_logp, grad_entropy, stats).
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
-        " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, int objective, float clip_low,"
-        " float clip_high, float delta, float dual_clip, int kl_estimator, float kl_coef, float kl_clamp, bool kl_bias_correction,"
-        " float entropy_coef, float log_ratio_clamp, float sapo_tau_pos, float sapo_tau_neg, float ratio_cap,"
-        " float dro_beta) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, float[] params)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {

@@ -118,18 +118,13 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, int64_t objective, double clip_low, double clip_high, double delta,
-    double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp, bool kl_bias_correction,
-    double entropy_coef, double log_ratio_clamp, double sapo_tau_pos, double sapo_tau_neg, double ratio_cap,
-    double dro_beta) {
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params) {
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
   rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "logits (N, V)", at::kFloat);
-  const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
-      objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-      entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
+  const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
   const int64_t N = logits.size(0);
   const auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
@@ -143,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                          lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
   const c10::cuda::CUDAGuard guard(logits.device());
-  C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), head, in, params, out,
+  C10_CUDA_CHECK(policy_token_fwd(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), head, in, loss, out,
                                   c10::cuda::getCurrentCUDAStream()));
   return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }
@@ -153,10 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
     const at::Tensor& weight, const std::optional<at::Tensor>& adv, const std::optional<at::Tensor>& old_logp,
     const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& chosen,
-    const std::optional<at::Tensor>& is_weights, int64_t objective,
-    double clip_low, double clip_high, double delta, double dual_clip, int64_t kl_estimator, double kl_coef,
-    double kl_clamp, bool kl_bias_correction, double entropy_coef, double log_ratio_clamp, double sapo_tau_pos,
-    double sapo_tau_neg, double ratio_cap, double dro_beta) {
+    const std::optional<at::Tensor>& is_weights, at::ArrayRef<double> params) {
   RLK_CHECK_VALUE(logp.is_cuda(), "logp: expected a CUDA tensor, got ", logp.device());
   RLK_CHECK_TYPE(logp.scalar_type() == at::kFloat, "logp: expected dtype float32 on CUDA, got ", logp.scalar_type());
   RLK_CHECK_VALUE(logp.dim() == 1 && logp.is_contiguous(), "logp: expected a contiguous tensor of shape (N,), got ",
@@ -165,9 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   rlk::check_token_inputs(logp, "logp (N,)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
   if (chosen.has_value()) rlk::check_token_tensor(*chosen, "chosen", logp, "logp (N,)", at::kFloat);
   if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logp, "logp (N,)", at::kFloat);
-  const rlk::TokenLossParams<float> params = rlk::token_loss_params<float>(
-      objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, kl_clamp, kl_bias_correction,
-      entropy_coef, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, ratio_cap, dro_beta);
+  const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
   const int64_t N = logp.size(0);
   const auto opts = logp.options();
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -177,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
   const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), ptr(adv), ptr(old_logp),
                        ptr(ref_logp), ptr(chosen), ptr(is_weights)};
   const c10::cuda::CUDAGuard guard(logp.device());
-  C10_CUDA_CHECK(policy_token_loss(N, logp.const_data_ptr<float>(), ptr(entropy), in, params,
+  C10_CUDA_CHECK(policy_token_loss(N, logp.const_data_ptr<float>(), ptr(entropy), in, loss,
                                    grad_logp.mutable_data_ptr<float>(), grad_entropy.mutable_data_ptr<float>(),
                                    stats.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return {grad_logp, grad_entropy, stats};

@@ -34,7 +34,7 @@ Every backend module exposes the same two functions over flattened rows
     (on-policy: ℓ_old = ℓ, no gradient through it); ``ref_logp (N,)`` ℓ_ref or ``None``;
     ``is_weights (N,)`` the surrogate's importance weights ω ≥ 0 or ``None`` (ω = 1); all
     contiguous in the accumulation dtype (fp32; fp64 for fp64 logits). ``params`` is a
-    ``kernels.token_loss_params.TokenLossParams``. With ℓ the log-prob and H the entropy of a
+    ``kernels.token_loss_params.TokenLossParams`` (the ops take it packed, ``params.packed()``). With ℓ the log-prob and H the entropy of a
     row (c = log_ratio_clamp; inf means "no bound"):
 
         r = clamp(ℓ − ℓ_old, −c, c),  w = e^r                      (∂r/∂ℓ = 1 iff |ℓ − ℓ_old| ≤ c)
@@ -52,11 +52,15 @@ Every backend module exposes the same two functions over flattened rows
                    s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 outside;
                    clip_low = outside and A < 0,  clip_high = outside and A > 0
         DRO:       s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
+        TOPR:      s = −A·ℓ where A ≥ 0, −clamp(w, 0, 1)·A·ℓ where A < 0 (the clamped w is a constant);
+                   clip_high = w > 1 and A < 0
         ω:         s and ∂s/∂ℓ of the surrogate above times ω; clip_low = clip_high = false where ω = 0
         KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                    is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
-                   (k1 = −Δ, k2 = Δ²/2, k3), clamped to ±kl_clamp, times w under kl_bias_correction
-                   (differentiated through w too), and s += β·k; the `kl` statistic is that k. No ref: kl = 0.
+                   (k1 = −Δ, k2 = Δ²/2, k3; abs = |e| of the unclamped e = ℓ_ref − ℓ; low_var_kl+ =
+                   clamp(k3(Δ), ±10) with the gradient of ½e², e unclamped), clamped to ±kl_clamp, times w
+                   under kl_bias_correction (differentiated through w too), and s += β·k; the `kl` statistic
+                   is that k. No ref: kl = 0.
         entropy:   s −= c_H·H
         approx_kl = k3(clamp(ℓ_old − ℓ, −c, c)),  ratio = w
 

@@ -72,14 +72,6 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     return out
 
 
-def _loss_scalars(p):
-    """The scalars of a TokenLossParams in the ops' schema order."""
-    return (int(p.objective), float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip),
-            int(p.kl_estimator), float(p.kl_coef), float(p.kl_clamp), bool(p.kl_bias_correction),
-            float(p.entropy_coef), float(p.log_ratio_clamp), float(p.sapo_tau_pos), float(p.sapo_tau_neg),
-            float(p.ratio_cap), float(p.dro_beta))
-
-
 @python_errors
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
                      softcap=0.0):
@@ -87,7 +79,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     loss of `params` (a TokenLossParams); see rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_fwd(
         logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, float(temperature), float(softcap),
-        *_loss_scalars(params))
+        params.packed())
 
 
 @python_errors
@@ -95,7 +87,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     """(grad_logp, grad_entropy, stats) of the per-token policy loss at log-probs `logp (N,)`; see
     rlkernels/kernels/__init__.py."""
     return torch.ops.rlkernels_C.policy_token_loss(
-        logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, *_loss_scalars(params))
+        logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, params.packed())
 
 
 @python_errors

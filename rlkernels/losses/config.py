@@ -10,14 +10,14 @@ from .kl import BASE_ESTIMATORS, STRAIGHT_THROUGH
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
-OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo")
+OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo", "topr")
 # Schulman's k1, k2, k3 of a clamped Δ; verl's kl_penalty options under verl's names (docs/math.md §6)
 KL_ESTIMATORS = (None,) + BASE_ESTIMATORS + STRAIGHT_THROUGH
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # Which surrogate each ratio can feed (docs/math.md, "Surrogates").
 _VALID_OBJECTIVES = {
-    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro"),
+    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "topr"),
     "sequence": ("clip", "sapo", "cispo"),
     "sequence_token": ("clip", "sapo"),
     "sequence_sum": ("clip", "vespo"),

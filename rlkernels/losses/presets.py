@@ -33,6 +33,7 @@ _PRESETS = {
     "luspo": dict(ratio="sequence", objective="clip", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum"),
     "vespo": dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                   vespo_lambda_neg=2.0, agg="token_mean"),
+    "topr": dict(ratio="token", objective="topr", clip_low=None, clip_high=None, agg="token_mean"),
 }
 
 NAMES = tuple(_PRESETS)
@@ -88,3 +89,4 @@ kl_cov = _preset("kl_cov")
 dro = _preset("dro")
 luspo = _preset("luspo")
 vespo = _preset("vespo")
+topr = _preset("topr")

@@ -144,6 +144,13 @@ def _dro(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
+def _topr(w, b: Batch, cfg) -> Surrogate:
+    """TOPR: −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0; flagged where the truncation binds."""
+    w = w.detach()
+    weight = torch.where(b.adv < 0, w.clamp(0, 1), torch.ones_like(w))
+    return Surrogate(-weight * b.adv * b.logp, w, _none(b), (w > 1) & (b.adv < 0))
+
+
 def _covariance(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(A − mean A)·(ℓ − mean ℓ) per token, means over the masked tokens of the batch, summed in float64 and
     rounded to ℓ's dtype: then every summation order gives the same means, so the kernels choose the same tokens."""
@@ -230,6 +237,7 @@ _TOKEN_OBJECTIVES = {
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
     "dro": _dro,
+    "topr": _topr,
 }
 
 

@@ -29,14 +29,13 @@ def _bwd_out_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, 
     return None
 
 
-def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap,
-                     *scalars):
+def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap, params):
     n, dtype = logits.shape[0], acc_dtype(logits)
     vec = lambda: logits.new_empty(n, dtype=dtype)  # noqa: E731
     return vec(), vec(), logits.new_empty(n, 2, dtype=dtype), vec(), vec(), logits.new_empty(n, NUM_STATS, dtype=dtype)
 
 
-def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, *scalars):
+def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, params):
     n = logp.shape[0]
     return torch.empty_like(logp), torch.empty_like(logp), logp.new_empty(n, NUM_STATS)
 

@@ -23,12 +23,7 @@ from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.surrogates import clip_cov_tokens
 from ._token_stats import loss_from_stats
-from .token_loss_params import covariance_choice_params, covariance_params, covariance_supports
-
-
-def evaluates(kernels, config: PolicyLossConfig) -> bool:
-    """Whether `covariance_step` takes this config with these kernels."""
-    return hasattr(kernels, "covariance_choice") and covariance_supports(config)
+from .kernel_params import covariance_choice_params, covariance_params
 
 
 def covariance_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig):

@@ -16,9 +16,10 @@ from ..losses import LossOutput, PolicyLossConfig
 from ..losses.aggregation import aggregation_weights
 from ..losses.inputs import LossInputs
 from ..losses.policy_loss import evaluate, high_entropy_tokens, separate_entropy_bonus
-from ._covariance_step import covariance_step, evaluates as covariance_step_evaluates
-from ._sequence_step import evaluates as sequence_step_evaluates, sequence_step
-from .token_loss_params import token_loss_params
+from ._covariance_step import covariance_step
+from ._plan import Step, plan
+from ._sequence_step import sequence_step
+from .kernel_params import token_loss_params
 
 
 def kernel_inputs(inputs: LossInputs, config: PolicyLossConfig):
@@ -59,16 +60,16 @@ def with_entropy_bonus(out: LossOutput, grad_h, entropy: torch.Tensor, inputs: L
 
 
 def row_grads(kernels, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs, config: PolicyLossConfig):
-    """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values:
-    by the backend's `policy_token_loss` where `_sequence_step` or `_covariance_step` takes the config, else by
-    autograd of `losses/`."""
-    if sequence_step_evaluates(kernels, config):
+    """(the detached loss and metrics, ∂loss/∂logp flat, ∂loss/∂H flat or None) at flat `(N,)` values: by the
+    step `plan` gives once the log-probs are there (`_sequence_step`, `_covariance_step`, or autograd of `losses/`)."""
+    step = plan(config, kernels, forward=False).step
+    if step is Step.SEQUENCE:
         # once (a sort, and a gather over a process group): the surrogate's weights and the bonus act on them
         high = high_entropy_tokens(entropy.view(inputs.mask.shape), inputs.mask, config, inputs.entropy_quantile_group)
         out, grad, grad_h = sequence_step(kernels, logp, entropy, inputs, config, high)
         out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config, high)
         return out, grad, grad_h
-    if covariance_step_evaluates(kernels, config):  # never with top_entropy_quantile (covariance_supports)
+    if step is Step.COVARIANCE:  # never with top_entropy_quantile (covariance_supports)
         out, grad, grad_h = covariance_step(kernels, logp, entropy, inputs, config)
         out, grad_h = with_entropy_bonus(out, grad_h, entropy, inputs, config)
         return out, grad, grad_h

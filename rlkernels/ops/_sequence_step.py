@@ -37,21 +37,14 @@ from ..losses.metrics import metrics_from_sums
 from ..losses.policy_loss import masked_batch, surrogate_weights
 from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
 from ._token_stats import loss_from_stats
-from .token_loss_params import (kernel_terms, log_band_params, surrogate_params, token_objective,
-                                token_terms_params)
+from .kernel_params import log_band_params, surrogate_params, token_terms_params
 
 # The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
 _PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip")}
 _PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo"),
               ("geometric", "clip")}
-
-
-def evaluates(kernels, config: PolicyLossConfig) -> bool:
-    """Whether `sequence_step` takes this config with these kernels (and a token-level one that the forward kernel
-    does not: its surrogate weights need the kernel's ℓ or H)."""
-    return (hasattr(kernels, "policy_token_loss") and kernel_terms(config)
-            and ((config.ratio, config.objective) in _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
-                 or token_objective(config)))
+# every sequence-level pair taken here (`_plan.plan`; token-level objectives of the kernels' table come too)
+PAIRS = _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig,

@@ -32,7 +32,7 @@ from ._precomputed_grad import attach_grads
 from .._dtypes import acc_dtype
 from ._linear_head import LinearHead, head_spec
 from .linear_token_logprobs import linear_token_logprobs
-from .token_loss_params import kernel_evaluates
+from ._plan import Step, plan, warn_general_path
 
 
 def fused_linear_policy_loss(
@@ -85,7 +85,9 @@ def fused_linear_policy_loss(
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
                               mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
     grads = head.new_grads(*need)
-    if process_group is None and kernel_evaluates(head.kernels, spec.backend, config):
+    decided = plan(config, head.kernels, forward=process_group is None)  # a sharded head: the log-probs first
+    warn_general_path(decided, spec.backend)
+    if decided.step is Step.FORWARD:
         out, logp, entropy, grads = _one_pass(head, grads, inputs, config)
     else:
         out, logp, entropy, grads = _two_passes(head, grads, inputs, config)

@@ -31,7 +31,7 @@ from .._checks import check_softcap
 from .._dtypes import acc_dtype
 from ._rows import check_logits_args, logits_rows, run_blocks, with_softcap
 from .token_logprobs import token_logprobs
-from .token_loss_params import kernel_evaluates
+from ._plan import Step, plan, warn_general_path
 
 def fused_policy_loss(
     logits: Tensor,
@@ -76,7 +76,9 @@ def fused_policy_loss(
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = with_softcap(_backend.kernels(name), check_softcap(softcap))
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    in_kernel = kernel_evaluates(kernels, name, config)
+    decided = plan(config, kernels)
+    warn_general_path(decided, name)
+    in_kernel = decided.step is Step.FORWARD
     # Without a gradient the fused kernel still pays: its statistics are the loss and the metrics,
     # one launch where the composition makes ~60 (on a GPU the forward was host-bound).
     if not needs_grad and not in_kernel:

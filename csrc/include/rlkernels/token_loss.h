@@ -23,13 +23,22 @@
 
 namespace rlk {
 
-// Mirrors rlkernels/kernels/token_loss_params.py.
+// The ids of OBJECTIVES and KL_ESTIMATORS in rlkernels/kernels/token_loss_params.py (a test compares them).
 enum TokenObjective : int {
   kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6,
   kClipCov = 7,  // kClip, and a chosen token has loss 0 and counts as clipped on A's side
   kKlCov = 8,    // kClip (the params without bounds: −A·w), plus chosen·|ℓ − ℓ_old| on a chosen token
+  kTopr = 9,
+  kNumObjectives
 };
-enum KlEstimator : int { kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3 };
+enum KlEstimator : int {
+  kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3,
+  kKlAbs = 4,          // verl's abs: |Δ| of the unclamped Δ
+  kKlLowVarKlPlus = 5,  // verl's low_var_kl+: the value clamp(k3(Δ_c), ±10), the gradient of ½(ℓ − ℓ_ref)²
+  kNumKlEstimators
+};
+// verl's low_var_kl clamps its k3 to ±10 (rlkernels/losses/kl.py LOW_VAR_KL_BOUND)
+constexpr double kLowVarKlBound = 10.0;
 enum TokenStat : int {
   kStatLoss = 0,
   kStatClipLow,
@@ -219,6 +228,11 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
     s = ds * in.logp;
     clip_low = !inside && adv < T(0);
     clip_high = !inside && adv > T(0);
+  } else if (p.objective == kTopr) {
+    // −A·ℓ where A ≥ 0 (no ratio); −sg(clamp(w, 0, 1))·A·ℓ where A < 0 (the ratio truncated at 1, a constant).
+    ds = adv < T(0) ? -clamp_(w, T(0), T(1)) * adv : -adv;
+    s = ds * in.logp;
+    clip_high = w > T(1) && adv < T(0);
   } else if (p.objective == kDro) {
     // −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
     s = -(adv * in.logp - T(0.5) * p.dro_beta * d * d);
@@ -243,12 +257,21 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
       kl = em1 - delta;  // no KL in the loss: the statistic is k3
     } else {
       T k, dk;  // the estimate and ∂k/∂Δ
+      bool d_passes = passes_(e, -c, c);  // whether ∂Δ/∂ℓ = −1 (verl's abs and "+" forms: Δ unclamped)
       if (p.kl_estimator == kKlK1) {
         k = -delta;
         dk = T(-1);
       } else if (p.kl_estimator == kKlK2) {
         k = T(0.5) * delta * delta;
         dk = delta;
+      } else if (p.kl_estimator == kKlAbs) {  // ∂|e|/∂e = sign(e), 0 at 0 and NaN (as torch)
+        k = e < T(0) ? -e : e;
+        dk = T((e > T(0)) - (e < T(0)));
+        d_passes = true;
+      } else if (p.kl_estimator == kKlLowVarKlPlus) {  // straight-through: ∂(½e²)/∂e = e
+        k = clamp_(em1 - delta, T(-kLowVarKlBound), T(kLowVarKlBound));
+        dk = e;
+        d_passes = true;
       } else {
         k = em1 - delta;
         dk = em1;
@@ -266,7 +289,7 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
       }
       kl = k;
       s = s + p.kl_coef * k;
-      if (passes_(e, -c, c)) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
+      if (d_passes) ds = ds - p.kl_coef * dk;  // ∂Δ/∂ℓ = −1
       ds = ds + p.kl_coef * dk_ratio;
     }
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "rlkernels/checks.h"
 #include "rlkernels/covariance_choice.h"
 #include "rlkernels/token_loss.h"
+#include "rlkernels/token_loss_layout.h"
 
 namespace rlk {
 
@@ -57,35 +59,37 @@ inline double check_scalar(const char* name, double value, double low, bool stri
   return value;
 }
 
-// The ranges are those of PolicyLossConfig (rlkernels/losses/config.py).
+// `params` packed as rlkernels/kernels/token_loss_params.py PARAMS lays them out (rlkernels/token_loss_layout.h);
+// the ranges are those of its table.
 template <typename T>
-TokenLossParams<T> token_loss_params(int64_t objective, double clip_low, double clip_high, double delta,
-                                     double dual_clip, int64_t kl_estimator, double kl_coef, double kl_clamp,
-                                     bool kl_bias_correction, double entropy_coef, double log_ratio_clamp,
-                                     double sapo_tau_pos, double sapo_tau_neg, double ratio_cap, double dro_beta) {
-  RLK_CHECK_VALUE(objective >= kClip && objective <= kKlCov,
-                  "objective: expected 0 (clip), 1 (cispo), 2 (reinforce), 3 (sapo), 4 (dppo_tv), 5 (dppo_kl), "
-                  "6 (dro), 7 (clip_cov) or 8 (kl_cov), got ", objective);
-  RLK_CHECK_VALUE(kl_estimator >= kKlNone && kl_estimator <= kKlK3,
-                  "kl_estimator: expected 0 (none), 1 (k1), 2 (k2) or 3 (k3), got ", kl_estimator);
-  RLK_CHECK_VALUE(std::isfinite(entropy_coef), "entropy_coef: expected a finite number, got ", entropy_coef);
+TokenLossParams<T> token_loss_params(c10::ArrayRef<double> params) {
+  RLK_CHECK_VALUE(params.size() == kNumTokenLossParams, "params: expected ", int(kNumTokenLossParams),
+                  " values (rlkernels/kernels/token_loss_params.py PARAMS), got ", params.size());
+  const auto id = [&](const char* name, TokenLossParam at, int count, const char* table) {
+    const double v = params[at];
+    RLK_CHECK_VALUE(v >= 0 && v < count && v == std::floor(v), name, ": expected an integer in [0, ", count,
+                    ") (", table, " in rlkernels/kernels/token_loss_params.py), got ", v);
+    return static_cast<int>(v);
+  };
+  const auto bound = [&](const char* name, TokenLossParam at, double low, bool strict, bool inf_ok) {
+    return static_cast<T>(check_scalar(name, params[at], low, strict, inf_ok));
+  };
   TokenLossParams<T> p;
-  p.objective = static_cast<int>(objective);
-  p.clip_low = static_cast<T>(check_scalar("clip_low", clip_low, 0.0, false, true));
-  // > −1: CISPO's cap 1 + clip_high may be below 1 (TRL's ε_high < 1); PolicyLossConfig says where.
-  p.clip_high = static_cast<T>(check_scalar("clip_high", clip_high, -1.0, true, true));
-  p.delta = static_cast<T>(check_scalar("delta", delta, 0.0, true, true));  // any δ > 0, as TRL
-  p.dual_clip = static_cast<T>(check_scalar("dual_clip", dual_clip, 1.0, true, true));
-  p.kl_estimator = static_cast<int>(kl_estimator);
-  p.kl_coef = static_cast<T>(check_scalar("kl_coef", kl_coef, 0.0, false, false));
-  p.kl_clamp = static_cast<T>(check_scalar("kl_clamp", kl_clamp, 0.0, true, true));
-  p.kl_bias_correction = kl_bias_correction;
-  p.entropy_coef = static_cast<T>(entropy_coef);
-  p.log_ratio_clamp = static_cast<T>(check_scalar("log_ratio_clamp", log_ratio_clamp, 0.0, true, true));
-  p.sapo_tau_pos = static_cast<T>(check_scalar("sapo_tau_pos", sapo_tau_pos, 0.0, true, false));
-  p.sapo_tau_neg = static_cast<T>(check_scalar("sapo_tau_neg", sapo_tau_neg, 0.0, true, false));
-  p.ratio_cap = static_cast<T>(check_scalar("ratio_cap", ratio_cap, 0.0, true, true));
-  p.dro_beta = static_cast<T>(check_scalar("dro_beta", dro_beta, 0.0, false, false));
+  p.objective = id("objective", kParamObjective, kNumObjectives, "the ids of OBJECTIVES");
+  p.clip_low = bound("clip_low", kParamClipLow, 0.0, false, true);
+  p.clip_high = bound("clip_high", kParamClipHigh, -1.0, true, true);
+  p.delta = bound("delta", kParamDelta, 0.0, true, true);
+  p.dual_clip = bound("dual_clip", kParamDualClip, 1.0, true, true);
+  p.kl_estimator = id("kl_estimator", kParamKlEstimator, kNumKlEstimators, "0 or the ids of KL_ESTIMATORS");
+  p.kl_coef = bound("kl_coef", kParamKlCoef, 0.0, false, false);
+  p.kl_clamp = bound("kl_clamp", kParamKlClamp, 0.0, true, true);
+  p.kl_bias_correction = id("kl_bias_correction", kParamKlBiasCorrection, 2, "a bool") != 0;
+  p.entropy_coef = bound("entropy_coef", kParamEntropyCoef, -INFINITY, true, false);
+  p.log_ratio_clamp = bound("log_ratio_clamp", kParamLogRatioClamp, 0.0, true, true);
+  p.sapo_tau_pos = bound("sapo_tau_pos", kParamSapoTauPos, 0.0, true, false);
+  p.sapo_tau_neg = bound("sapo_tau_neg", kParamSapoTauNeg, 0.0, true, false);
+  p.ratio_cap = bound("ratio_cap", kParamRatioCap, 0.0, true, true);
+  p.dro_beta = bound("dro_beta", kParamDroBeta, 0.0, false, false);
   return p;
 }
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
-from .token_loss import token_loss  # by name, as token_logprobs.py says
+from .token_loss import ENTROPY_COEF, token_loss  # by name, as token_logprobs.py says
 from .token_logprobs import (
     INTERPRET, _check_logits, _on_device, _plain, _row_vector, cap_args, launch_config, row_forward,
 )
@@ -21,9 +21,9 @@ from .token_logprobs import (
 def _policy_token_fwd_kernel(
     logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr,
     logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
-    V, stride_row, inv_temp, cap, inv_cap,
-    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
-    tau_pos, tau_neg, ratio_cap, dro_beta,
+    # loss_params: TokenLossParams.packed(), a tuple (not named `params`: Triton's argument binder has a local of
+    # that name, which would shadow it)
+    V, stride_row, inv_temp, cap, inv_cap, loss_params,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr, BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -53,13 +53,11 @@ def _policy_token_fwd_kernel(
     if HAS_IS_WEIGHTS:
         is_weight = tl.where(valid, tl.load(is_weights_ptr + row), 0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        l, old_logp, ref_logp, adv, h, 0.0, is_weight,
-        clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
-        log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+        l, old_logp, ref_logp, adv, h, 0.0, is_weight, loss_params, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
     weight = tl.load(weight_ptr + row)
     tl.store(grad_logp_ptr + row, tl.where(valid, weight * ds, 0.0))
-    tl.store(grad_entropy_ptr + row, tl.where(valid, -weight * entropy_coef, 0.0))
+    tl.store(grad_entropy_ptr + row, tl.where(valid, -weight * loss_params[ENTROPY_COEF], 0.0))
     stats_row = stats_ptr + row * NUM_STATS  # columns in token_loss_params.STATS order
     tl.store(stats_row + 0, tl.where(valid, weight * s, 0.0))
     tl.store(stats_row + 1, tl.where(valid, clip_low, 0.0))
@@ -68,14 +66,6 @@ def _policy_token_fwd_kernel(
     tl.store(stats_row + 4, tl.where(valid, approx_kl, 0.0))
     tl.store(stats_row + 5, tl.where(valid, kl, 0.0))
     tl.store(stats_row + 6, h)
-
-
-def _loss_scalars(p):
-    """The kernels' float arguments from `clip_low` to `dro_beta`, in order. float(): an int argument would
-    be typed (and specialised) as an integer."""
-    return (float(p.clip_low), float(p.clip_high), float(p.delta), float(p.dual_clip), float(p.kl_coef),
-            float(p.kl_clamp), float(p.entropy_coef), float(p.log_ratio_clamp), float(p.sapo_tau_pos),
-            float(p.sapo_tau_neg), float(p.ratio_cap), float(p.dro_beta))
 
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
@@ -114,8 +104,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
         wrap(_policy_token_fwd_kernel)[(n,)](
             logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp, is_weights,
             logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
-            vocab, logits.stride(0), 1.0 / float(temperature), *cap,
-            *_loss_scalars(p),
+            vocab, logits.stride(0), 1.0 / float(temperature), *cap, p.packed(),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref, HAS_IS_WEIGHTS=has_is_weights,
             BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
             BLOCK_V=block, num_warps=warps,
@@ -141,9 +130,7 @@ LOSS_BLOCK = 256  # tokens per program of `_policy_token_loss_kernel` (benchmark
 @triton.jit
 def _policy_token_loss_kernel(
     logp_ptr, entropy_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, chosen_ptr, is_weights_ptr,
-    grad_logp_ptr, grad_entropy_ptr, stats_ptr, n,
-    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
-    tau_pos, tau_neg, ratio_cap, dro_beta,
+    grad_logp_ptr, grad_entropy_ptr, stats_ptr, n, loss_params,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_ADV: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_CHOSEN: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
@@ -172,13 +159,11 @@ def _policy_token_loss_kernel(
     if HAS_IS_WEIGHTS:
         is_weight = tl.load(is_weights_ptr + i, mask=valid, other=0.0)
     s, ds, clip_low, clip_high, ratio, approx_kl, kl = token_loss(
-        logp, old_logp, ref_logp, adv, h, chosen, is_weight,
-        clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef,
-        log_ratio_clamp, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
+        logp, old_logp, ref_logp, adv, h, chosen, is_weight, loss_params, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
     weight = tl.load(weight_ptr + i, mask=inside, other=0.0)
     tl.store(grad_logp_ptr + i, tl.where(valid, weight * ds, 0.0), mask=inside)
-    tl.store(grad_entropy_ptr + i, tl.where(valid, -weight * entropy_coef, 0.0), mask=inside)
+    tl.store(grad_entropy_ptr + i, tl.where(valid, -weight * loss_params[ENTROPY_COEF], 0.0), mask=inside)
     stats_row = stats_ptr + i * NUM_STATS  # columns in token_loss_params.STATS order
     tl.store(stats_row + 0, tl.where(valid, weight * s, 0.0), mask=inside)
     tl.store(stats_row + 1, tl.where(valid, clip_low, 0.0), mask=inside)
@@ -212,8 +197,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
         wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
             logp, given["entropy"], mask, weight, given["adv"], given["old_logp"], given["ref_logp"], given["chosen"],
             given["is_weights"],
-            grad_logp, grad_entropy, stats, n,
-            *_loss_scalars(p),
+            grad_logp, grad_entropy, stats, n, p.packed(),
             OBJECTIVE=int(p.objective), KL=int(kl), HAS_ENTROPY=entropy is not None, HAS_ADV=adv is not None,
             HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None, HAS_CHOSEN=chosen is not None,
             HAS_IS_WEIGHTS=is_weights is not None,

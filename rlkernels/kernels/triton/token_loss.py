@@ -9,7 +9,7 @@ bound, a single value of w). NaN as torch: min, max and clamp of a NaN are NaN (
 the gradient to both branches); a gradient a clamp or a select stops is 0, even where the factor it
 would have multiplied (w, A) is NaN; where torch multiplies by a 0/1 mask, so do we. "No bound" is
 +inf (token_loss_params.py), so each formula is branch-free; only the objective and which KL terms
-exist are compile-time choices.
+exist are compile-time choices. The scalars come packed, one tuple ``params`` read at the table's offsets.
 """
 
 import triton
@@ -24,11 +24,28 @@ SAPO = tl.constexpr(P.SAPO)
 DPPO_TV = tl.constexpr(P.DPPO_TV)
 DPPO_KL = tl.constexpr(P.DPPO_KL)
 DRO = tl.constexpr(P.DRO)
+TOPR = tl.constexpr(P.TOPR)
 CLIP_COV = tl.constexpr(P.CLIP_COV)
 KL_COV = tl.constexpr(P.KL_COV)
 KL_NONE = tl.constexpr(P.KL_NONE)
 KL_K1 = tl.constexpr(P.KL_K1)
 KL_K2 = tl.constexpr(P.KL_K2)
+KL_ABS = tl.constexpr(P.KL_ABS)
+KL_LOW_VAR_KL_PLUS = tl.constexpr(P.KL_LOW_VAR_KL_PLUS)
+LOW_VAR_KL_BOUND = tl.constexpr(P.LOW_VAR_KL_BOUND)
+# Offsets into ``params`` (token_loss_params.PARAMS)
+CLIP_LOW = tl.constexpr(P.OFFSET["clip_low"])
+CLIP_HIGH = tl.constexpr(P.OFFSET["clip_high"])
+DELTA = tl.constexpr(P.OFFSET["delta"])
+DUAL_CLIP = tl.constexpr(P.OFFSET["dual_clip"])
+KL_COEF = tl.constexpr(P.OFFSET["kl_coef"])
+KL_CLAMP = tl.constexpr(P.OFFSET["kl_clamp"])
+ENTROPY_COEF = tl.constexpr(P.OFFSET["entropy_coef"])
+LOG_RATIO_CLAMP = tl.constexpr(P.OFFSET["log_ratio_clamp"])
+SAPO_TAU_POS = tl.constexpr(P.OFFSET["sapo_tau_pos"])
+SAPO_TAU_NEG = tl.constexpr(P.OFFSET["sapo_tau_neg"])
+RATIO_CAP = tl.constexpr(P.OFFSET["ratio_cap"])
+DRO_BETA = tl.constexpr(P.OFFSET["dro_beta"])
 
 
 @triton.jit
@@ -74,14 +91,16 @@ def k3(x):
 
 
 @triton.jit
-def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, dual_clip, tau_pos, tau_neg,
-              ratio_cap, dro_beta, OBJECTIVE: tl.constexpr):
+def surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE: tl.constexpr):
     """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, whether the clamp of its log passes the
     gradient and d = ℓ − ℓ_old; flags as 0/1."""
+    clip_low = params[CLIP_LOW]
+    clip_high = params[CLIP_HIGH]
     ratio_low = 1.0 - clip_low
     ratio_high = 1.0 + clip_high
     if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV):  # KL-Cov: the params have no bounds
         # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
+        delta = params[DELTA]
         unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
         d_unclipped = tl.where(w <= delta, -adv, 0.0)  # ∂/∂w
         w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
@@ -92,7 +111,7 @@ def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, d
         ds = tl.where(clipped > unclipped, d_clipped, tl.where(nan, d_unclipped + d_clipped, d_unclipped))
         # Dual clip: for A < 0, s = min(s, −c·A). The A ≥ 0 lanes get a finite stand-in, as
         # inf·0 would be NaN in the unused lane.
-        bound = -dual_clip * tl.where(adv < 0, adv, -1.0)
+        bound = -params[DUAL_CLIP] * tl.where(adv < 0, adv, -1.0)
         dual = (adv < 0) & (s > bound)
         s = tl.where(dual, bound, s)
         ds = through_w(tl.where(dual, 0.0, ds), w, r_passes)
@@ -107,7 +126,7 @@ def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, d
         clip_high = tl.where(w > ratio_high, 1.0, 0.0)
     elif OBJECTIVE == SAPO:
         # s = −A·σ(τ(w − 1))·4/τ, τ by the sign of A: a soft gate, differentiable everywhere.
-        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        tau = tl.where(adv > 0, params[SAPO_TAU_POS], params[SAPO_TAU_NEG])
         sig = 1.0 / (1.0 + tl.exp(-tau * (w - 1.0)))
         s = -adv * sig * (4.0 / tau)
         ds = through_w(-adv * 4.0 * sig * (1.0 - sig), w, r_passes)
@@ -127,12 +146,20 @@ def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, d
             inside_pos = (kl <= clip_high) | (prob <= prob_old)
             inside_neg = (kl <= clip_low) | (prob >= prob_old)
         inside = tl.where(adv > 0, inside_pos, inside_neg)
-        ds = -adv * clamp(w, 0.0, ratio_cap) * tl.where(inside, 1.0, 0.0)  # the spec's 0/1 mask: NaN stays NaN
+        ds = -adv * clamp(w, 0.0, params[RATIO_CAP]) * tl.where(inside, 1.0, 0.0)  # the spec's 0/1 mask: NaN stays NaN
         s = ds * logp
         clip_low = tl.where(~inside & (adv < 0), 1.0, 0.0)
         clip_high = tl.where(~inside & (adv > 0), 1.0, 0.0)
+    elif OBJECTIVE == TOPR:
+        # s = −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0 (the ratio truncated at 1).
+        scale = -tl.where(adv < 0, clamp(w, 0.0, 1.0), 1.0) * adv
+        s = scale * logp
+        ds = scale
+        clip_low = 0.0
+        clip_high = tl.where((w > 1.0) & (adv < 0), 1.0, 0.0)
     elif OBJECTIVE == DRO:
         # s = −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
+        dro_beta = params[DRO_BETA]
         s = -(adv * logp - 0.5 * dro_beta * d * d)
         ds = -adv + dro_beta * d
         clip_low = 0.0
@@ -149,8 +176,10 @@ def surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta, d
 def kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, kl_clamp, KL: tl.constexpr,
             BIAS_CORRECTION: tl.constexpr):
     """(k, ∂k/∂ℓ) with Δ = clamp(ℓ_ref − ℓ, ±c): the KL term of the loss, or for KL_NONE the
-    k3 statistic (∂ = 0). With the bias correction k·w, differentiated through w too (`through_w`)."""
-    delta, passes = clamp_with_pass(ref_logp - logp, -log_ratio_clamp, log_ratio_clamp)
+    k3 statistic (∂ = 0). With the bias correction k·w, differentiated through w too (`through_w`).
+    verl's abs and low_var_kl+ differentiate the unclamped e = ℓ_ref − ℓ."""
+    e = ref_logp - logp
+    delta, passes = clamp_with_pass(e, -log_ratio_clamp, log_ratio_clamp)
     if KL == KL_NONE:
         k = k3(delta)
         dk = 0.0
@@ -162,25 +191,33 @@ def kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, kl_clamp, KL: tl.const
         elif KL == KL_K2:
             k = 0.5 * delta * delta
             dk = -delta
+        elif KL == KL_ABS:  # |e|; ∂/∂ℓ = −sign(e), 0 at 0 and NaN (as torch)
+            k = tl.abs(e)
+            dk = tl.where(e > 0, -1.0, tl.where(e < 0, 1.0, 0.0))
+        elif KL == KL_LOW_VAR_KL_PLUS:  # the value clamp(k3(Δ), ±10), the gradient of ½(ℓ − ℓ_ref)²: −e
+            k = clamp(k3(delta), -LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+            dk = -e
         else:
             k = k3(delta)
             dk = -(delta + k)  # −expm1(Δ), as accurate as k3
         # In torch's order: the clamp of k passes its gradient (·w with the bias correction) or 0, times dk,
-        # then the clamp of Δ passes that or 0.
+        # then the clamp of Δ passes that or 0 (abs and low_var_kl+ differentiate e, not clamped).
         k, k_passes = clamp_with_pass(k, -kl_clamp, kl_clamp)
         if BIAS_CORRECTION:
-            dk = tl.where(passes, tl.where(k_passes, w, 0.0) * dk, 0.0) + through_w(k, w, r_passes)
-            k = k * w
+            dk = tl.where(k_passes, w, 0.0) * dk
         else:
-            dk = tl.where(passes, tl.where(k_passes, 1.0, 0.0) * dk, 0.0)
+            dk = tl.where(k_passes, 1.0, 0.0) * dk
+        if (KL != KL_ABS) and (KL != KL_LOW_VAR_KL_PLUS):
+            dk = tl.where(passes, dk, 0.0)
+        if BIAS_CORRECTION:
+            dk += through_w(k, w, r_passes)
+            k = k * w
     return k, dk
 
 
 @triton.jit
 def token_loss(
-    logp, old_logp, ref_logp, adv, entropy, chosen, is_weight,
-    clip_low, clip_high, delta, dual_clip, kl_coef, kl_clamp, entropy_coef, log_ratio_clamp,
-    tau_pos, tau_neg, ratio_cap, dro_beta,
+    logp, old_logp, ref_logp, adv, entropy, chosen, is_weight, params,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_REF: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
 ):
@@ -189,11 +226,11 @@ def token_loss(
     prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
     HAS_REF. ``chosen``: Clip-Cov's and KL-Cov's choice (`covariance_choice`), read by those only;
     ``is_weight``: ω ≥ 0, the surrogate's importance weight (1: none)."""
+    log_ratio_clamp = params[LOG_RATIO_CLAMP]
     d = logp - old_logp
     r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
-    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, r_passes, d, clip_low, clip_high, delta,
-                                           dual_clip, tau_pos, tau_neg, ratio_cap, dro_beta, OBJECTIVE)
+    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE)
     if OBJECTIVE == CLIP_COV:  # a chosen token: loss 0, no gradient (whatever w and A), clipped on A's side
         s = tl.where(chosen != 0.0, 0.0, s)
         ds = tl.where(chosen != 0.0, 0.0, ds)
@@ -209,11 +246,12 @@ def token_loss(
     clip_high = tl.where(is_weight > 0, clip_high, 0.0)
     kl = 0.0
     if HAS_REF:
-        kl, dkl = kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, kl_clamp, KL, BIAS_CORRECTION)
+        kl, dkl = kl_term(logp, ref_logp, w, r_passes, log_ratio_clamp, params[KL_CLAMP], KL, BIAS_CORRECTION)
         if KL != KL_NONE:
-            s += kl_coef * kl
-            ds += kl_coef * dkl
+            s += params[KL_COEF] * kl
+            ds += params[KL_COEF] * dkl
     # Without a bonus H is not read (0·NaN would be NaN), as in losses/ and token_loss.h.
+    entropy_coef = params[ENTROPY_COEF]
     s -= entropy_coef * tl.where(entropy_coef != 0.0, entropy, 0.0)
     # A NaN ℓ (on a GPU, a target outside [0, V): not checked there) keeps its gradient NaN;
     # a clipped branch would give 0 and hide it.

@@ -1,22 +1,22 @@
-"""A token-level `PolicyLossConfig` as the scalars of the fused forward kernels.
+"""A token-level `PolicyLossConfig` as the parameters of the fused kernels.
 
-The one place that knows both sides: `losses/` (the spec) and the kernels' encoding
-(`kernels.token_loss_params`, where +inf means "no bound").
+Which objectives and KL estimators the kernels have, and their parameters, is the table of
+`kernels.token_loss_params` (where +inf means "no bound"); this module fills its `TokenLossParams`
+from a config, and says which configs those parameters express (`ops._plan` decides with that).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Optional
 
 from ..kernels import token_loss_params as k
 from ..losses import PolicyLossConfig
 from ..losses.policy_loss import separate_entropy_bonus
 
-_OBJECTIVES = {"clip": k.CLIP, "cispo": k.CISPO, "reinforce": k.REINFORCE, "sapo": k.SAPO, "dppo_tv": k.DPPO_TV,
-               "dppo_kl": k.DPPO_KL, "dro": k.DRO}
-_KL = {"k1": k.KL_K1, "k2": k.KL_K2, "k3": k.KL_K3}
+# the objectives of the forward kernel and the KL estimators, by their config names (kernels.token_loss_params)
+_OBJECTIVES = {e.name: e.id for e in k.OBJECTIVES if k.FWD in e.ops}
+_KL = {e.name: e.id for e in k.KL_ESTIMATORS}
 
 
 def _bound(x: Optional[float]) -> float:
@@ -42,40 +42,15 @@ def covariance_supports(config: PolicyLossConfig) -> bool:
 
 
 def kernel_terms(config: PolicyLossConfig) -> bool:
-    """Whether the kernels' parameters express this config: a KL term that is none, or k1, k2, k3 times at most the
-    token's own ratio (verl's estimators and a KL times the row's ratio take the general path)."""
+    """Whether the kernels' parameters express this config: a KL term that is none, or one of the table's
+    estimators times at most the token's own ratio (other estimators and a KL times the row's ratio take the
+    general path)."""
     return config.kl_coef == 0 or (config.kl_estimator in _KL and not row_bias_correction(config))
 
 
 def row_bias_correction(config: PolicyLossConfig) -> bool:
     """A KL term times its row's sequence ratio: it couples the row's tokens, which no per-token formula has."""
     return config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0
-
-
-_warned = set()
-
-
-def kernel_evaluates(kernels, backend: str, config: PolicyLossConfig) -> bool:
-    """Whether backend `kernels` evaluate this config's loss in their forward (importance weights included: the
-    kernels take ω per token). Says once per (backend, what) when a compiled backend leaves a token-level loss to
-    the general path (a new objective its kernels do not implement yet): same values, more launches."""
-    masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
-    masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
-    masks += [f"kl_estimator={config.kl_estimator!r}"] if config.kl_coef > 0 and config.kl_estimator not in _KL else []
-    what = f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
-    if hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
-        return True
-    if hasattr(kernels, "policy_token_loss") and (covariance_supports(config) or (
-            token_objective(config) and kernel_terms(config))):
-        # the kernel's log-probs first, then the call's choice of tokens (`_covariance_step`), or the surrogate
-        # weighted by what needs them, a row mean or a quantile (`_sequence_step`)
-        return False
-    key = (backend, what)
-    if config.ratio == "token" and backend != "torch" and key not in _warned:
-        _warned.add(key)
-        warnings.warn(f"the {backend} kernels do not evaluate {what} yet; using the general path (same values, "
-                      "more launches)")
-    return False
 
 
 def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
@@ -128,23 +103,21 @@ def covariance_choice_params(config: PolicyLossConfig) -> k.CovarianceChoicePara
         scale=1.0 if clip_cov else float(config.kl_cov_coef))
 
 
+# The parameters each call decides (the objective, and which token terms are in the loss); every other one is its
+# config field, None being the table's default ("no bound", or 0 for dro_beta).
+_DECIDED = ("objective", "kl_estimator", "kl_coef", "kl_bias_correction", "entropy_coef")
+
+
 def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) -> k.TokenLossParams:
     kl_in_loss = config.kl_coef > 0 and with_token_terms
+    fields = {p.name: p.default if getattr(config, p.field) is None else float(getattr(config, p.field))
+              for p in k.PARAMS if p.name not in _DECIDED}
     return k.TokenLossParams(
+        **fields,
         objective=objective,
-        clip_low=_bound(config.clip_low),
-        clip_high=_bound(config.clip_high),
-        delta=_bound(config.delta),
-        dual_clip=_bound(config.dual_clip),
         kl_estimator=_KL[config.kl_estimator] if kl_in_loss else k.KL_NONE,
         kl_coef=float(config.kl_coef) if kl_in_loss else 0.0,
-        kl_clamp=_bound(config.kl_clamp),
         kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
         # an entropy bonus aggregated apart from the loss is added outside the kernels (`_loss_step.with_entropy_bonus`)
         entropy_coef=float(config.entropy_coef) if with_token_terms and not separate_entropy_bonus(config) else 0.0,
-        log_ratio_clamp=float(config.log_ratio_clamp),
-        sapo_tau_pos=float(config.sapo_tau_pos),
-        sapo_tau_neg=float(config.sapo_tau_neg),
-        ratio_cap=_bound(config.ratio_cap),
-        dro_beta=0.0 if config.dro_beta is None else float(config.dro_beta),
     )

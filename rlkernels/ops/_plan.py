@@ -1,0 +1,71 @@
+"""Which step evaluates a config's loss with a backend's kernels: the one decision, made in `plan`.
+
+* FORWARD: `policy_token_fwd` evaluates the loss in the pass over the logits (a token-level config whose
+  every term is per token).
+* SEQUENCE: the pass gives ℓ and H, then `_sequence_step` with `policy_token_loss` (sequence-level ratios,
+  and token-level configs whose surrogate weights need ℓ or H first).
+* COVARIANCE: the pass gives ℓ and H, then `_covariance_step` (Clip-Cov, KL-Cov).
+* AUTOGRAD: the pass gives ℓ and H, then the `(B, T)` loss of `losses/` and its autograd.
+
+`plan` decides and never warns; the fused ops call `warn_general_path` with its result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from typing import Optional
+
+from ..kernels.token_loss_params import KL_ESTIMATORS
+from ..losses import PolicyLossConfig
+from ._sequence_step import PAIRS as SEQUENCE_PAIRS
+from .kernel_params import covariance_supports, kernel_supports, kernel_terms, row_bias_correction, token_objective
+
+
+class Step(enum.Enum):
+    FORWARD = "forward"
+    SEQUENCE = "sequence"
+    COVARIANCE = "covariance"
+    AUTOGRAD = "autograd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    step: Step
+    # for a token-level config on AUTOGRAD: what the kernels lack ("objective='x' with off_policy_mask", ...)
+    lacking: Optional[str] = None
+
+
+def plan(config: PolicyLossConfig, kernels, forward: bool = True) -> Plan:
+    """The step that evaluates `config` with backend `kernels`; `forward=False` where the pass over the logits
+    cannot run `policy_token_fwd` (a vocabulary-sharded head)."""
+    if forward and hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
+        return Plan(Step.FORWARD)
+    if hasattr(kernels, "policy_token_loss") and kernel_terms(config) and (
+            (config.ratio, config.objective) in SEQUENCE_PAIRS or token_objective(config)):
+        return Plan(Step.SEQUENCE)
+    if hasattr(kernels, "covariance_choice") and covariance_supports(config):
+        return Plan(Step.COVARIANCE)
+    return Plan(Step.AUTOGRAD, _lacking(config) if config.ratio == "token" else None)
+
+
+def _lacking(config: PolicyLossConfig) -> str:
+    masks = [name for name in ("off_policy_mask", "top_entropy_quantile") if getattr(config, name) is not None]
+    masks += ["kl_bias_ratio='sequence'"] if row_bias_correction(config) else []
+    in_table = config.kl_estimator in {e.name for e in KL_ESTIMATORS}
+    masks += [f"kl_estimator={config.kl_estimator!r}"] if config.kl_coef > 0 and not in_table else []
+    return f"objective={config.objective!r}" + "".join(f" with {name}" for name in masks)
+
+
+_warned = set()
+
+
+def warn_general_path(p: Plan, backend: str) -> None:
+    """Say once per (backend, what) that a compiled backend leaves a token-level loss to autograd (a new objective
+    its kernels do not implement yet): same values, more launches."""
+    key = (backend, p.lacking)
+    if p.lacking is None or backend == "torch" or key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"the {backend} kernels do not evaluate {p.lacking} yet; using the general path (same values, "
+                  "more launches)")
