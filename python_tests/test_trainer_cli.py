@@ -66,6 +66,41 @@ def test_bad_yaml(tmp_path):
         from_args(["--config", str(path)])
 
 
+def _alias_bomb(levels=9):
+    """A few hundred bytes of YAML whose `reward` list, expanded, holds 9^levels strings."""
+    lines, prev = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]'], "a0"
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*{prev}'] * 9)}]")
+        prev = f"a{i}"
+    return "\n".join(lines + [f"reward: [{', '.join([f'*{prev}'] * 9)}]"]) + "\n"
+
+
+@pytest.mark.parametrize("suffix, text, message", [
+    (".yaml", _alias_bomb(), r"key 'reward': expected a string \(each item\), got a list"),
+    (".yaml", "reward: [&a [x, x], *a]\n", r"nests deeper than a config needs at line 1"),
+    (".yaml", "model: {path: m}\n", r"key 'model': expected a string, got a dict"),
+    (".yaml", "reward: " + "[" * 5000 + "]" * 5000 + "\n", r"nests deeper than a config needs at line 1"),
+    (".json", '{"steps": 3,\n "reward": ' + "[" * 100000 + "]" * 100000 + "}", r"nests deeper .* at line 2"),
+    (".json", '{"model": ["m"]}', r"key 'model': expected a string, got a list"),
+])
+def test_config_values_that_are_not_scalars_are_refused_before_converting(tmp_path, suffix, text, message):
+    """An alias bomb expands to gigabytes when converted, and a deep file is a RecursionError in the parser."""
+    path = tmp_path / ("c" + suffix)
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"^--config.*" + message):
+        from_args(["--config", str(path)])
+
+
+def test_brackets_in_json_strings_are_not_nesting(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"reward": ["regex:[[[{{{(\\d+)"]}))
+    assert from_args(["--config", str(path)])[0].reward == ["regex:[[[{{{(\\d+)"]
+
+
+def test_ppo_takes_one_generation_per_prompt():
+    assert from_args(["--algo", "ppo", "--num-generations", "1"])[0].num_generations == 1
+
+
 @pytest.mark.parametrize("name", C.DEMO_ONLY)
 def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkeypatch):
     monkeypatch.setattr(task, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))

@@ -1,5 +1,6 @@
 """Fault injection for the trainer: a run killed with SIGKILL at a random point, or stopped with
-SIGTERM, then resumed, ends exactly as an uninterrupted run; a torn last line of metrics.jsonl
+SIGTERM or Ctrl-C (during RL, the warm-up or the evaluation before RL), then resumed, ends exactly as an
+uninterrupted run; a second signal exits at once without a traceback; a torn last line of metrics.jsonl
 does not block --resume.
 
 The interrupted runs are `rlkernels.train.main` in a child forked from this process, where torch
@@ -141,3 +142,44 @@ def test_a_torn_metrics_line_does_not_block_resume(reference, tmp_path):
     with pytest.warns(UserWarning, match=r"metrics.jsonl: dropping its unparsable last line 4"):
         train(Config(resume=str(tmp_path), steps=TINY["steps"], progress=False))
     assert_same_run(tmp_path, reference, "a torn line after step 3")
+
+
+def signal_in(where, sig, times=1):
+    """Send `sig` to this process `times` times when it enters `where`: the warm-up's second batch, or the
+    evaluation before RL (the first evaluation: TINY's warm-up makes no checks)."""
+    from rlkernels.trainer import loop, task
+
+    module, name, call = (task, "supervised_batch", 2) if where == "warm-up" else (loop, "evaluate", 1)
+    real, calls = getattr(module, name), []
+
+    def patched(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    return lambda: setattr(module, name, patched)
+
+
+@pytest.mark.parametrize("where, sig", [("warm-up", signal.SIGTERM), ("evaluation", signal.SIGINT)])
+def test_a_signal_before_rl_saves_where_rl_starts(reference, tmp_path, where, sig):
+    out = tmp_path / "run"
+    pid = start_run(out, tmp_path / "log", signal_in(where, sig))
+    status = os.waitpid(pid, 0)[1]
+    log = (tmp_path / "log").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, log
+    name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert f"{name}: finishing the warm-up and the evaluation before RL, then saving a checkpoint" in log
+    assert "stopped before step 1" in log and "Traceback" not in log
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 0 and _rows(out) == []
+    train(Config(resume=str(out), progress=False))
+    assert_same_run(out, reference, f"{name} in the {where}")
+
+
+def test_a_second_signal_interrupts_at_once_without_a_traceback(tmp_path):
+    pid = start_run(tmp_path / "run", tmp_path / "log", signal_in("warm-up", signal.SIGINT, times=2))
+    status = os.waitpid(pid, 0)[1]
+    log = (tmp_path / "log").read_text()
+    assert os.waitstatus_to_exitcode(status) == 130, log
+    assert "rlkernels.train: interrupted;" in log and "Traceback" not in log

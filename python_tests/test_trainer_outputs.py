@@ -9,6 +9,7 @@ import matplotlib
 import pytest
 import torch
 from test_trainer import _local_checkpoint, run
+from test_trainer_rewards import _reward_model
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
@@ -103,6 +104,7 @@ def test_no_deprecation_warnings_from_our_calls(tmp_path):
     from transformers.utils import logging as hf_logging
 
     _local_checkpoint(tmp_path / "m")
+    _reward_model(tmp_path / "rm")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) + "\n" for a in (1, 2) for b in (3, 4)))
     logged = []
@@ -114,7 +116,7 @@ def test_no_deprecation_warnings_from_our_calls(tmp_path):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run(tmp_path / "o", model=str(tmp_path / "m"), dataset=str(data), eval_size=2, steps=1, prompts_per_step=2,
-                reward_model=str(tmp_path / "m"), reward=["exact"], reward_weights=[1.0, 0.1],
+                reward_model=str(tmp_path / "rm"), reward=["exact"], reward_weights=[1.0, 0.1],
                 gradient_checkpointing=True)
     finally:
         hf_logging.get_logger("transformers").removeHandler(handler)

@@ -371,3 +371,20 @@ def test_exact_needs_an_answer_column(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(8)))
     with pytest.raises(ValueError, match="^--reward exact: compares completions with the answer column"):
         run(tmp_path / "o", dataset=str(data), eval_size=2, warmup_steps=0)
+
+
+def test_a_causal_lm_or_several_labels_is_refused_as_a_reward_model(tmp_path):
+    """transformers loads a causal LM's folder as a classifier with a random score head; a run would train on it."""
+    _local_checkpoint(tmp_path / "causal")
+    with pytest.raises(ValueError, match=r"^--reward-model: expected a trained sequence classifier, and .*causal' "
+                                         r"lacks score.weight \(transformers would initialise them at random"):
+        rewards.RewardModel(str(tmp_path / "causal"), CPU)
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = _reward_model(tmp_path / "rm")
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=3, pad_token_id=0)
+    ).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ValueError, match=r"^--reward-model: expected a sequence classifier with one label .*has 3$"):
+        rewards.RewardModel(str(tmp_path / "rm"), CPU)

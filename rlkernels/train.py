@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM (the first one stops at the next checkpoint)
+        print(f"rlkernels.train: interrupted; {cfg.out or 'the run folder'} keeps its last checkpoint, if any",
+              file=sys.stderr)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -21,10 +21,11 @@ from typing import List, Optional
 
 from ..losses import presets
 from ..losses.presets import NAMES as ALGOS
-from . import device, trackers, trl_names
+from . import device, nesting, trackers, trl_names
 
 REWARD_FORMS = "exact | regex:PATTERN | package.module:function | path/to/file.py:function"
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
+MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW)
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
 # (the demo's, a --model run's): 2-digit sums need 4 tokens; a real model's answers need room, and TRL's
 # temperature 1.0 samples the model's own distribution; a small learning rate for full fine-tuning
@@ -114,10 +115,10 @@ class Config:
     algo: str = _field("grpo", "a preset of rlkernels.presets: " + ", ".join(ALGOS))
     steps: int = _field(150, "RL steps")
     prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
-    num_generations: int = _field(8, "completions per prompt (the GRPO group)")
+    num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)")
     max_new_tokens: Optional[int] = _mode_field("max_new_tokens", "completion length at most")
     temperature: Optional[float] = _mode_field("temperature", "sampling temperature")
-    lr: Optional[float] = _mode_field("lr", "RL learning rate")
+    lr: Optional[float] = _mode_field("lr", "RL learning rate, in (0, 1]")
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
     lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine")
     weight_decay: float = _field(0.0, "AdamW weight decay")
@@ -125,7 +126,7 @@ class Config:
     minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
     max_grad_norm: float = _field(1.0, "gradient clipping norm")
     kl_coef: Optional[float] = _field(None, "none = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)")
-    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL; none = fixed β")
+    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL (> 0); none = fixed β")
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
     clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
     entropy_coef: float = _field(0.0, "entropy bonus coefficient")
@@ -135,7 +136,7 @@ class Config:
     # PPO critic
     critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)")
     vf_coef: float = _field(0.5, "PPO value-loss coefficient")
-    vf_clip: Optional[float] = _field(0.2, "PPO value clip; none = unclipped")
+    vf_clip: Optional[float] = _field(0.2, "PPO value clip (> 0); none = unclipped")
     gamma: float = _field(1.0, "PPO discount, in [0, 1]")
     lam: float = _field(0.95, "PPO GAE λ, in [0, 1]")
     # options
@@ -210,6 +211,9 @@ def convert(name: str, value, source: str = "flag", key: Optional[str] = None):
 def _convert_one(name: str, value, source: str, key: Optional[str] = None):
     where = _flag(name) if source == "flag" else f"{source}: key {key or name!r}"
     typ, optional = _base_type(name)
+    if isinstance(value, (list, tuple, dict, set)):  # never str() it: YAML aliases can make it exponentially large
+        item = " (each item)" if _several(name) else ""
+        raise ValueError(f"{where}: expected {_WHAT[typ.__name__]}{item}, got a {type(value).__name__}")
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
         return None
     try:
@@ -231,8 +235,11 @@ def _convert_one(name: str, value, source: str, key: Optional[str] = None):
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        what = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}[typ.__name__]
-        raise ValueError(f"{where}: expected {what}{' or none' if optional else ''}, got {value!r}") from None
+        raise ValueError(f"{where}: expected {_WHAT[typ.__name__]}{' or none' if optional else ''}, "
+                         f"got {value!r}") from None
+
+
+_WHAT = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}  # for messages
 
 
 KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE]  # every name a flag or key may have
@@ -400,11 +407,13 @@ def load_config_file(path: str) -> dict:
         except ImportError:
             raise ValueError(f"--config: reading {path} (YAML) needs the package pyyaml (pip install pyyaml); "
                              f"or write the config as JSON") from None
+        nesting.check(text, yaml_file, path)
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ValueError(f"--config: {path} is not valid YAML ({' '.join(str(e).split())})") from None
     else:
+        nesting.check(text, yaml_file, path)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -479,13 +488,27 @@ def validate(cfg: Config) -> None:
     for name in ("temperature", "lr", "warmup_lr", "max_grad_norm", "lora_alpha"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{_flag(name)}: expected a number > 0, got {getattr(cfg, name)}")
-    if 1 / cfg.temperature > FLOAT32_MAX:  # the ops scale float32 logits by 1/τ
-        raise ValueError(f"--temperature: expected a number >= {1 / FLOAT32_MAX:.3g} (1/τ must fit float32), "
-                         f"got {cfg.temperature}")
-    for name in ("kl_coef", "kl_target", "vf_clip", "clip_low", "clip_high", "weight_decay"):
+    if not 1 / FLOAT32_MAX <= cfg.temperature <= FLOAT32_MAX:  # the ops scale float32 logits by 1/τ
+        raise ValueError(f"--temperature: expected a number >= {1 / FLOAT32_MAX:.3g} (1/τ must fit float32) and "
+                         f"<= {FLOAT32_MAX:.3g} (τ must fit float32), got {cfg.temperature}")
+    for name in ("lr", "warmup_lr"):  # AdamW moves each weight by about lr a step: more than 1 wrecks any model
+        if getattr(cfg, name) > MAX_LR:
+            raise ValueError(f"{_flag(name)}: expected a number in (0, {MAX_LR:g}], got {getattr(cfg, name)}")
+    for name in ("kl_coef", "clip_low", "clip_high", "weight_decay"):
         v = getattr(cfg, name)
         if v is not None and not v >= 0:
             raise ValueError(f"{_flag(name)}: expected a number >= 0 or none, got {v}")
+    if cfg.lr * cfg.weight_decay > 1:  # AdamW scales each weight by 1 − lr·weight_decay a step
+        raise ValueError(f"--weight-decay: expected a number in [0, 1 / --lr] ({1 / cfg.lr:.3g}), "
+                         f"got {cfg.weight_decay}")
+    for name in ("kl_target", "vf_clip"):  # PPO divides the observed KL by the target; value_loss needs clip > 0
+        v = getattr(cfg, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"{_flag(name)}: expected a number > 0 or none, got {v}")
+    if cfg.num_generations < 2 and cfg.algo != "ppo":
+        raise ValueError(f"--num-generations: expected an int >= 2 for --algo {cfg.algo}, whose advantages compare "
+                         f"each completion with its prompt's group (a group of one has advantage 0); --algo ppo "
+                         f"takes 1, got {cfg.num_generations}")
     if not 0 <= cfg.gamma <= 1 or not 0 <= cfg.lam <= 1:
         raise ValueError(f"--gamma/--lam: expected values in [0, 1], got {cfg.gamma}, {cfg.lam}")
     if cfg.n_embd % cfg.n_head:

@@ -21,7 +21,6 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import tempfile
 import time
 from typing import Optional
@@ -36,7 +35,8 @@ from rlkernels import advantages as adv_lib
 from rlkernels import presets, sampling
 
 from ..integrations.transformers import check_head, output_head
-from . import data, device, export, report, rewards as rewards_lib, sharding, task, timing, trackers, trl_names
+from . import data, device, export, report, rewards as rewards_lib, sharding, stop as stop_lib, task, timing
+from . import run_folder, trackers, trl_names
 from .config import Config, _flag, describe, validate
 
 CHECKPOINT = "checkpoint.pt"
@@ -535,7 +535,14 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
 
     `reward_fn` replaces `--reward` when given: a function `(prompt, completion, answer) -> float`, or TRL's
     `(prompts, completions, **columns) -> list[float]`, or a list of them (weighted by `reward_weights`;
-    `--reward-model` is added after them)."""
+    `--reward-model` is added after them).
+
+    Ctrl-C and SIGTERM, at any point, stop the run at the next checkpoint that resumes it exactly (stop.py)."""
+    with stop_lib.StopRequest(print if dist_info()[0] == 0 else lambda *a, **k: None) as stop:
+        return _train(config, reward_fn, explicit, stop)
+
+
+def _train(config: Config, reward_fn, explicit: Optional[set], stop) -> dict:
     t_start = time.time()
     validate(config)
     saved = load_checkpoint(config.resume) if config.resume else None
@@ -594,6 +601,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
         raise ValueError(f"--prompts-per-step: {cfg.prompts_per_step}{ranks} is more than the {len(train_set)} "
                          f"training prompts{source} (after {len(eval_set)} held out for eval)")
     warmup = not saved and not cfg.model and cfg.warmup_steps
+    if warmup:
+        stop.until = "the warm-up and the evaluation before RL"
     if warmup and not answers:
         raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which --dataset "
                          f"{cfg.dataset} lacks; give --warmup-steps 0")
@@ -705,8 +714,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             history = report.truncate_metrics(os.path.join(run_dir(cfg.resume), "metrics.jsonl"), metrics_path, start)
             report.truncate_metrics(os.path.join(run_dir(cfg.resume), "completions.jsonl"), completions_path, start)
         else:
-            open(metrics_path, "w").close()
-            open(completions_path, "w").close()
+            write_file(metrics_path, "", "w")
+            write_file(completions_path, "", "w")
 
     def checkpoint(step):
         rngs = [device.rng_state(place.device)]
@@ -727,25 +736,8 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                         "python": rng.getstate(), "python_global": random.getstate()},
             })
             plain = policy if meta_policy is None else sharding.with_weights(meta_policy, model_state)
-            export.save_pretrained(plain, tok, out_dir, merge_lora=cfg.merge_lora)
-
-    # Ctrl-C, or SIGTERM (what batch schedulers send): finish the current step, checkpoint, stop.
-    # A second one interrupts at once.
-    stop = {"now": False}
-
-    def on_signal(signum, frame):
-        if stop["now"]:
-            raise KeyboardInterrupt
-        stop["now"] = True
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to abort)")
-
-    old_handlers = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            old_handlers[sig] = signal.signal(sig, on_signal)
-        except ValueError:  # not the main thread
-            pass
+            with run_folder.writing(out_dir):
+                export.save_pretrained(plain, tok, out_dir, merge_lora=cfg.merge_lora)
 
     tracking = trackers.Trackers(cfg.report_to if master else [], out_dir, cfg, start + 1)
 
@@ -762,8 +754,15 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     # a resumed run's summary counts the steps before its checkpoint too
     skipped_total, last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
     policy.train()
+    stop.until = "this step"
+    stopping = all_sum(float(stop.requested)) > 0  # a signal before RL: a checkpoint where RL starts
     try:
+        if stopping:
+            checkpoint(start)
+            log(f"stopped before step {start + 1}; continue with: python -m rlkernels.train --resume {out_dir}")
         for step in range(start + 1, cfg.steps + 1):
+            if stopping:
+                break
             t0 = time.time()
             # ==== 1. rollout and 2. reward: this rank's share of the step's prompts ==========
             # Dynamic sampling (DAPO) drops the groups whose rewards are all equal, then samples more
@@ -905,7 +904,7 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(all_lengths.sum()) / row["time_s"], 1)
             last = row
-            stopping = all_sum(float(stop["now"])) > 0  # a signal that reached only some ranks stops them all
+            stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
             logged = step % cfg.logging_steps == 0 or "eval_reward" in row or step == cfg.steps or stopping
             if master and logged:
                 write_file(metrics_path, report.dumps(row) + "\n", "a")
@@ -923,9 +922,6 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     finally:
         bar.close()
         tracking.close()
-        for sig, handler in old_handlers.items():
-            if handler is not None:  # None: a handler installed outside Python, which cannot be restored
-                signal.signal(sig, handler)
 
     # ---- summary: eval after RL, table, plot, files
     done = last.get("step", start)
@@ -937,8 +933,9 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
                "config": dataclasses.asdict(cfg)}
     if master:
         write_file(os.path.join(out_dir, "summary.json"), report.dumps(summary, indent=2), "w")
-        plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
-                              f"rlkernels.train --algo {cfg.algo}", reward_fn.label, eval_before)
+        with run_folder.writing(out_dir):
+            plotted = report.plot(report.read_metrics(metrics_path), os.path.join(out_dir, "metrics.png"),
+                                  f"rlkernels.train --algo {cfg.algo}", reward_fn.label, eval_before)
         log(report.summary_table(summary))
         log(f"files in {out_dir}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model and its "
             f"tokenizer (from_pretrained)" + "".join(f", {name} logs" for name in cfg.report_to if name != "none")

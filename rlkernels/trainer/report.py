@@ -1,6 +1,7 @@
 """What the person running the trainer sees and keeps: JSONL metrics, a PNG plot, a summary table."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,16 +35,25 @@ def read_metrics(path: str) -> List[dict]:
 
 def truncate_metrics(src: str, dst: str, last_step: int) -> List[dict]:
     """Write to `dst` the rows of `src` up to `last_step` (a resumed run rewrites what came after its
-    checkpoint) and return them."""
+    checkpoint) and return them; `src` stays whole if the write fails."""
     try:
         rows = [r for r in read_metrics(src) if r["step"] <= last_step]
     except ValueError as e:
         raise ValueError(f"--resume: {e}") from None
     except (KeyError, TypeError):
         raise ValueError(f"--resume: {src} holds rows without a step number") from None
-    with open(dst, "w") as f:
-        for r in rows:
-            f.write(dumps(r) + "\n")
+    # into a new file, then renamed over dst (often src itself): a write cut short (a full disk) loses no row
+    tmp = dst + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(f"--out: cannot write {dst} ({e.strerror or e}); {src} is as it was") from None
     return rows
 
 

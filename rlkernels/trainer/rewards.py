@@ -93,11 +93,20 @@ class RewardModel:
 
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, local_files_only=True, dtype=torch.float32)
+            self.model, loaded = AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, output_loading_info=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--reward-model: cannot load {path!r} as a Hugging Face sequence classifier "
                              f"with one label ({e})") from None
+        # transformers initialises at random what the checkpoint lacks: a causal LM's folder has no score head
+        missing = sorted(loaded["missing_keys"])
+        if missing:
+            raise ValueError(f"--reward-model: expected a trained sequence classifier, and {path!r} lacks "
+                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (transformers would "
+                             f"initialise them at random; a causal LM's folder has no score head)")
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"--reward-model: expected a sequence classifier with one label (its logit is the "
+                             f"reward), and {path!r} has {self.model.config.num_labels}")
         if self.tok.pad_token_id is None:  # padding is needed to batch; the model reads the last non-pad token
             self.tok.pad_token = self.tok.eos_token
         if self.tok.pad_token_id is None:

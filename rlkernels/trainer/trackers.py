@@ -16,6 +16,8 @@ import dataclasses
 import math
 import os
 
+from .run_folder import writing
+
 COLUMNS = ("step", "prompt", "completion", "answer", "reward")  # a completions row
 
 
@@ -68,22 +70,28 @@ class WandB:
 
 
 class Trackers:
-    """The backends of `--report-to` (none: an empty list), each told every metrics row and completions table."""
+    """The backends of `--report-to` (none: an empty list), each told every metrics row and completions table.
+    A backend that cannot write into the run folder is an error naming --out (run_folder.writing)."""
 
     def __init__(self, names, out_dir: str, config, first_step: int):
-        self.backends = [BACKENDS[n](out_dir, config, first_step) for n in names if n != "none"]
+        self.out_dir = out_dir
+        with writing(out_dir):
+            self.backends = [BACKENDS[n](out_dir, config, first_step) for n in names if n != "none"]
 
     def metrics(self, row: dict) -> None:
-        for b in self.backends:
-            b.metrics(row)
+        with writing(self.out_dir):
+            for b in self.backends:
+                b.metrics(row)
 
     def completions(self, step: int, rows: list) -> None:
-        for b in self.backends:
-            b.completions(step, rows)
+        with writing(self.out_dir):
+            for b in self.backends:
+                b.completions(step, rows)
 
     def close(self) -> None:
-        for b in self.backends:
-            b.close()
+        with writing(self.out_dir):
+            for b in self.backends:
+                b.close()
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB}  # --report-to's values (and "none"); each the package it needs
