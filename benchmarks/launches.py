@@ -6,6 +6,7 @@ these counts are the launch overhead of the loss head, measured deterministicall
     python -m benchmarks.launches                  # every preset, both paths, cpu backend
     python -m benchmarks.launches --backend torch  # another backend
     python -m benchmarks.launches --device cuda --backend triton   # on a GPU: the same counts there
+    python -m benchmarks.launches --preset gepo --group-ids        # one call's ops, groups as group_ids
 
 Counted: every aten op that is not a view (views, `detach` and `empty*` allocate nothing and
 launch nothing) and every custom op (one launch each; what runs inside it is not seen). A sync
@@ -62,14 +63,16 @@ class Count:
     names: Dict[str, int]
 
 
-def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0, device="cpu"):
-    """Inputs of one call with every argument the preset uses (ragged masks, off-policy)."""
+def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0, device="cpu", group_ids: bool = False):
+    """Inputs of one call with every argument the preset uses (ragged masks, off-policy); the groups of 4 rows
+    of a grouped ratio as `config.group_size`, or as `group_ids` (any ids, unsorted)."""
     from rlkernels import presets
 
     g = torch.Generator().manual_seed(seed)
     constant = presets.fields(preset).get("agg") == "constant"  # Dr. GRPO: divides by the max completion length
     config = presets.get(preset, **({"norm_length": T} if constant else {}))
-    if config.ratio in ("group_expectation", "snis"):
+    grouped = config.ratio in ("group_expectation", "snis")
+    if grouped and not group_ids:
         config = config.replace(group_size=4)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
     mask = torch.arange(T)[None, :] < lengths[:, None]
@@ -79,6 +82,8 @@ def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0, device="cp
     advantages = torch.randn(B, generator=g)
     if config.ratio == "snis":
         kwargs["rewards"], advantages = torch.randint(0, 2, (B,), generator=g).float(), None
+    if grouped and group_ids:
+        kwargs["group_ids"] = (torch.arange(B) // 4 * 7).flip(0)
     to = lambda x: None if x is None else x.to(device)  # noqa: E731
     return config, to(targets), to(advantages), to(mask), {k: to(v) for k, v in kwargs.items()}
 
@@ -90,10 +95,11 @@ def count(fn) -> Count:
     return Count(counter.ops, counter.syncs, dict(counter.names) | {f"SYNC {k}": v for k, v in counter.sync_names.items()})
 
 
-def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000, device="cpu") -> Count:
+def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000, device="cpu",
+                            group_ids: bool = False) -> Count:
     import rlkernels
 
-    config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device)
+    config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device, group_ids=group_ids)
     logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1))
     logits = logits.to(device).requires_grad_(True)
 
@@ -148,9 +154,11 @@ def main(argv=None):
     parser.add_argument("--backend", default=None, help="rlkernels backend (default: automatic, cpu on CPU)")
     parser.add_argument("--device", default="cpu", help="where the inputs live (cpu, cuda)")
     parser.add_argument("--preset", default=None, help="print the op names of one preset's fused_policy_loss call")
+    parser.add_argument("--group-ids", action="store_true",
+                        help="with --preset: a grouped ratio's groups as group_ids, not config.group_size")
     args = parser.parse_args(argv)
     if args.preset:
-        c = fused_policy_loss_count(args.preset, args.backend, device=args.device)
+        c = fused_policy_loss_count(args.preset, args.backend, device=args.device, group_ids=args.group_ids)
         for name, n in sorted(c.names.items(), key=lambda kv: -kv[1]):
             print(f"{n:5d}  {name}")
         print(f"{c.ops} ops, {c.syncs} syncs")

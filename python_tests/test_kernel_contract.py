@@ -18,6 +18,7 @@ contract's.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import warnings
 from typing import Any, Tuple
@@ -30,7 +31,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from rlkernels.kernels import cpu, cuda, torch_chunked  # noqa: E402
+from rlkernels.kernels import OPS, Kernels, cpu, cuda, torch_chunked  # noqa: E402
 
 from kernel_cases import (  # noqa: E402
     BAD_INPUTS, BAD_OUT, CUDA_SHAPES, DTYPE_IDS, DTYPES, NAN_ROWS, SHAPES, TOL_REL, TRITON_SHAPES, VALID_ROWS,
@@ -365,6 +366,23 @@ def test_bad_inputs_name_the_argument(backend, case):
             backend.kernels.token_logprobs_fwd(*args, True)
         else:
             backend.kernels.token_logprobs_bwd(*args, 1.0)
+
+
+@pytest.mark.parametrize("backend", _params(lambda b: [()]))
+def test_backend_is_a_kernels(backend):
+    """The module meets `kernels.Kernels`: `supports` answers for every op, and each op it has takes the
+    Protocol's parameters by the same names (Triton adds a keyword-only `wrap` for torch.compile)."""
+    for op in OPS:
+        reason = backend.kernels.supports(op)
+        if reason is None:
+            want = list(inspect.signature(getattr(Kernels, op)).parameters)[1:]
+            have = inspect.signature(getattr(backend.kernels, op)).parameters.values()
+            assert [p.name for p in have if p.kind is not p.KEYWORD_ONLY] == want, op
+            assert all(p.default is not p.empty for p in have if p.kind is p.KEYWORD_ONLY), op
+        else:
+            assert isinstance(reason, str) and reason, op
+    with pytest.raises(ValueError, match="no kernel op"):
+        backend.kernels.supports("token_logprobs")
 
 
 @pytest.mark.parametrize("backend", _params(lambda b: [()] if b.nan_for_bad_targets else []))

@@ -33,7 +33,7 @@ def test_plan_picks_the_step_without_warning(config, with_forward, after_logprob
 
 
 def test_warning_names_what_the_kernels_lack_once():
-    lacking = plan(presets.dapo(kl_estimator="mse", kl_coef=0.1), object())
+    lacking = plan(presets.dapo(kl_estimator="mse", kl_coef=0.1), _backend.kernels("torch"))
     assert lacking == Plan(Step.AUTOGRAD, "objective='clip' with kl_estimator='mse'")
     with pytest.warns(UserWarning, match="the test-backend kernels do not evaluate objective='clip' with kl_est"):
         warn_general_path(lacking, "test-backend")
@@ -41,4 +41,5 @@ def test_warning_names_what_the_kernels_lack_once():
         warnings.simplefilter("error")
         warn_general_path(lacking, "test-backend")  # said once
         warn_general_path(lacking, "torch")  # the torch backend has no kernels to lack
-        warn_general_path(plan(presets.gspo(), object()), "test-backend")  # a sequence-level ratio: not token-level
+        gspo = plan(presets.gspo(), _backend.kernels("torch"))
+        warn_general_path(gspo, "test-backend")  # a sequence-level ratio: not token-level

@@ -25,7 +25,7 @@ from rlkernels.losses import PolicyLossConfig
 from rlkernels.losses.aggregation import aggregation_weights
 from rlkernels.losses.inputs import LossInputs
 from rlkernels.losses.kl import kl_estimate
-from rlkernels.losses.policy_loss import masked_batch, per_token_loss
+from rlkernels.losses.policy_loss import per_token_loss
 from rlkernels.ops.kernel_params import token_loss_params
 
 from kernel_cases import BAD_LOSS_SCALARS, assert_same_nans, close_to, kl_term, uniform_away, with_nans
@@ -165,7 +165,7 @@ def _spec(case: Case, x: Inputs) -> Spec:
     ent = entropy.view(B, T).clone().requires_grad_()
     inputs = LossInputs.build(cfg, shape=(B, T), dtype=torch.float64, device=torch.device("cpu"), mask=x.mask,
                               advantages=x.adv, old_logp=x.old_logp, ref_logp=x.ref_logp)
-    b, ref_m, ent_m = masked_batch(lp, ent, inputs, cfg)
+    b, ref_m, ent_m = inputs.masked(lp, ent, cfg)
     per_token, sur, k = per_token_loss(b, cfg, ref_m, ent_m)
     weights = aggregation_weights(x.mask, cfg.agg, norm_length=cfg.norm_length, dtype=torch.float64)
     zero = torch.zeros((), dtype=torch.float64)

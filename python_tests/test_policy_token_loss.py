@@ -4,7 +4,7 @@ The op is the per-token loss of `policy_token_fwd` (contract in rlkernels/kernel
 evaluated at given log-probs ℓ (N,) and entropies H (N,) instead of logits: ``entropy=None`` is
 H = 0, ``adv=None`` is A = 0 (only the KL and entropy terms), ``old_logp=None`` on-policy,
 ``ref_logp=None`` no reference. The spec is torch autograd of `rlkernels.losses` in fp64
-(`masked_batch` + `per_token_loss`, weighted by `aggregation_weights`), evaluated at exactly the
+(`LossInputs.masked` + `per_token_loss`, weighted by `aggregation_weights`), evaluated at exactly the
 values the op receives (every input is drawn in fp64 and rounded to the op's dtype first), so the
 op differs from it only by its own arithmetic.
 
@@ -35,7 +35,7 @@ from rlkernels.losses import PolicyLossConfig  # noqa: E402
 from rlkernels.losses.aggregation import aggregation_weights  # noqa: E402
 from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
-from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
+from rlkernels.losses.policy_loss import per_token_loss  # noqa: E402
 from rlkernels.ops.kernel_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
 from kernel_cases import (  # noqa: E402
     BAD_LOSS_SCALARS, assert_same_nans, close_to, kl_term, uniform_away, with_nans,
@@ -226,7 +226,7 @@ def _spec(case: Case, x: Inputs) -> Spec:
     ent = (zeros if x.entropy is None else x.entropy).clone().requires_grad_()
     inputs = LossInputs.build(cfg, shape=shape, dtype=torch.float64, device=torch.device("cpu"), mask=x.mask,
                               advantages=zeros if x.adv is None else x.adv, old_logp=x.old, ref_logp=x.ref)
-    b, ref_m, ent_m = masked_batch(lp, ent, inputs, cfg)
+    b, ref_m, ent_m = inputs.masked(lp, ent, cfg)
     per_token, sur, k = per_token_loss(b, cfg, ref_m, ent_m)
     zero = torch.zeros((), dtype=torch.float64)
     weighted = torch.where(x.mask, per_token * x.weight, zero)

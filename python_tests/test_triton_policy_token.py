@@ -1,7 +1,7 @@
 """`kernels.triton.policy_token_fwd` against torch autograd of `rlkernels.losses`, in fp64.
 
 The spec of every output is computed here from the losses code itself: ℓ and H of the same logit
-values upcast to fp64 (`torch_chunked`), then `masked_batch` + `per_token_loss` times the
+values upcast to fp64 (`torch_chunked`), then `LossInputs.masked` + `per_token_loss` times the
 aggregation weights, differentiated by autograd. The kernel computes in fp32 from the same
 values, so every dtype is held to fp32-level tolerances. Without CUDA the kernel runs in the
 Triton interpreter (slow: few rows, small V); RuntimeWarnings are errors, so an intermediate
@@ -27,7 +27,7 @@ from rlkernels.losses import PolicyLossConfig  # noqa: E402
 from rlkernels.losses.aggregation import aggregation_weights  # noqa: E402
 from rlkernels.losses.inputs import LossInputs  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
-from rlkernels.losses.policy_loss import masked_batch, per_token_loss  # noqa: E402
+from rlkernels.losses.policy_loss import per_token_loss  # noqa: E402
 from rlkernels.ops.kernel_params import token_loss_params  # noqa: E402
 
 from kernel_cases import assert_same_nans, with_nans  # noqa: E402
@@ -35,7 +35,7 @@ from kernel_cases import assert_same_nans, with_nans  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 ON_CPU = not torch.cuda.is_available()
-if ON_CPU and not tk.token_logprobs.INTERPRET:
+if ON_CPU and not tk.launch.INTERPRET:
     pytest.skip("rlkernels.kernels.triton was imported before TRITON_INTERPRET=1 was set",
                 allow_module_level=True)
 DEVICE = "cpu" if ON_CPU else "cuda"
@@ -79,7 +79,7 @@ def spec(logits, targets, mask, adv, old, ref, temperature, config, logp=None):
     entropy_leaf = entropy.view(B, T).clone().requires_grad_(True)
     inputs = LossInputs.build(config, shape=(B, T), dtype=torch.float64, device=logits.device,
                               mask=mask, advantages=adv, old_logp=old, ref_logp=ref)
-    b, ref_m, entropy_m = masked_batch(logp_leaf, entropy_leaf, inputs, config)
+    b, ref_m, entropy_m = inputs.masked(logp_leaf, entropy_leaf, config)
     per_token, sur, k = per_token_loss(b, config, ref_m, entropy_m)
     weight = aggregation_weights(mask, config.agg, dtype=torch.float64)
     loss = per_token * weight

@@ -1,8 +1,9 @@
 """rlkernels: fused kernels for the loss head of RL fine-tuning of language models.
 
-Layers (docs/design.md §1): `reference` (the naive truth), `kernels` (passes over logits),
-`ops` (autograd-aware torch.library ops, backend dispatch), `losses` (RL objectives),
-`advantages` / `sampling`, `trainer`, `integrations`.
+Layers (docs/design.md §1), bottom up: the shared helpers; `kernels` (passes over logits) and
+`losses` (RL objectives), which do not know each other, with `advantages` / `sampling` beside them;
+`ops` (autograd-aware torch.library ops, backend dispatch) on kernels and losses; then
+`integrations`, `trainer` and the command line. `reference` (the naive truth) is imported by none.
 """
 from . import advantages, sampling
 from ._backend import backend_info

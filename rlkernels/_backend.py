@@ -78,7 +78,7 @@ def resolve(backend: Optional[str], device: torch.device) -> str:
 
 
 def kernels(name: str):
-    """The kernel module of an available backend."""
+    """The kernels of an available backend: its module, a `kernels.Kernels`."""
     module, reason = _probe(name)
     if module is None:
         raise RuntimeError(f"backend {name!r} is not available: {reason}")

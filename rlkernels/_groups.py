@@ -44,7 +44,8 @@ def group_index(
     Exactly one of ``group_ids`` / ``group_size`` must be given. Groups from ``group_ids`` are
     numbered in increasing order of id; counting them (``torch.unique``) synchronises with the
     device, so with ``exact_count=False`` ``num_groups`` is the batch size instead, an upper
-    bound that leaves the last groups empty (the losses only gather their rows' groups).
+    bound, and a group's number is where its id first comes in the sorted ids: the numbers in
+    between are empty groups (the losses only gather their rows' groups).
     ``group_size`` groups are in row order, without a synchronisation.
     """
     if (group_ids is None) == (group_size is None):
@@ -72,11 +73,9 @@ def check_group_size(batch_size: int, group_size) -> int:
 
 
 def _sorted_group_index(ids: torch.Tensor) -> torch.Tensor:
-    """The group of each row numbered by increasing id, by a sort (no host synchronisation)."""
-    sorted_ids, order = torch.sort(ids, stable=True)
-    starts = torch.ones_like(sorted_ids, dtype=torch.int64)
-    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    return torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
+    """Each row's group: the first position of its id in the sorted ids (two launches, no host
+    synchronisation; the groups are not numbered consecutively)."""
+    return torch.searchsorted(torch.sort(ids).values, ids)
 
 
 def pair_index(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -125,8 +124,10 @@ def group_softmax(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid
         v = valid.view(num_groups, size)
         p = torch.softmax(torch.where(v, x.view(num_groups, size), float("-inf")), 1)
         return torch.where(v, p, 0.0).reshape(-1)
-    lse = group_logsumexp(x, inverse, num_groups, valid)
-    return torch.where(valid, torch.exp(x - lse[inverse]), 0.0)
+    x = torch.where(valid, x, float("-inf"))
+    # no log-sum-exp: one exp, one sum and a division (NaN in a group of no valid row, masked to 0 as above)
+    e = torch.exp(x - group_reduce(x, inverse, num_groups, "amax").detach()[inverse])
+    return torch.where(valid, e / group_sum(e, inverse, num_groups)[inverse], 0.0)
 
 
 def group_centered(

@@ -70,11 +70,4 @@ at::Tensor covariance_choice_cpu(const at::Tensor& logp, const at::Tensor& adv, 
 }  // namespace
 }  // namespace rlk_cpu
 
-TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
-  // Clip-Cov's (objective 0, with uniform `draws`) or KL-Cov's (1) tokens of a call: `scale` on each chosen token,
-  // 0 elsewhere, in the dtype of logp.
-  m.def("covariance_choice(Tensor logp, Tensor adv, Tensor? old_logp, Tensor mask, Tensor? draws, int objective, float fraction, float cov_lb, float cov_ub, float clip_low, float clip_high,"
-        " float log_ratio_clamp, float scale) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) { m.impl("covariance_choice", &rlk_cpu::covariance_choice_cpu); }

@@ -66,12 +66,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cpu(
 }  // namespace
 }  // namespace rlk_cpu
 
-TORCH_LIBRARY_FRAGMENT(rlkernels_C, m) {
-  // The per-token policy loss at given log-probs (N,); `params` as in policy_token_fwd.
-  // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
-  // 1). Returns (grad_logp, grad_entropy, stats).
-  m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
-        " Tensor? ref_logp, Tensor? chosen, Tensor? is_weights, float[] params) -> (Tensor, Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) { m.impl("policy_token_loss", &rlk_cpu::policy_token_loss_cpu); }

@@ -511,25 +511,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }  // namespace
 }  // namespace rlk_cpu
 
-TORCH_LIBRARY(rlkernels_C, m) {
-  // Returns (logp, entropy, lse_parts); lse_parts (N, 2) holds each row's [m, log s], whose sum is the
-  // logsumexp (see rlkernels/kernels/__init__.py).
-  // softcap: the final-logit cap c (y = c·tanh(z/c)), 0 for none (rlkernels/row_math.h).
-  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, float softcap, bool need_entropy)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
-        " Tensor? grad_entropy, float temperature, float softcap) -> Tensor");
-  // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
-  m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
-        " Tensor? grad_entropy, float temperature, float softcap, Tensor(a!) out) -> ()");
-  // The forward plus the per-token policy loss; `params` packed as PARAMS of
-  // rlkernels/kernels/token_loss_params.py lays them out; is_weights: ω of the surrogate (None: 1). Returns (logp,
-  // entropy, lse_parts, grad_logp, grad_entropy, stats).
-  m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
-        " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, float[] params)"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
   m.impl("token_logprobs_fwd", &rlk_cpu::token_logprobs_fwd_cpu);
   m.impl("token_logprobs_bwd", &rlk_cpu::token_logprobs_bwd_cpu);
@@ -538,8 +519,9 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The Python module `rlkernels._C`: importing it runs the registrations above. It refuses to load
-// on a CPU that lacks the instruction set the file was compiled for (see setup.py).
+// The Python module `rlkernels._C`: importing it runs the registrations of every file (the schemas
+// in csrc/cpu/schemas.cpp). It refuses to load on a CPU that lacks the instruction set the file was
+// compiled for (see setup.py).
 #ifndef RLK_NO_PYTHON
 #include <Python.h>
 

@@ -18,7 +18,7 @@
 #include <optional>
 #include <tuple>
 
-#include "token_logprobs.h"
+#include "launchers.h"
 
 namespace rlk_cuda {
 namespace {

@@ -1,5 +1,5 @@
 // CUDA implementation of `covariance_choice` (the contract is in rlkernels/kernels/__init__.py, the launcher in
-// token_logprobs.h): Clip-Cov's and KL-Cov's tokens, the k eligible tokens of smallest key of
+// launchers.h): Clip-Cov's and KL-Cov's tokens, the k eligible tokens of smallest key of
 // rlkernels/covariance_choice.h, in one launch of one block. The choice couples every token, so one block makes
 // it: a pass for the means (summed in double, as the spec), four radix passes of 8 bits that find the k-th
 // smallest key (a shared 256-bin histogram each), and a last pass in position order that takes the tokens below
@@ -10,7 +10,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "token_logprobs.h"
+#include "launchers.h"
 
 namespace rlk_cuda {
 namespace {

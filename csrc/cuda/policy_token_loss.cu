@@ -1,12 +1,12 @@
 // CUDA implementation of `policy_token_loss` (the contract is in rlkernels/kernels/__init__.py,
-// the launcher in token_logprobs.h): the per-token policy loss of rlkernels/token_loss.h at given
+// the launcher in launchers.h): the per-token policy loss of rlkernels/token_loss.h at given
 // log-probs, one thread per token. Torch-free.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "token_logprobs.h"
+#include "launchers.h"
 
 namespace rlk_cuda {
 namespace {

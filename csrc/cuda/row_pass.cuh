@@ -19,7 +19,7 @@
 
 #include "rlkernels/row_math.h"
 #include "rlkernels/token_loss.h"
-#include "token_logprobs.h"
+#include "launchers.h"
 
 namespace rlk_cuda {
 namespace rows {

@@ -1,5 +1,5 @@
 // CUDA backend of the per-token log-prob / entropy primitive (docs/design.md §2; the contract is in
-// rlkernels/kernels/__init__.py, the launchers in token_logprobs.h), and the same forward with the
+// rlkernels/kernels/__init__.py, the launchers in launchers.h), and the same forward with the
 // per-token policy loss (rlkernels/token_loss.h) evaluated by the thread that finishes each row.
 // Torch-free.
 //
@@ -29,7 +29,7 @@
 #include <type_traits>
 
 #include "row_pass.cuh"
-#include "token_logprobs.h"
+#include "launchers.h"
 
 namespace rlk_cuda {
 namespace {

@@ -79,8 +79,7 @@ from trl import GRPOTrainer  # noqa: E402
 _TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrainer._compute_loss
 
 from ..losses import PolicyLossConfig
-from ..losses.policy_loss import high_entropy_tokens
-from ..losses.surrogates import vespo_weight
+from ..losses.spec import high_entropy_tokens, vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import (backbone_outputs, check_head, last_hidden_state, moe_aux_loss_function,
                            output_head)

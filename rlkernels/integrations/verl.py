@@ -68,10 +68,9 @@ import torch
 from .. import presets as _presets
 from .._checks import check_mask, check_real, check_tensor
 from . import _versions
-from ..losses import PolicyLossConfig, policy_loss, rollout_correction
-from ..losses.aggregation import aggregate, masked_mean
-from ..losses.inputs import LossInputs
-from ..losses.policy_loss import masked_batch, per_token_loss
+from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
+from ..losses import rollout_is_weights as is_weights_of  # verl's argument takes the name
+from ..losses.spec import LossInputs, aggregate, masked_mean, per_token_loss
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
 PREFIX = "rlkernels_"
@@ -289,7 +288,7 @@ def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
     inputs = LossInputs.build(cfg, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask,
                               advantages=advantages, old_logp=kwargs["old_logp"], rewards=kwargs.get("rewards"),
                               num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"])
-    b, _, _ = masked_batch(logp, None, inputs, cfg)
+    b, _, _ = inputs.masked(logp, None, cfg)
     per_token, _, _ = per_token_loss(b, cfg, None, None)
     w = torch.where(mask, weights.to(logp.dtype), torch.ones((), dtype=logp.dtype, device=logp.device)).detach()
     if cfg.ratio == "geometric":  # one weight per row: the geometric mean of its tokens' weights
@@ -341,9 +340,9 @@ def bypass_mode_fn(**overrides) -> Callable:
                 kept = _rejection_mask(current, old_log_prob, mask, _get(rc, "rollout_rs"), _get(rc, "rollout_rs_threshold"))
             weights = None
             if loss_type == "reinforce" and _get(rc, "rollout_is") is not None:
-                weights = rollout_correction.rollout_is_weights(current, old_log_prob, mask, level=_get(rc, "rollout_is"),
-                                             batch_normalize=bool(_get(rc, "rollout_is_batch_normalize", False)),
-                                             **_is_bounds(_get(rc, "rollout_is_threshold", 2.0)))
+                weights = is_weights_of(current, old_log_prob, mask, level=_get(rc, "rollout_is"),
+                                        batch_normalize=bool(_get(rc, "rollout_is_batch_normalize", False)),
+                                        **_is_bounds(_get(rc, "rollout_is_threshold", 2.0)))
         kept = kept.to(response_mask.dtype)
         if loss_type == "reinforce":
             return reinforce(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config, weights)
@@ -391,7 +390,7 @@ def _rejection_mask(current, rollout, mask, options: str, thresholds):
             if "_" in spec:
                 raise ValueError(f"{field}: expected one positive bound, got {spec!r}")
             bounds = dict(upper=_number(field, spec, positive=True))
-        kept = kept & rollout_correction.rollout_rejection_mask(current, rollout, mask, estimator=estimator, level=level,
+        kept = kept & rollout_rejection_mask(current, rollout, mask, estimator=estimator, level=level,
                                                                 **bounds)
     return kept
 

@@ -15,6 +15,12 @@ from typing import Optional
 
 import torch
 
+from . import supports_all_but
+
+# what the cpu and cuda backends take from here: the contract's ops (kernels/__init__.py)
+__all__ = ["supports", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_loss",
+           "covariance_choice"]
+
 try:
     from rlkernels import _C
 except ImportError as e:  # not built, or built for another CPU / torch: report why
@@ -30,6 +36,8 @@ def missing_reason() -> Optional[str]:
         return f"rlkernels._C is not importable ({IMPORT_ERROR}); build it with `pip install --no-build-isolation -e .`"
     return None
 
+
+supports = supports_all_but({})
 
 _ERRORS = {"ValueError: ": ValueError, "TypeError: ": TypeError}
 

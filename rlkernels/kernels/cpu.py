@@ -9,9 +9,8 @@ from typing import Tuple
 
 import torch
 
-from ._extension import (  # noqa: F401
-    _C, covariance_choice, missing_reason, policy_token_fwd, policy_token_loss, token_logprobs_bwd, token_logprobs_fwd,
-)
+from ._extension import *  # noqa: F401,F403  the contract's ops, shared by the cpu and cuda backends
+from ._extension import _C, missing_reason
 
 
 def available() -> Tuple[bool, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._dtypes import acc_dtype
+from . import supports_all_but
 
 # 4M fp32 elements = 16 MB per temporary; a 152k vocabulary gives chunks of 27 rows.
 CHUNK_ELEMENTS = 1 << 22
@@ -17,6 +18,11 @@ CHUNK_ELEMENTS = 1 << 22
 
 def available():
     return True, "pure PyTorch"
+
+
+supports = supports_all_but(dict.fromkeys(
+    ("policy_token_fwd", "policy_token_loss", "covariance_choice"),
+    "the torch backend has no fused policy kernels"))
 
 
 def _chunks(n_rows: int, vocab: int):

@@ -3,7 +3,7 @@
 Built by keyword, validated once, read by every path that evaluates the loss: `policy_loss`
 (the spec, on `(B, T)` log-probs), the fused ops (whose kernels take the inputs per token, flat)
 and the hidden-state path (chunk by chunk, through `flat`). Values are not masked here: the
-spec masks what it reads (`Batch`), the kernels read the mask.
+spec masks what it reads (`masked`, a `surrogates.Batch`), the kernels read the mask.
 
 No check reads a tensor's values on the host: value checks on device tensors are
 `torch._assert_async` (no synchronisation), and the counts of the aggregation stay tensors.
@@ -21,6 +21,7 @@ from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, che
 from .._groups import check_group_size, check_ids, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
+from .surrogates import Batch
 
 _GROUPED_RATIOS = ("group_expectation", "snis")
 
@@ -101,6 +102,28 @@ class LossInputs:
         """Input `name` as a contiguous `(B·T,)` vector (None stays None), for the kernels."""
         t = getattr(self, name)
         return None if t is None else t.reshape(-1).contiguous()
+
+    def masked(self, logp: Tensor, entropy: Optional[Tensor], config: PolicyLossConfig
+               ) -> Tuple[Batch, Optional[Tensor], Optional[Tensor]]:
+        """(`surrogates.Batch`, ℓ_ref, H) at log-probs `logp (B, T)`, every masked position zeroed, so padding
+        can hold anything."""
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        where = lambda t: None if t is None else torch.where(self.mask, t, zero)  # noqa: E731
+        if entropy is not None:
+            check_tensor("entropy", entropy, dtypes=FLOAT_DTYPES)
+            if entropy.shape != logp.shape:
+                raise ValueError(f"entropy: expected shape {tuple(logp.shape)} matching logp, "
+                                 f"got {tuple(entropy.shape)}")
+            entropy = entropy.to(logp.dtype)
+        if config.entropy_coef != 0 and entropy is None:
+            raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={config.entropy_coef})")
+        if config.top_entropy_quantile is not None and entropy is None:
+            raise ValueError(f"entropy: required when top_entropy_quantile is set ({config.top_entropy_quantile})")
+        logp_m = where(logp)
+        old = logp_m.detach() if self.old_logp is None else where(self.old_logp)
+        batch = Batch(inputs=self, logp=logp_m, old_logp=old, adv=where(self.adv),
+                      lengths=self.mask.sum(-1).to(logp.dtype))
+        return batch, where(self.ref_logp), where(entropy)
 
 
 def _count(name, x, dtype):

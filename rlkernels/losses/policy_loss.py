@@ -7,7 +7,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .._checks import FLOAT_DTYPES, check_tensor
+from .._checks import check_tensor
 from . import surrogates
 from .aggregation import aggregate, masked_mean
 from .config import PolicyLossConfig
@@ -69,7 +69,7 @@ def policy_loss(
 def evaluate(logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossInputs,
              config: PolicyLossConfig) -> LossOutput:
     """The loss and metrics of validated `inputs` at log-probs `logp (B, T)` and entropy (or None)."""
-    b, ref_logp, entropy = masked_batch(logp, entropy, inputs, config)
+    b, ref_logp, entropy = inputs.masked(logp, entropy, config)
     high_entropy = high_entropy_tokens(entropy, b.mask, config, inputs.entropy_quantile_group)
     w = surrogate_weights(b, inputs, config, high_entropy)
     per_token, sur, k = per_token_loss(b, config, ref_logp, entropy, w)
@@ -144,28 +144,6 @@ def _quantile(x, mask, q: float):
     lo, hi = pos.floor(), pos.ceil()
     low, high = values[torch.stack([lo, hi]).long()].unbind()  # a 1-d index: a 0-d one would be read on the host
     return torch.where(hi > lo, low + (high - low) * (pos - lo), low)
-
-
-def masked_batch(logp, entropy, inputs: LossInputs, config: PolicyLossConfig):
-    """(`surrogates.Batch`, ℓ_ref, H) with every masked position zeroed, so padding can hold anything."""
-    mask = inputs.mask
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    where = lambda t: None if t is None else torch.where(mask, t, zero)  # noqa: E731
-    if entropy is not None:
-        check_tensor("entropy", entropy, dtypes=FLOAT_DTYPES)
-        if entropy.shape != logp.shape:
-            raise ValueError(f"entropy: expected shape {tuple(logp.shape)} matching logp, got {tuple(entropy.shape)}")
-        entropy = entropy.to(logp.dtype)
-    if config.entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={config.entropy_coef})")
-    if config.top_entropy_quantile is not None and entropy is None:
-        raise ValueError(f"entropy: required when top_entropy_quantile is set ({config.top_entropy_quantile})")
-    logp_m = where(logp)
-    old = logp_m.detach() if inputs.old_logp is None else where(inputs.old_logp)
-    lengths = mask.sum(-1).to(logp.dtype)
-    b = surrogates.Batch(logp_m, old, mask, lengths, where(inputs.adv), inputs.adv_row, inputs.group,
-                         inputs.num_groups, inputs.group_size, inputs.rewards, inputs.is_weights)
-    return b, where(inputs.ref_logp), where(entropy)
 
 
 def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):

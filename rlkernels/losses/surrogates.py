@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .._groups import group_gather, group_logsumexp, group_softmax, group_sum
 from .aggregation import masked_sum_rows
+
+if TYPE_CHECKING:  # inputs.py imports this module
+    from .inputs import LossInputs
 
 
 @dataclasses.dataclass
@@ -23,21 +26,21 @@ class Surrogate:
     clipped_high: torch.Tensor  # (B, T) bool
 
 
-@dataclasses.dataclass
 class Batch:
-    """The inputs of one loss call, masked positions already zeroed (so no NaN can leak in)."""
+    """One loss call's log-probs, masked positions zeroed (so no NaN can leak in), with its `LossInputs`,
+    whose other fields (groups, rewards, weights) it reads there. Built by `LossInputs.masked`, by keyword."""
 
-    logp: torch.Tensor  # ℓ (B, T)
-    old_logp: torch.Tensor  # ℓ_old (B, T), detached
-    mask: torch.Tensor  # (B, T) bool
-    lengths: torch.Tensor  # L_i (B,)
-    adv: Optional[torch.Tensor]  # A (B, T), per-row advantages broadcast
-    adv_row: Optional[torch.Tensor]  # (B,), only for sequence-level ratios
-    group: Optional[torch.Tensor]  # (B,) group index in [0, num_groups), None for contiguous groups of group_size
-    num_groups: int
-    group_size: Optional[int]  # the groups are contiguous runs of this many rows (None: any index)
-    rewards: Optional[torch.Tensor]  # (B,), only for snis
-    is_weights: Optional[torch.Tensor] = None  # (B, T) importance weights ω, read by VESPO's ratio only
+    def __init__(self, *, inputs: LossInputs, logp: torch.Tensor, old_logp: torch.Tensor,
+                 adv: Optional[torch.Tensor], lengths: torch.Tensor):
+        self.inputs = inputs
+        self.logp = logp  # ℓ (B, T)
+        self.old_logp = old_logp  # ℓ_old (B, T), detached
+        self.adv = adv  # A (B, T), per-row advantages broadcast
+        self.lengths = lengths  # L_i (B,)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.inputs.mask
 
     def row_mean(self, x: torch.Tensor) -> torch.Tensor:
         return masked_sum_rows(x, self.mask) / self.lengths.clamp(min=1)
@@ -262,7 +265,7 @@ def sequence_sum(b: Batch, cfg) -> Surrogate:
     s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
-    adv = b.adv_row
+    adv = b.inputs.adv_row
     row_loss = -torch.minimum(torch.exp(s) * adv, torch.exp(torch.clamp(s, low, high)) * adv)
     s = s.detach()
     return Surrogate(
@@ -280,8 +283,8 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 def vespo(b: Batch, cfg) -> Surrogate:
     """VESPO: −sg(φ(w_i))·A·ℓ, φ(w) = exp(λ + k·log w − λ·w), w_i the raw sequence ratio (TRL's bounds)."""
     with torch.no_grad():
-        phi, w = vespo_weight(masked_sum_rows(_token_log_ratio(b, cfg), b.mask), b.adv_row, cfg,
-                              b.is_weights, b.mask)
+        phi, w = vespo_weight(masked_sum_rows(_token_log_ratio(b, cfg), b.mask), b.inputs.adv_row, cfg,
+                              b.inputs.is_weights, b.mask)
     return Surrogate(-b.per_token(phi) * b.adv * b.logp, b.per_token(w), _none(b), _none(b))
 
 
@@ -304,7 +307,8 @@ def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg, is_wei
 def group_expectation(b: Batch, cfg) -> Surrogate:
     """GEPO: log w_i = log p_i − log Ê_g with Ê_g = Σ_g q_j² / Σ_g q_j, all in log space."""
     valid = b.lengths > 0
-    log_e = gepo_log_expectation(b.row_mean(b.old_logp), b.group, b.num_groups, valid, b.group_size)
+    i = b.inputs
+    log_e = gepo_log_expectation(b.row_mean(b.old_logp), i.group, i.num_groups, valid, i.group_size)
     log_w = (b.row_mean(b.logp) - log_e).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_w = torch.where(valid, log_w, torch.zeros_like(log_w))  # a group of empty rows has no Ê_g
     return clip_objective(b.per_token(torch.exp(log_w)), b.adv, cfg)
@@ -323,7 +327,7 @@ def geometric(b: Batch, cfg) -> Surrogate:
     delta = _token_log_ratio(b, cfg)
     sign = torch.sign(b.adv)
     clipped = sign * torch.minimum(sign * delta, sign * delta.clamp(-cfg.clip_low, cfg.clip_high))
-    row_loss = -b.adv_row * torch.exp(b.row_mean(clipped))
+    row_loss = -b.inputs.adv_row * torch.exp(b.row_mean(clipped))
     delta = delta.detach()
     return Surrogate(
         b.per_token(row_loss),
@@ -340,7 +344,8 @@ def snis(b: Batch, cfg) -> Surrogate:
     row loss −ŵ_i (R_i − b_g)·Σ_t m ℓ, with ŵ and b constants. The ratio metric is ρ_i = e^clamp(log ρ_i).
     """
     log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).detach()
-    row_loss = -snis_advantage(log_rho, b.rewards, b.group, b.num_groups, b.lengths > 0, b.group_size) * \
+    i = b.inputs
+    row_loss = -snis_advantage(log_rho, i.rewards, i.group, i.num_groups, b.lengths > 0, i.group_size) * \
         masked_sum_rows(b.logp, b.mask)
     none = torch.zeros_like(b.mask)
     rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))

@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 
 from ..losses import PolicyLossConfig
-from ..losses.aggregation import aggregation_weights
-from ..losses.inputs import LossInputs
-from ..losses.surrogates import clip_cov_tokens
+from ..losses.spec import LossInputs, aggregation_weights, clip_cov_tokens
 from ._token_stats import loss_from_stats
 from .kernel_params import covariance_choice_params, covariance_params
 

@@ -19,8 +19,9 @@ from .._checks import (
     FLOAT_DTYPES, INT_DTYPES, check_int, check_softcap, check_targets, check_temperature, check_tensor,
 )
 from .._dtypes import acc_dtype
+from ..kernels.softcap import with_softcap
 from ._gpu_like import gpu_like
-from ._rows import kernel_checks_targets, with_softcap
+from ._rows import kernel_checks_targets
 from .token_logprobs import _resolve
 
 # A CPU chunk: ≤ 56 MiB of logits with their fp32 image: the extra peak (one chunk) at N = 2048,

@@ -13,9 +13,7 @@ from typing import Optional
 import torch
 
 from ..losses import LossOutput, PolicyLossConfig
-from ..losses.aggregation import aggregation_weights
-from ..losses.inputs import LossInputs
-from ..losses.policy_loss import evaluate, high_entropy_tokens, separate_entropy_bonus
+from ..losses.spec import LossInputs, aggregation_weights, evaluate, high_entropy_tokens, separate_entropy_bonus
 from ._covariance_step import covariance_step
 from ._plan import Step, plan
 from ._sequence_step import sequence_step

@@ -16,6 +16,7 @@ import enum
 import warnings
 from typing import Optional
 
+from ..kernels import Kernels
 from ..kernels.token_loss_params import KL_ESTIMATORS
 from ..losses import PolicyLossConfig
 from ._sequence_step import PAIRS as SEQUENCE_PAIRS
@@ -36,15 +37,15 @@ class Plan:
     lacking: Optional[str] = None
 
 
-def plan(config: PolicyLossConfig, kernels, forward: bool = True) -> Plan:
+def plan(config: PolicyLossConfig, kernels: Kernels, forward: bool = True) -> Plan:
     """The step that evaluates `config` with backend `kernels`; `forward=False` where the pass over the logits
     cannot run `policy_token_fwd` (a vocabulary-sharded head)."""
-    if forward and hasattr(kernels, "policy_token_fwd") and kernel_supports(config):
+    if forward and kernels.supports("policy_token_fwd") is None and kernel_supports(config):
         return Plan(Step.FORWARD)
-    if hasattr(kernels, "policy_token_loss") and kernel_terms(config) and (
+    if kernels.supports("policy_token_loss") is None and kernel_terms(config) and (
             (config.ratio, config.objective) in SEQUENCE_PAIRS or token_objective(config)):
         return Plan(Step.SEQUENCE)
-    if hasattr(kernels, "covariance_choice") and covariance_supports(config):
+    if kernels.supports("covariance_choice") is None and covariance_supports(config):
         return Plan(Step.COVARIANCE)
     return Plan(Step.AUTOGRAD, _lacking(config) if config.ratio == "token" else None)
 

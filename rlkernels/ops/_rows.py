@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -134,21 +133,3 @@ def run_blocks(kernel, blocks, per_row, *args):
         return parts[0]
     return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
-
-class _SoftCapped:
-    """A backend's kernels with a final-logit cap bound: every pass over logits reads them as
-    c·tanh(z/c) (kernels/__init__.py); the other kernels are the backend's own."""
-
-    def __init__(self, kernels, softcap: float):
-        self._kernels = kernels
-        for name in ("token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd"):
-            if hasattr(kernels, name):  # the torch backend has no fused policy kernel
-                setattr(self, name, functools.partial(getattr(kernels, name), softcap=softcap))
-
-    def __getattr__(self, name):
-        return getattr(self._kernels, name)
-
-
-def with_softcap(kernels, softcap: float):
-    """`kernels` whose passes over logits apply the cap `softcap` (0.0: `kernels` themselves)."""
-    return _SoftCapped(kernels, softcap) if softcap else kernels

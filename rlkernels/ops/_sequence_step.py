@@ -31,11 +31,8 @@ import torch
 from torch import Tensor
 
 from ..losses import LossOutput, PolicyLossConfig
-from ..losses.aggregation import aggregation_weights
-from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
-from ..losses.policy_loss import masked_batch, surrogate_weights
-from ..losses.surrogates import cispo_weight, gepo_log_expectation, snis_advantage, vespo_weight
+from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation,
+                           metrics_from_sums, snis_advantage, surrogate_weights, vespo_weight)
 from ._token_stats import loss_from_stats
 from .kernel_params import log_band_params, surrogate_params, token_terms_params
 
@@ -126,7 +123,7 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
             return None
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
-    b, _, _ = masked_batch(logp.view(B, T), entropy.view(B, T), inputs, config)
+    b, _, _ = inputs.masked(logp.view(B, T), entropy.view(B, T), config)
     return surrogate_weights(b, inputs, config, high_entropy)
 
 

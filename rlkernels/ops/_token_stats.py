@@ -6,8 +6,7 @@ from typing import Optional
 import torch
 
 from ..losses import LossOutput
-from ..losses.inputs import LossInputs
-from ..losses.metrics import metrics_from_sums
+from ..losses.spec import LossInputs, metrics_from_sums
 
 
 def loss_from_stats(stats: torch.Tensor, inputs: LossInputs, sums: Optional[torch.Tensor] = None) -> LossOutput:

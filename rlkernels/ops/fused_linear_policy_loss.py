@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..kernels.token_loss_params import NUM_STATS
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.inputs import LossInputs
+from ..losses.spec import LossInputs
 from ._loss_step import add_entropy_bonus, entropy_bonus_grad, kernel_inputs, row_grads
 from ._token_stats import loss_from_stats
 from ._precomputed_grad import attach_grads

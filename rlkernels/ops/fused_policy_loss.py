@@ -22,14 +22,15 @@ import torch
 from torch import Tensor
 
 from .. import _backend
+from ..kernels.softcap import with_softcap
 from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.inputs import LossInputs
+from ..losses.spec import LossInputs
 from ._logits_grad import deferred_logits_grad
 from ._loss_step import kernel_inputs, row_grads, with_entropy_bonus
 from ._token_stats import loss_from_stats
 from .._checks import check_softcap
 from .._dtypes import acc_dtype
-from ._rows import check_logits_args, logits_rows, run_blocks, with_softcap
+from ._rows import check_logits_args, logits_rows, run_blocks
 from .token_logprobs import token_logprobs
 from ._plan import Step, plan, warn_general_path
 

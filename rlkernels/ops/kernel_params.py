@@ -12,7 +12,7 @@ from typing import Optional
 
 from ..kernels import token_loss_params as k
 from ..losses import PolicyLossConfig
-from ..losses.policy_loss import separate_entropy_bonus
+from ..losses.spec import separate_entropy_bonus
 
 # the objectives of the forward kernel and the KL estimators, by their config names (kernels.token_loss_params)
 _OBJECTIVES = {e.name: e.id for e in k.OBJECTIVES if k.FWD in e.ops}

@@ -19,10 +19,11 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_softcap, check_tensor
 from ..kernels._extension import python_errors
+from ..kernels.softcap import with_softcap
 from . import _c_ops
 from ._logits_grad import logits_grad
 from ._precomputed_grad import refuse_create_graph
-from ._rows import check_logits_args, logits_rows, run_blocks, with_softcap
+from ._rows import check_logits_args, logits_rows, run_blocks
 
 _OPS = {}
 _DEFINE_LOCK = threading.Lock()

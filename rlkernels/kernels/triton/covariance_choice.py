@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
+from .launch import on_device, plain, row_vector
 from .policy_token import token_rows
 from .token_loss import clamp
-from .token_logprobs import _on_device, _plain, _row_vector
 
 CHOOSE_KL_COV = tl.constexpr(P.CHOOSE_KL_COV)
 CHOICE_BLOCK, CHOICE_WARPS = 1024, 8  # tokens per step of the one program, its warps (benchmarks/gpu_static.py reads them)
@@ -107,7 +107,7 @@ def _covariance_choice_kernel(
         tl.store(out_ptr + i, tl.where(take, scale, 0.0), mask=i < n)
 
 
-def covariance_choice(logp, adv, old_logp, mask, draws, params, *, wrap=_plain):
+def covariance_choice(logp, adv, old_logp, mask, draws, params, *, wrap=plain):
     """Clip-Cov's (with fp32 uniform ``draws``) or KL-Cov's chosen tokens: fp32 (N,), ``params.scale`` on each, 0
     elsewhere. ``params``: a ``CovarianceChoiceParams``."""
     n, dev, mask = token_rows(logp, mask)
@@ -117,13 +117,13 @@ def covariance_choice(logp, adv, old_logp, mask, draws, params, *, wrap=_plain):
         raise ValueError("draws: expected uniform draws for clip_cov and none for kl_cov")
     if not 0 < p.fraction <= 1:
         raise ValueError(f"fraction: expected a value in (0, 1], got {p.fraction}")
-    logp, adv = logp.contiguous(), _row_vector(adv, n, dev, "adv")
-    old, draws = (None if x is None else _row_vector(x, n, dev, name)
+    logp, adv = logp.contiguous(), row_vector(adv, n, dev, "adv")
+    old, draws = (None if x is None else row_vector(x, n, dev, name)
                   for name, x in (("old_logp", old_logp), ("draws", draws)))
     out = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return out
-    with _on_device(dev):
+    with on_device(dev):
         wrap(_covariance_choice_kernel)[(1,)](
             logp, adv, logp if old is None else old, mask, logp if draws is None else draws,  # absent: never read
             out, n,

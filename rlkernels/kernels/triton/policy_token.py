@@ -11,10 +11,9 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
-from .token_loss import ENTROPY_COEF, token_loss  # by name, as token_logprobs.py says
-from .token_logprobs import (
-    INTERPRET, _check_logits, _on_device, _plain, _row_vector, cap_args, launch_config, row_forward,
-)
+from .launch import INTERPRET, cap_args, check_logits, launch_config, on_device, plain, row_vector
+from .logprobs import row_forward
+from .token_loss import ENTROPY_COEF, token_loss  # by name, as logprobs.py says
 
 
 @triton.jit
@@ -69,30 +68,30 @@ def _policy_token_fwd_kernel(
 
 
 def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, params,
-                     softcap=0.0, *, wrap=_plain):
+                     softcap=0.0, *, wrap=plain):
     """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats): fp32 (N,) each but
     lse_parts (N, 2) = [m, log s] and stats (N, 7).
 
     ``old_logp=None``: on-policy; ``ref_logp=None``: no reference (kl = 0); ``is_weights=None``: ω = 1.
     ``params``: a ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
     """
-    _check_logits(logits, targets)
+    check_logits(logits, targets)
     n, vocab = logits.shape
     dev = logits.device
     if mask.shape != (n,):
         raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
     mask = mask.to(device=dev, dtype=torch.bool).contiguous()
-    weight = _row_vector(weight, n, dev, "weight")
-    adv = _row_vector(adv, n, dev, "adv")
+    weight = row_vector(weight, n, dev, "weight")
+    adv = row_vector(adv, n, dev, "adv")
     has_old, has_ref, has_is_weights = old_logp is not None, ref_logp is not None, is_weights is not None
     logp, entropy, grad_logp, grad_entropy = (
         torch.empty(n, dtype=torch.float32, device=dev) for _ in range(4))
     lse_parts = torch.empty(n, 2, dtype=torch.float32, device=dev)
     stats = torch.empty(n, P.NUM_STATS, dtype=torch.float32, device=dev)
     # Never read when absent.
-    old_logp = _row_vector(old_logp, n, dev, "old_logp") if has_old else adv
-    ref_logp = _row_vector(ref_logp, n, dev, "ref_logp") if has_ref else adv
-    is_weights = _row_vector(is_weights, n, dev, "is_weights") if has_is_weights else adv
+    old_logp = row_vector(old_logp, n, dev, "old_logp") if has_old else adv
+    ref_logp = row_vector(ref_logp, n, dev, "ref_logp") if has_ref else adv
+    is_weights = row_vector(is_weights, n, dev, "is_weights") if has_is_weights else adv
     if n == 0:
         return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
     p = params
@@ -100,7 +99,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
-    with _on_device(dev):
+    with on_device(dev):
         wrap(_policy_token_fwd_kernel)[(n,)](
             logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp, is_weights,
             logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
@@ -175,14 +174,14 @@ def _policy_token_loss_kernel(
 
 
 def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, params, chosen=None, is_weights=None, *,
-                      wrap=_plain):
+                      wrap=plain):
     """(grad_logp, grad_entropy, stats) of the per-token loss at fp32 log-probs ``logp (N,)``:
     fp32 (N,), (N,) and (N, 7). ``entropy=None``: H = 0; ``adv=None``: A = 0 (only the KL and
     entropy terms); ``old_logp``, ``ref_logp`` as in ``policy_token_fwd``; ``chosen`` as
     `covariance_choice` gives it (None: no token chosen); ``is_weights`` ω (None: 1)."""
     n, dev, mask = token_rows(logp, mask)
-    logp, weight = logp.contiguous(), _row_vector(weight, n, dev, "weight")
-    optional = {name: None if x is None else _row_vector(x, n, dev, name)
+    logp, weight = logp.contiguous(), row_vector(weight, n, dev, "weight")
+    optional = {name: None if x is None else row_vector(x, n, dev, name)
                 for name, x in (("entropy", entropy), ("adv", adv), ("old_logp", old_logp), ("ref_logp", ref_logp),
                                 ("chosen", chosen), ("is_weights", is_weights))}
     grad_logp, grad_entropy = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
@@ -193,7 +192,7 @@ def policy_token_loss(logp, entropy, mask, weight, adv, old_logp, ref_logp, para
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
     block = LOSS_BLOCK
     given = {k: logp if x is None else x for k, x in optional.items()}  # absent: never read
-    with _on_device(dev):
+    with on_device(dev):
         wrap(_policy_token_loss_kernel)[(triton.cdiv(n, block),)](
             logp, given["entropy"], mask, weight, given["adv"], given["old_logp"], given["ref_logp"], given["chosen"],
             given["is_weights"],

@@ -29,7 +29,7 @@ to ulp(m/τ), which for large logits costs more than every other rounding togeth
 
 import triton
 import triton.language as tl
-# Unqualified, for torch.compile (token_logprobs.py).
+# Unqualified, for torch.compile (logprobs.py).
 from triton.language.extra.cuda.libdevice import mul_rn, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)

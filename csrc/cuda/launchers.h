@@ -1,6 +1,7 @@
-// Launchers of the CUDA kernels of the per-token log-prob / entropy primitive (docs/design.md §2; the
-// contract is in rlkernels/kernels/__init__.py). Torch-free: raw pointers, sizes and a stream, so
-// that token_logprobs.cu compiles with nvcc alone; csrc/cuda/bindings.cpp joins them to torch.
+// Launchers of every CUDA kernel: the per-token log-prob / entropy primitive (docs/design.md §2), the
+// per-token policy loss and the covariance choice (the contract is in rlkernels/kernels/__init__.py).
+// Torch-free: raw pointers, sizes and a stream, so that the .cu files compile with nvcc alone;
+// csrc/cuda/bindings.cpp joins them to torch.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -14,23 +14,17 @@ between them is whole, loaded without a mask in 16-byte vectors (`row_span`).
 I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
 """
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from .launch import cap_args, check_logits, launch_config, on_device, plain, row_vector
 
 # Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
 # by their global names (a module attribute such as row_math.f is not followed).
 from .row_math import (
     LN2, LOG2E, cap_tile, dlogits, lane_update, log_prob, mul_rounded, row_entropy, row_state,
 )
-
-# Decided when the kernels are decorated: CPU tensors work only if TRITON_INTERPRET=1 was set
-# before this module was first imported.
-INTERPRET = bool(triton.knobs.runtime.interpret)
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -196,94 +190,14 @@ def _token_logprobs_bwd_kernel(
     tl.store(out_row_ptr + target, grad_y.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-# Launch configuration: (BLOCK_V, num_warps) from V and the logit size.
-# A row ≤ 4096 fits one tile (no loop). Longer rows stream 16 KB tiles (8192 16-bit or 4096
-# fp32 logits) so every thread holds 16 logits: two (16-bit) or four (fp32) 16-byte vector
-# loads per thread and tile (half a tile at a time in the forward under a cap). ptxas for sm_90
-# gives these 30–43 registers, no spills, so 3–4 programs of 512 threads (16-bit) or 5–8 of 256
-# (fp32) stay resident per SM (`python -m benchmarks.gpu_static`). H100/H200 need ~32–64 KB of
-# reads in flight per SM to reach their 3.3–4.8 TB/s, which that many 16 KB tiles give; a
-# 152k-vocabulary row is 19–38 tiles.
-# Starting values for Hopper, to be confirmed by benchmarks/gpu_check.sh.
-# Under the interpreter (numpy, one program at a time) the cost is per tile, not per element:
-# 512-element tiles keep tests fast while V = 1000 and 4099 still take several tiles and a
-# partial last one.
-_INTERPRET_BLOCK_V = 512
-
-
-def launch_config(vocab: int, dtype: torch.dtype, interpret: bool = INTERPRET):
-    """(BLOCK_V, num_warps) for rows of ``vocab`` logits of ``dtype``."""
-    if interpret:
-        return min(max(triton.next_power_of_2(vocab), 16), _INTERPRET_BLOCK_V), 1
-    if vocab <= 4096:
-        block = max(triton.next_power_of_2(vocab), 128)
-        return block, 4 if block <= 2048 else 8
-    if dtype.itemsize == 2:
-        return 8192, 16
-    return 4096, 8
-
-
-def available():
-    """(ok, reason): whether this backend can run here."""
-    if torch.cuda.is_available():
-        return True, f"triton {triton.__version__} on CUDA"
-    if INTERPRET:
-        return True, f"triton {triton.__version__} interpreter (TRITON_INTERPRET=1) on CPU"
-    return False, "no CUDA device (CPU tensors need TRITON_INTERPRET=1 before import)"
-
-
-def _check_logits(logits, targets):
-    if logits.dtype not in _DTYPES:
-        raise TypeError(
-            f"logits: the triton backend takes float16, bfloat16 or float32, got {logits.dtype}"
-            " (use backend='torch' or 'cpu' for float64)"
-        )
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected (N, V) with unit stride over V, got shape "
-                         f"{tuple(logits.shape)} strides {logits.stride()}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits: V must be at least 1")
-    if targets.shape != logits.shape[:1]:
-        raise ValueError(f"targets: expected shape ({logits.shape[0]},), "
-                         f"got {tuple(targets.shape)}")
-    if logits.device.type != "cuda" and not INTERPRET:
-        raise ValueError(
-            f"logits: the triton backend needs CUDA tensors, got {logits.device}; CPU tensors "
-            "work only with TRITON_INTERPRET=1 set before rlkernels.kernels.triton is imported"
-        )
-
-
-def _row_vector(x, n, device, name, shape=()):
-    """An fp32 contiguous (N, *shape) tensor (for entropy, lse_parts (N, 2) and the incoming
-    gradients)."""
-    if x.shape != (n, *shape):
-        raise ValueError(f"{name}: expected shape {(n, *shape)}, got {tuple(x.shape)}")
-    return x.to(device=device, dtype=torch.float32).contiguous()
-
-
-def _on_device(device):
-    # Triton launches on the current CUDA device; rows on cuda:1 must not run on cuda:0.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _plain(kernel):
-    return kernel
-
-
-def cap_args(softcap):
-    """(c, 1/c) and HAS_CAP of a cap c (0.0: none) for the kernels."""
-    softcap = float(softcap)
-    return (softcap, 1.0 / softcap if softcap else 0.0), softcap > 0
-
-
-def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, *, wrap=_plain):
+def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, *, wrap=plain):
     """(logp, entropy, lse_parts): fp32, (N,), (N,) and (N, 2) = [m, log s]; entropy is empty
     unless ``need_entropy``; logp is NaN where a target is outside [0, V).
 
     ``wrap``: applied to the kernel before launch; ``torch.library.wrap_triton`` inside a
     ``triton_op`` lets torch.compile see the launch (the default launches it directly).
     """
-    _check_logits(logits, targets)
+    check_logits(logits, targets)
     n, vocab = logits.shape
     targets = targets.to(torch.int64).contiguous()
     dev = logits.device
@@ -294,7 +208,7 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, 
         return logp, entropy, lse_parts
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
-    with _on_device(dev):
+    with on_device(dev):
         wrap(_token_logprobs_fwd_kernel)[(n,)](
             logits, targets, logp, entropy if need_entropy else logp, lse_parts,
             vocab, logits.stride(0), 1.0 / float(temperature), *cap,
@@ -304,7 +218,7 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, 
 
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature,
-                       out=None, softcap=0.0, *, wrap=_plain):
+                       out=None, softcap=0.0, *, wrap=plain):
     """∂L/∂logits, (N, V) in the logits' dtype.
 
     ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): an
@@ -312,7 +226,7 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     ``logits`` itself (each tile is read before it is overwritten). ``wrap``: as in
     ``token_logprobs_fwd``.
     """
-    _check_logits(logits, targets)
+    check_logits(logits, targets)
     n, vocab = logits.shape
     dev = logits.device
     if out is None:
@@ -322,19 +236,19 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     if n == 0:
         return out
     targets = targets.to(torch.int64).contiguous()
-    lse_parts = _row_vector(lse_parts, n, dev, "lse_parts", (2,))
+    lse_parts = row_vector(lse_parts, n, dev, "lse_parts", (2,))
     if grad_logp is None:
         grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
-    grad_logp = _row_vector(grad_logp, n, dev, "grad_logp")
+    grad_logp = row_vector(grad_logp, n, dev, "grad_logp")
     has_h = grad_entropy is not None
     if has_h:
-        entropy = _row_vector(entropy, n, dev, "entropy")
-        grad_entropy = _row_vector(grad_entropy, n, dev, "grad_entropy")
+        entropy = row_vector(entropy, n, dev, "entropy")
+        grad_entropy = row_vector(grad_entropy, n, dev, "grad_entropy")
     else:
         entropy = grad_entropy = grad_logp  # never read
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
-    with _on_device(dev):
+    with on_device(dev):
         wrap(_token_logprobs_bwd_kernel)[(n,)](
             logits, targets, lse_parts, entropy, grad_logp, grad_entropy, out,
             vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature), *cap,

@@ -1,0 +1,32 @@
+// The schemas of the ops of `torch.ops.rlkernels_C`, in one place; each backend registers its kernels
+// with TORCH_LIBRARY_IMPL next to them (csrc/cpu/*.cpp, csrc/cuda/bindings.cpp). Here, with the CPU
+// sources, because those are compiled in every build.
+#include <torch/library.h>
+
+TORCH_LIBRARY(rlkernels_C, m) {
+  // Returns (logp, entropy, lse_parts); lse_parts (N, 2) holds each row's [m, log s], whose sum is the
+  // logsumexp (see rlkernels/kernels/__init__.py).
+  // softcap: the final-logit cap c (y = c·tanh(z/c)), 0 for none (rlkernels/row_math.h).
+  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, float temperature, float softcap, bool need_entropy)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
+        " Tensor? grad_entropy, float temperature, float softcap) -> Tensor");
+  // The same, written into `out`, which may be `logits` itself (see rlkernels/kernels/__init__.py).
+  m.def("token_logprobs_bwd_out(Tensor logits, Tensor targets, Tensor lse_parts, Tensor entropy, Tensor grad_logp,"
+        " Tensor? grad_entropy, float temperature, float softcap, Tensor(a!) out) -> ()");
+  // The forward plus the per-token policy loss; `params` packed as PARAMS of
+  // rlkernels/kernels/token_loss_params.py lays them out; is_weights: ω of the surrogate (None: 1). Returns (logp,
+  // entropy, lse_parts, grad_logp, grad_entropy, stats).
+  m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
+        " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, float[] params)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The per-token policy loss at given log-probs (N,); `params` as in policy_token_fwd.
+  // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
+  // 1). Returns (grad_logp, grad_entropy, stats).
+  m.def("policy_token_loss(Tensor logp, Tensor? entropy, Tensor mask, Tensor weight, Tensor? adv, Tensor? old_logp,"
+        " Tensor? ref_logp, Tensor? chosen, Tensor? is_weights, float[] params) -> (Tensor, Tensor, Tensor)");
+  // Clip-Cov's (objective 0, with uniform `draws`) or KL-Cov's (1) tokens of a call: `scale` on each chosen token,
+  // 0 elsewhere, in the dtype of logp.
+  m.def("covariance_choice(Tensor logp, Tensor adv, Tensor? old_logp, Tensor mask, Tensor? draws, int objective, float fraction, float cov_lb, float cov_ub, float clip_low, float clip_high,"
+        " float log_ratio_clamp, float scale) -> Tensor");
+}
