@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, from_args, loop, task, train
+from rlkernels.trainer import Config, checkpoint, from_args, generation, run_folder, task, train
+from rlkernels.trainer import model as trainer_model
+from rlkernels.trainer import update as trainer_update
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
             prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=3, eval_every=2, ckpt_every=2,
@@ -70,14 +72,14 @@ def test_every_preset_runs(tmp_path, algo):
 def test_warmup_stops_at_its_target_reached_twice_in_a_row(tmp_path, monkeypatch, capsys):
     """The demo's warm-up checks the held-out reward every warmup_eval_every steps (not at its last step, which the
     reward before RL measures) and stops at the second check in a row at or above the target."""
-    real, script, calls = loop.evaluate, iter([0.5, 0.1, 0.6, 0.7]), []  # the checks at steps 5, 10, 15, 20
+    real, script, calls = generation.evaluate, iter([0.5, 0.1, 0.6, 0.7]), []  # the checks at steps 5, 10, 15, 20
 
     def evaluate(*args, **kw):
         calls.append(1)
         value = next(script, None)
         return real(*args, **kw) if value is None else (value, [])
 
-    monkeypatch.setattr(loop, "evaluate", evaluate)
+    monkeypatch.setattr(generation, "evaluate", evaluate)
     run(tmp_path / "a", steps=1, warmup_steps=40, warmup_eval_every=5, warmup_target=0.5)
     # 4 checks, then the evaluations before RL and after its step
     assert len(calls) == 4 + 2 and "warm-up: 20 supervised steps (stopped at the target twice" in capsys.readouterr().out
@@ -91,9 +93,9 @@ def test_warmup_stops_at_its_target_reached_twice_in_a_row(tmp_path, monkeypatch
 
 
 def test_dr_grpo_divides_by_the_max_completion_length():
-    cfg = loop.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
+    cfg = trainer_update.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
     assert (cfg.agg, cfg.norm_length) == ("constant", 7)
-    assert loop.loss_config(Config(**{**TINY, "algo": "grpo"}), 4).norm_length is None
+    assert trainer_update.loss_config(Config(**{**TINY, "algo": "grpo"}), 4).norm_length is None
 
 
 @pytest.mark.parametrize("extra", [
@@ -128,13 +130,13 @@ def strict_json(text):
 
 
 def _with_loss_head(monkeypatch, change):
-    real = loop.loss_head
+    real = trainer_model.loss_head
 
     def head(*args, **kw):
         out = real(*args, **kw)
         return type(out)(*change(out.loss, dict(out.metrics)))
 
-    monkeypatch.setattr(loop, "loss_head", head)
+    monkeypatch.setattr(trainer_model, "loss_head", head)
 
 
 def test_non_finite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
@@ -257,11 +259,11 @@ def test_checkpoints_are_fsynced_and_stale_temp_files_removed(tmp_path, monkeypa
                                                  real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
     tmp = str(tmp_path / "checkpoint.pt.tmp")
-    loop.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+    checkpoint.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
     assert events == [("fsync", tmp), ("replace", tmp)]
     # a kill during a save leaves the temp file: the next start removes it
     open(tmp, "wb").write(b"half a checkpoint")
-    loop.prepare_out_dir(str(tmp_path))
+    run_folder.prepare_out_dir(str(tmp_path))
     assert not os.path.exists(tmp) and os.path.exists(tmp_path / "checkpoint.pt")
 
 
@@ -272,7 +274,7 @@ def test_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(ValueError, match=r"--out: cannot write .*checkpoint.pt \(.*basic_ios::clear"):
-        loop.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+        checkpoint.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
     assert os.listdir(tmp_path) == []  # no half-written temp file left behind
 
 
@@ -284,10 +286,10 @@ def test_a_full_disk_while_logging_is_a_one_line_error(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return builtins.open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "open", full, raising=False)
+    monkeypatch.setattr(run_folder, "open", full, raising=False)
     for name, mode in (("metrics.jsonl", "a"), ("summary.json", "w")):
         with pytest.raises(ValueError, match=rf"--out: cannot write .*{name} \(No space left on device\)"):
-            loop.write_file(str(tmp_path / name), "{}", mode)
+            run_folder.write_file(str(tmp_path / name), "{}", mode)
 
 
 def test_recorded_logprobs_match_the_sampler():
@@ -304,7 +306,7 @@ def test_recorded_logprobs_match_the_sampler():
     P = ids.shape[1]
     gen = torch.stack(out.logits, 1).float()
     expected = torch.log_softmax(gen / 0.7, -1).gather(-1, seq[:, P:, None])[..., 0]
-    got, _ = loop.token_logp(model, seq, torch.cat([attn, torch.ones_like(seq[:, P:])], 1), P,
+    got, _ = trainer_model.token_logp(model, seq, torch.cat([attn, torch.ones_like(seq[:, P:])], 1), P,
                              dict(temperature=0.7, softcap=None))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
@@ -415,7 +417,7 @@ def test_out_dir_errors_come_first(tmp_path, monkeypatch, capsys):
     if os.geteuid() == 0:  # root writes anyway: simulate the refusal
         def refuse(*a, **k):
             raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(loop.tempfile, "TemporaryFile", refuse)
+        monkeypatch.setattr(run_folder.tempfile, "TemporaryFile", refuse)
     with pytest.raises(ValueError, match="--out: cannot write in .*ro' \\(Permission denied\\)"):
         train(Config(**{**TINY, "out": str(ro)}))
 
@@ -651,7 +653,7 @@ def test_the_trainer_reads_a_model_head_as_generate_samples_it():
     (Gemma 2), anything else is refused before training."""
     import transformers
 
-    from rlkernels.trainer.loop import output_head_of, token_logp
+    from rlkernels.trainer.model import output_head_of, token_logp
 
     small = dict(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2, max_position_embeddings=32)

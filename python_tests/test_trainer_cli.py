@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, from_args, loop, task
-from rlkernels.trainer import config as C
+from rlkernels.trainer import Config, from_args, rewards, task
+from rlkernels.trainer import run_config as C
 
 
 def test_help_lists_every_field_hyphenated_with_help(capsys):
@@ -132,7 +132,7 @@ def test_file_errors_before_any_model_is_built(tmp_path, argv, message, capsys, 
     boom = lambda *a, **k: pytest.fail("a model was built")  # noqa: E731
     monkeypatch.setattr(task, "tiny_model", boom)
     monkeypatch.setattr(task, "load_model", boom)
-    monkeypatch.setattr(loop.rewards_lib, "build", boom)  # the reward model loads there
+    monkeypatch.setattr(rewards, "build", boom)  # the reward model loads there
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(tmp_path / "o")]

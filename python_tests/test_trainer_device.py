@@ -11,7 +11,7 @@ from test_trainer import TINY, _strip, check_run, run
 
 import rlkernels
 from rlkernels.train import main
-from rlkernels.trainer import Config, device, from_args, loop, train
+from rlkernels.trainer import Config, device, from_args, run_config, train
 
 
 def test_auto_is_cpu_and_float32_without_a_gpu(monkeypatch):
@@ -67,12 +67,12 @@ def test_resolution_on_gpus(monkeypatch):
 
 def test_resume_takes_the_device_from_its_flags_and_the_dtype_from_the_run(tmp_path):
     saved = {**dataclasses.asdict(Config(**TINY)), "device": "cuda:0", "dtype": "bfloat16"}
-    cfg = loop.merge_resume(Config(resume=str(tmp_path)), saved)
+    cfg = run_config.merge_resume(Config(resume=str(tmp_path)), saved)
     assert (cfg.device, cfg.dtype, cfg.steps) == ("auto", "bfloat16", TINY["steps"])
-    assert loop.merge_resume(Config(resume=str(tmp_path), dtype="float32"), saved).dtype == "float32"
+    assert run_config.merge_resume(Config(resume=str(tmp_path), dtype="float32"), saved).dtype == "float32"
     del saved["device"], saved["dtype"]  # a checkpoint from before the flags: it ran in float32
-    assert loop.merge_resume(Config(resume=str(tmp_path)), saved).dtype == "float32"
-    assert loop.merge_resume(Config(resume=str(tmp_path), dtype="bfloat16"), saved).dtype == "bfloat16"
+    assert run_config.merge_resume(Config(resume=str(tmp_path)), saved).dtype == "float32"
+    assert run_config.merge_resume(Config(resume=str(tmp_path), dtype="bfloat16"), saved).dtype == "bfloat16"
 
 
 def _spy_on_the_loss_head(monkeypatch):

@@ -147,9 +147,9 @@ def test_a_torn_metrics_line_does_not_block_resume(reference, tmp_path):
 def signal_in(where, sig, times=1):
     """Send `sig` to this process `times` times when it enters `where`: the warm-up's second batch, or the
     evaluation before RL (the first evaluation: TINY's warm-up makes no checks)."""
-    from rlkernels.trainer import loop, task
+    from rlkernels.trainer import generation, task
 
-    module, name, call = (task, "supervised_batch", 2) if where == "warm-up" else (loop, "evaluate", 1)
+    module, name, call = (task, "supervised_batch", 2) if where == "warm-up" else (generation, "evaluate", 1)
     real, calls = getattr(module, name), []
 
     def patched(*args, **kwargs):

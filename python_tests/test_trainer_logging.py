@@ -15,7 +15,8 @@ import torch
 from test_trainer import TINY, run
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, from_args, loop, train
+from rlkernels.trainer import Config, from_args, train
+from rlkernels.trainer import model as trainer_model
 
 
 def _lines(path):
@@ -150,7 +151,7 @@ class _SleepInBackward(torch.autograd.Function):
 def test_loss_head_time_holds_its_forward_and_backward_and_not_the_trunk(tmp_path, monkeypatch):
     """A head that sleeps 0.05 s forward and 0.1 s backward, a trunk that sleeps 0.3 s backward: the loss head's time
     holds the head's 0.15 s (and its own work), never the trunk's 0.3 s; the update holds both."""
-    real_head, real_hidden = loop.loss_head, loop.hidden_states
+    real_head, real_hidden = trainer_model.loss_head, trainer_model.hidden_states
 
     def head(model, hidden, *args, **kw):
         time.sleep(0.05)
@@ -159,8 +160,8 @@ def test_loss_head_time_holds_its_forward_and_backward_and_not_the_trunk(tmp_pat
     def hidden_states(*args):
         return _SleepInBackward.apply(real_hidden(*args), 0.3)
 
-    monkeypatch.setattr(loop, "loss_head", head)
-    monkeypatch.setattr(loop, "hidden_states", hidden_states)
+    monkeypatch.setattr(trainer_model, "loss_head", head)
+    monkeypatch.setattr(trainer_model, "hidden_states", hidden_states)
     summary, rows = run(tmp_path, steps=1)
     r = rows[0]
     assert 0.15 <= r["time/loss_head_s"] < 0.3 and r["time/update_s"] >= 0.45

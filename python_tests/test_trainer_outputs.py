@@ -15,7 +15,8 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 from rlkernels import demo  # noqa: E402
-from rlkernels.trainer import Config, loop, report, task  # noqa: E402
+from rlkernels.trainer import Config, loop, outputs, task  # noqa: E402
+from rlkernels.trainer import update as trainer_update  # noqa: E402
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def saved_figures(monkeypatch):
 def test_metrics_plot_starts_at_the_step_0_evaluation_and_names_the_reward(tmp_path, saved_figures):
     rows = [{"step": 1, "reward_mean": 0.2, "kl": 0.0, "entropy": 1.0, "clip_frac": 0.0},
             {"step": 2, "reward_mean": 0.3, "kl": 0.01, "entropy": 0.9, "clip_frac": 0.1, "eval_reward": 0.5}]
-    assert report.plot(rows, str(tmp_path / "m.png"), "title", "0.5·exact + 1·rm", 0.25)
+    assert outputs.plot(rows, str(tmp_path / "m.png"), "title", "0.5·exact + 1·rm", 0.25)
     reward_axes = saved_figures[0].axes[0]
     assert reward_axes.get_title() == "reward: 0.5·exact + 1·rm"
     held_out = [line for line in reward_axes.get_lines() if line.get_label() == "held-out (greedy)"][0]
@@ -73,12 +74,12 @@ def test_metrics_every_logging_steps_and_at_evaluations(tmp_path):
 
 def test_lr_schedule():
     cfg = Config(steps=10, lr_warmup_steps=2)
-    assert [loop.lr_factor(cfg, s) for s in (1, 2, 10)] == [0.5, 1.0, 1.0]
+    assert [trainer_update.lr_factor(cfg, s) for s in (1, 2, 10)] == [0.5, 1.0, 1.0]
     linear = Config(steps=10, lr_warmup_steps=2, lr_scheduler_type="linear")
     # transformers' linear schedule at its step s = step - 1: (T - s) / (T - W) after the warm-up
-    assert [loop.lr_factor(linear, s) for s in (1, 2, 3, 4, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.875, 1 / 8])
+    assert [trainer_update.lr_factor(linear, s) for s in (1, 2, 3, 4, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.875, 1 / 8])
     cosine = Config(steps=6, lr_warmup_steps=0, lr_scheduler_type="cosine")
-    assert loop.lr_factor(cosine, 1) == 1.0 and loop.lr_factor(cosine, 4) == pytest.approx(0.5)
+    assert trainer_update.lr_factor(cosine, 1) == 1.0 and trainer_update.lr_factor(cosine, 4) == pytest.approx(0.5)
 
 
 def test_scale_rewards_batch_divides_by_every_reward_std(tmp_path, monkeypatch):

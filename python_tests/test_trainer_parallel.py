@@ -14,7 +14,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from rlkernels.trainer import Config, device, loop, task, train
+from rlkernels.trainer import Config, device, distributed, task, train
+from rlkernels.trainer import model as trainer_model
+from rlkernels.trainer import update as trainer_update
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
             prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=2, eval_every=2, ckpt_every=2,
@@ -22,7 +24,7 @@ TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps
 CPU32 = device.Placement(torch.device("cpu"), torch.float32)
 B, P, T = 8, 5, 3
 HALVES = (torch.arange(4), torch.arange(4, 8))  # whole prompt groups on each rank
-HEAD_ARGS = {"temperature": 1.0, "softcap": None}  # the ops' arguments for a plain head (loop.output_head_of)
+HEAD_ARGS = {"temperature": 1.0, "softcap": None}  # the ops' arguments for a plain head (trainer_model.output_head_of)
 
 
 def _setup(algo, path="linear", critic=None, lora=False):
@@ -37,15 +39,15 @@ def _setup(algo, path="linear", critic=None, lora=False):
     mask[1, 1:] = False  # unequal lengths: token and row counts differ between the ranks
     mask[5, 2:] = False
     mask[6, 1:] = False
-    old, _ = loop.token_logp(model, seq, attn, P, HEAD_ARGS)
+    old, _ = trainer_model.token_logp(model, seq, attn, P, HEAD_ARGS)
     batch = dict(seq=seq, attn=attn, targets=seq[:, P:], mask=mask, old_logp=old - 0.1 * torch.rand(B, T),
                  ref_logp=old + 0.05, group_ids=torch.arange(B) // 4, rewards=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]),
                  advantages=torch.randn(B, T) if critic else torch.randn(B), values=torch.randn(B, T),
                  returns=torch.randn(B, T))
     if lora:
         model = task.add_lora(model, 4, 16.0)
-    value_model = loop.Critic(loop._parts(model)[0], 32, critic == "separate") if critic else None
-    forward = loop.UpdateForward(model, value_model, loop.loss_config(cfg, 4), HEAD_ARGS, path)
+    value_model = trainer_model.Critic(trainer_model.parts(model)[0], 32, critic == "separate") if critic else None
+    forward = trainer_update.UpdateForward(model, value_model, trainer_update.loss_config(cfg, 4), HEAD_ARGS, path)
     params = [p for p in forward.parameters() if p.requires_grad]
     return forward, params, batch, cfg
 
@@ -69,19 +71,19 @@ def _whole(t):
 def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison=False, fsdp=False):
     """Optimizer steps on `rows_per_step` (this rank's rows of each step's mini-batch); per step the
     (globally reduced) metrics, gradients, and parameters after it."""
-    engine = loop.update_engine(forward, CPU32, find_unused, fsdp)
+    engine = trainer_update.update_engine(forward, CPU32, find_unused, fsdp)
     params = [p for p in engine.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     optimizer = torch.optim.SGD(params, lr=0.1)
     out = []
     for i, rows in enumerate(rows_per_step):
         mb = {k: v[rows] for k, v in batch.items()}
         if poison and i == 0:  # a non-finite loss on one rank: every rank skips the step
-            mb["advantages"] = mb["advantages"] * (math.inf if loop.dist_info()[0] == 0 else 1.0)
-        num_items = loop.all_sum(mb["mask"].sum())
-        num_seqs = loop.all_sum((mb["mask"].sum(-1) > 0).sum())
-        m, skipped = loop.minibatch_update(engine, optimizer, params, mb, P, cfg, CPU32,
+            mb["advantages"] = mb["advantages"] * (math.inf if distributed.dist_info()[0] == 0 else 1.0)
+        num_items = distributed.all_sum(mb["mask"].sum())
+        num_seqs = distributed.all_sum((mb["mask"].sum(-1) > 0).sum())
+        m, skipped = trainer_update.minibatch_update(engine, optimizer, params, mb, P, cfg, CPU32,
                                            num_items=num_items, num_seqs=num_seqs)
-        summed = {k: loop.all_sum(m[k]) for k in loop.SUMMED_METRICS if k in m}
+        summed = {k: distributed.all_sum(m[k]) for k in trainer_update.SUMMED_METRICS if k in m}
         grads = [_whole(p.grad).clone() if p.grad is not None else None for p in params]
         out.append((skipped, summed, m.get("grad_norm"), grads, [_whole(p.detach()).clone() for p in params]))
     return out
@@ -109,7 +111,7 @@ def _run(name, rows_per_step, fsdp=False):
         return _steps(forward, params, batch, dataclasses.replace(cfg, max_grad_norm=0.1), rows_per_step, fsdp=fsdp)
     if name == "checkpointing":  # FSDP gathers each layer again for the recomputation in the backward
         forward, params, batch, cfg = _setup("grpo")
-        loop.enable_checkpointing(forward.policy)
+        trainer_model.enable_checkpointing(forward.policy)
         return _steps(forward.train(), params, batch, cfg, rows_per_step, fsdp=fsdp)
     setup, find_unused = CASES[name]
     return _steps(*_setup(*setup), rows_per_step, find_unused, fsdp=fsdp)
@@ -240,7 +242,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     forward, params, batch, cfg = _setup("grpo")
     loss, grads = _loss_and_grads(forward, params, batch, cfg)
     forward, params, batch, cfg = _setup("grpo")
-    loop.enable_checkpointing(forward.policy)
+    trainer_model.enable_checkpointing(forward.policy)
     mlp, calls = forward.policy.model.layers[0].mlp, []
     run_mlp = mlp.forward  # counted here: module hooks do not run again when the backward recomputes
     mlp.forward = lambda *a, **k: calls.append(1) or run_mlp(*a, **k)
@@ -270,4 +272,4 @@ def test_gradient_checkpointing_in_a_run_changes_no_metric(tmp_path):
 
 def test_gradient_checkpointing_refused_where_the_model_has_none():
     with pytest.raises(ValueError, match="--gradient-checkpointing: Linear does not support it"):
-        loop.enable_checkpointing(torch.nn.Linear(2, 2))
+        trainer_model.enable_checkpointing(torch.nn.Linear(2, 2))

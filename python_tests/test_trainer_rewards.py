@@ -11,7 +11,8 @@ import torch
 from test_trainer import TINY, _local_checkpoint, check_run, run
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, device, from_args, loop, rewards, train
+from rlkernels.trainer import Config, device, distributed, from_args, rewards, run_config, train
+from rlkernels.trainer import model as trainer_model
 
 CPU = device.Placement(torch.device("cpu"), torch.float32)
 
@@ -119,7 +120,7 @@ def test_config_file_lists_and_old_checkpoints(tmp_path):
     assert Config(reward="exact", reward_weights=2).reward == ["exact"]  # one value, as in checkpoints before lists
     assert Config(reward="exact").reward_weights == []
     saved = {**vars(Config()), "reward": "regex:(\\d+)"}  # a checkpoint's config from before several rewards
-    assert loop.merge_resume(Config(resume=str(tmp_path)), saved, explicit=set()).reward == ["regex:(\\d+)"]
+    assert run_config.merge_resume(Config(resume=str(tmp_path)), saved, explicit=set()).reward == ["regex:(\\d+)"]
 
 
 def test_config_file_takes_a_list(tmp_path):
@@ -156,9 +157,9 @@ def test_per_function_metrics_over_the_rows_it_scored(tmp_path):
 def test_nan_mean_std_matches_torch():
     x = torch.tensor([1.0, math.nan, 3.0, 0.5, math.nan], dtype=torch.float64)
     seen = x[~x.isnan()]
-    mean, std = loop.nan_mean_std(x)
+    mean, std = distributed.nan_mean_std(x)
     assert mean == pytest.approx(float(seen.mean())) and std == pytest.approx(float(seen.std()))
-    assert loop.nan_mean_std(x[1:2]) == (None, None) and loop.nan_mean_std(x[:1]) == (1.0, 0.0)
+    assert distributed.nan_mean_std(x[1:2]) == (None, None) and distributed.nan_mean_std(x[:1]) == (1.0, 0.0)
 
 
 # ---- the reward model
@@ -272,7 +273,7 @@ def test_normalize_then_sum_equals_the_calculation_by_hand():
     groups = [7, 7, 7, 7, -3, -3, -3, 5, 0, 0]
     weights = [2.0, -0.5, 1.0]
     parts = torch.tensor([[math.nan if r is None else r for r in row] for row in rows], dtype=torch.float64)
-    got = rewards.normalize_then_sum(parts, weights, torch.tensor(groups), loop.nan_mean_std)
+    got = rewards.normalize_then_sum(parts, weights, torch.tensor(groups), distributed.nan_mean_std)
     assert got.dtype == torch.float64
     assert got.tolist() == pytest.approx(gdpo_by_hand(rows, groups, weights), rel=1e-12, abs=1e-12)
 
@@ -285,7 +286,7 @@ def test_normalize_then_sum_weighs_rewards_by_weight_not_scale():
     ids = torch.tensor([0, 0, 0])
     small = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     large = small * torch.tensor([1.0, 1000.0], dtype=torch.float64)
-    gdpo_small, gdpo_large = (rewards.normalize_then_sum(p, [1.0, 1.0], ids, loop.nan_mean_std) for p in (small, large))
+    gdpo_small, gdpo_large = (rewards.normalize_then_sum(p, [1.0, 1.0], ids, distributed.nan_mean_std) for p in (small, large))
     assert gdpo_large.tolist() == pytest.approx(gdpo_small.tolist(), rel=1e-3) and gdpo_small[0] > 0
     assert group_normalized(small.sum(1), ids)[0] > 0 > group_normalized(large.sum(1), ids)[0]
 
@@ -306,7 +307,7 @@ def test_training_with_normalize_then_sum(tmp_path, monkeypatch):
     from rlkernels import sampling
 
     seen, trained = [], []
-    real_gdpo, real_head = rewards.normalize_then_sum, loop.loss_head
+    real_gdpo, real_head = rewards.normalize_then_sum, trainer_model.loss_head
 
     def gdpo(parts, weights, group_ids, batch_mean_std):
         out = real_gdpo(parts, weights, group_ids, batch_mean_std)
@@ -318,7 +319,7 @@ def test_training_with_normalize_then_sum(tmp_path, monkeypatch):
         return real_head(model, hidden, batch, *args, **kw)
 
     monkeypatch.setattr(rewards, "normalize_then_sum", gdpo)
-    monkeypatch.setattr(loop, "loss_head", head)
+    monkeypatch.setattr(trainer_model, "loss_head", head)
     summary, rows = run(tmp_path, steps=1, algo="dapo", overlong_buffer=1, reward_weights=[1.0, 0.5],
                         multi_objective_aggregation="normalize_then_sum",
                         reward=["exact", "test_trainer_rewards:first_digit_reward"])

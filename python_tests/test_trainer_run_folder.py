@@ -8,7 +8,7 @@ import json
 import pytest
 from test_trainer import run
 
-from rlkernels.trainer import export, report
+from rlkernels.trainer import export, outputs
 
 ROWS = [{"step": s, "reward_mean": s / 10} for s in range(1, 9)]
 
@@ -16,7 +16,7 @@ ROWS = [{"step": s, "reward_mean": s / 10} for s in range(1, 9)]
 def test_a_full_disk_while_resume_rewrites_metrics_loses_no_row(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    dumps, written = report.dumps, []
+    dumps, written = outputs.dumps, []
 
     def full_after_two_rows(obj, **kw):
         if len(written) == 2:
@@ -24,13 +24,13 @@ def test_a_full_disk_while_resume_rewrites_metrics_loses_no_row(tmp_path, monkey
         written.append(obj)
         return dumps(obj, **kw)
 
-    monkeypatch.setattr(report, "dumps", full_after_two_rows)
+    monkeypatch.setattr(outputs, "dumps", full_after_two_rows)
     with pytest.raises(ValueError, match=r"^--out: cannot write .*metrics.jsonl \(No space left on device\); "):
-        report.truncate_metrics(str(path), str(path), 8)
+        outputs.truncate_metrics(str(path), str(path), 8)
     assert [json.loads(line) for line in path.read_text().splitlines()] == ROWS
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
-    monkeypatch.setattr(report, "dumps", dumps)
-    assert report.truncate_metrics(str(path), str(path), 5) == ROWS[:5]
+    monkeypatch.setattr(outputs, "dumps", dumps)
+    assert outputs.truncate_metrics(str(path), str(path), 5) == ROWS[:5]
     assert [json.loads(line) for line in path.read_text().splitlines()] == ROWS[:5]
 
 

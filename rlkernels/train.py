@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from .trainer import config as C
+    from .trainer import run_config as C
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # anywhere on the command line, before any other check

@@ -23,7 +23,7 @@ import torch
 
 from .._groups import group_gather, group_index, group_sum
 from . import task
-from .config import FLOAT32_MAX, Config
+from .run_config import FLOAT32_MAX, Config
 
 DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
 GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum

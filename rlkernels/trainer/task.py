@@ -17,7 +17,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from .config import REWARD_FORMS
+from .run_config import REWARD_FORMS
 
 
 class CharTokenizer:
@@ -182,10 +182,7 @@ def load_model(path: str):
 def add_lora(model, rank: int, alpha: float, target: str = "all-linear"):
     """Wrap `model` in peft LoRA adapters on `target`: "all-linear" (every linear layer but the head, for
     any architecture) or comma-separated module names."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ValueError("--lora-rank: needs the optional package peft (pip install peft)") from None
+    from peft import LoraConfig, get_peft_model  # run_config.validate has checked that it is installed
     targets = target if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
     try:
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))

@@ -8,7 +8,7 @@ and transformers' `report_to`), beside `metrics.jsonl` and `completions.jsonl`, 
   needs the network; `wandb sync` uploads later), the metrics at their step and the completions as a Table.
   A resumed run is a new W&B run, named after the run folder like the first.
 Each needs the optional package of its name: asking for one that is not installed is an error naming the
-flag (`config.validate`, before any model loads).
+flag (`run_config.validate`, before any model loads).
 """
 from __future__ import annotations
 

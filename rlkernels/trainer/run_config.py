@@ -571,3 +571,39 @@ def describe(cfg: Config) -> str:
     shown = [f"{_flag(f)} {' '.join(map(str, v)) if isinstance(v, list) else v}"
              for f, v in dataclasses.asdict(cfg).items() if v != getattr(default, f) and f not in ("out", "resume")]
     return " ".join(shown) or "the defaults"
+
+
+# ----------------------------------------------------------------------------------------------
+# --resume: the checkpoint's config under this run's flags
+
+# what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
+RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
+# what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
+# a GPU resumes on a CPU machine)
+RESUME_FRESH = ("resume", "device")
+
+
+def run_dir(resume: str) -> str:
+    """The folder of the run that `--resume` (a run folder or its checkpoint file) points at."""
+    return resume if os.path.isdir(resume) else os.path.dirname(resume) or "."
+
+
+def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Config:
+    """The checkpoint's config, with the fields set explicitly (by default: those that differ
+    from the defaults) taken from `cfg`. `resume` always comes from `cfg`, and `out` unless
+    given is the run's own folder."""
+    default = Config()
+    # checkpoints from before --dtype ran in float32; older names (--prompts) are today's
+    saved = {"dtype": "float32", **{trl_names.RENAMED.get(k, k): v for k, v in saved.items()}}
+    if explicit is None:
+        explicit = {f for f in saved if getattr(cfg, f, None) != getattr(default, f, None)}
+    for f in RESUME_FIXED:
+        if f in explicit and f in saved and getattr(cfg, f) != saved[f]:
+            raise ValueError(f"{_flag(f)}: the run in {cfg.resume!r} has {saved[f]!r} and a resumed run keeps it "
+                             f"(start a new run to change it), got {getattr(cfg, f)!r}")
+    merged = {**saved, **{f: getattr(cfg, f) for f in explicit if f in saved}}
+    merged.update({f: getattr(cfg, f) for f in RESUME_FRESH})
+    merged["out"] = cfg.out or run_dir(cfg.resume)
+    out = Config(**{k: v for k, v in merged.items() if k in FIELDS})
+    validate(out)
+    return out

@@ -1,0 +1,96 @@
+"""checkpoint.pt: the model(s), optimizer, RNG states and step of a run, with its config; written atomically,
+read back without running anything in the file."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import random
+import re
+
+import torch
+import torch.distributed as dist
+
+from . import device, export, run_folder, sharding
+from .run_folder import CHECKPOINT
+from .state import Run
+
+CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
+
+
+def save_checkpoint(path, state):
+    """Write `path` atomically: a kill leaves the previous checkpoint or this one, never a torn file."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint (else a crash can leave it empty)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # e.g. a full disk, which torch reports as "basic_ios::clear"
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(f"--out: cannot write {path} ({e})") from None
+
+
+def save(run: Run, step: int) -> None:
+    """checkpoint.pt (whole tensors and every rank's random state: under FSDP gathered onto rank 0, so every rank
+    takes part) and the model as from_pretrained loads it."""
+    cfg, place = run.cfg, run.place
+    rngs = [device.rng_state(place.device)]
+    if run.world > 1:
+        rngs = [None] * run.world
+        dist.all_gather_object(rngs, device.rng_state(place.device))
+    cpu_rngs, cuda_rngs = zip(*rngs)
+    model_state = sharding.full_state_dict(run.policy)
+    optimizer_state = sharding.optimizer_state_dict(run.engine, run.optimizer)
+    critic_state = sharding.full_state_dict(run.critic) if run.critic is not None else None
+    ref_state = sharding.full_state_dict(run.ref) if run.ref is not None and not cfg.model else None
+    if not run.master:
+        return
+    save_checkpoint(os.path.join(cfg.out, CHECKPOINT), {
+        "config": dataclasses.asdict(cfg), "step": step, "kl_coef": run.beta,
+        "model": model_state, "critic": critic_state, "ref": ref_state,
+        "optimizer": optimizer_state, "eval_reward_before": run.eval_before,
+        "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
+                "python": run.rng.getstate(), "python_global": random.getstate()},
+    })
+    plain = run.policy if run.meta_policy is None else sharding.with_weights(run.meta_policy, model_state)
+    with run_folder.writing(cfg.out):
+        export.save_pretrained(plain, run.tok, cfg.out, merge_lora=cfg.merge_lora)
+
+
+def load_checkpoint(resume: str) -> dict:
+    """The checkpoint `--resume` points at (a run folder or the file), checked to be one of this trainer's."""
+    path = os.path.join(resume, CHECKPOINT) if os.path.isdir(resume) else resume
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: no {CHECKPOINT} in {resume!r}")
+    try:
+        # tensors and plain Python values only (all a trainer checkpoint holds): a crafted file runs no code
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated, foreign or crafted file: say which flag pointed at it
+        msg = str(e)
+        name = re.search(r"GLOBAL (\S+)", msg)
+        if isinstance(e, pickle.UnpicklingError) and name:
+            raise ValueError(f"--resume: refusing {path!r}: it asks for {name.group(1)}, and a checkpoint of "
+                             f"rlkernels.train holds only tensors and plain values (nothing in it was run)") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", msg)
+        raise ValueError(f"--resume: cannot read checkpoint {path!r} "
+                         f"({type(e).__name__}: {reason.group(1) if reason else _one_line(e)})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(saved, dict) or k not in saved]
+    if missing or not isinstance(saved["config"], dict):
+        raise ValueError(f"--resume: {path!r} is not a checkpoint of rlkernels.train "
+                         f"(no {', '.join(missing or ['config'])})")
+    return saved
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message on one line, cut to fit an error message."""
+    return " ".join(str(e).split())[:300]
+
+
+def unfit(resume: str, e: Exception) -> ValueError:
+    """The error of a checkpoint whose tensors or states do not load into this run."""
+    return ValueError(f"--resume: the checkpoint in {resume!r} does not fit this run ({type(e).__name__}: "
+                      f"{_one_line(e)})")

@@ -1,0 +1,39 @@
+"""Sums over the ranks of torchrun (gloo on CPU, nccl on CUDA); in one process, plain numbers."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def dist_info():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_sum(x: float) -> float:
+    if dist_info()[1] == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _comm_device():
+    """Where collective buffers live: NCCL reduces only CUDA tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+
+def nan_mean_std(x: torch.Tensor) -> tuple:
+    """(mean, unbiased std) over all ranks of the non-NaN entries of `x`; (None, None) when there are none,
+    std 0 when there is one."""
+    seen = x[~x.isnan()]
+    n = all_sum(len(seen))
+    if n == 0:
+        return None, None
+    mean = all_sum(seen.sum()) / n
+    sq = all_sum(((seen - mean) ** 2).sum())  # two passes: no cancellation of Σx² − n·mean²
+    return mean, math.sqrt(sq / (n - 1)) if n > 1 else 0.0

@@ -1,0 +1,124 @@
+"""Sampling from the policy: rollouts (plain groups or Tree-GRPO trees), scored and filtered into training rows,
+and the greedy evaluation on held-out prompts."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlkernels import sampling
+
+from . import task
+
+
+@torch.no_grad()
+def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
+    """(sequences (B, P + max_new_tokens), attention over them): prompts then completions,
+    padded after eos. Pure temperature sampling: no top-k / top-p, so the recorded ℓ_old
+    (a forward pass at the same temperature) is the sampling distribution."""
+    n = max_new_tokens or cfg.max_new_tokens
+    ids, attn = ids.to(model.device), attn.to(model.device)
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=0,
+                         pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, **kw)
+    if out.shape[1] < ids.shape[1] + n:  # every row stopped early
+        out = torch.cat([out, out.new_full((out.shape[0], ids.shape[1] + n - out.shape[1]), tok.pad_id)], 1)
+    full_attn = torch.cat([attn, torch.ones_like(out[:, ids.shape[1]:])], 1)
+    return out, full_attn
+
+
+@torch.no_grad()
+def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
+    """(mean reward of greedy completions over held-out examples (accuracy for `exact`), the first
+    `eval_completions` of them as {prompt, completion, answer, reward})."""
+    was_training = model.training
+    model.eval()
+    total, samples = 0.0, []
+    for i in range(0, len(examples), batch):
+        chunk = examples[i:i + batch]
+        ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in chunk], tok.pad_id)
+        with place.autocast():
+            seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
+        completions = [tok.decode(row) for row in seq[:, ids.shape[1]:].tolist()]  # one copy off the GPU
+        scores = reward_fn(chunk, completions)
+        total += sum(scores)
+        samples += [dict(prompt=ex["prompt"], completion=c, answer=ex.get("answer"), reward=r)
+                    for ex, c, r in zip(chunk, completions, scores)][:cfg.eval_completions - len(samples)]
+    model.train(was_training)
+    return total / max(len(examples), 1), samples
+
+
+def rollout(model, tok, prompts, cfg, rng):
+    """Sample completions: `num_generations` per prompt (rows grouped by prompt), or Tree-GRPO
+    trees: `tree_roots` sampled roots per prompt, each cut at a random depth and branched into
+    `num_generations / tree_roots` continuations that share that prefix.
+    Returns (seq, attn, P, tree_ids or None)."""
+    ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
+    P, G = ids.shape[1], cfg.num_generations
+    if not cfg.tree:
+        seq, full_attn = generate(model, tok, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0), cfg)
+        return seq, full_attn, P, None
+    R, K = cfg.tree_roots, G // cfg.tree_roots
+    roots, root_attn = generate(model, tok, ids.repeat_interleave(R, 0), attn.repeat_interleave(R, 0), cfg)
+    roots, root_attn = roots.view(len(prompts), R, -1), root_attn.view(len(prompts), R, -1)
+    seqs, attns = [], []
+    for r in range(R):  # one cut depth per root index keeps every branch input the same length
+        cut = rng.randint(1, cfg.max_new_tokens - 1)
+        pre, pre_attn = roots[:, r, :P + cut].repeat_interleave(K, 0), root_attn[:, r, :P + cut].repeat_interleave(K, 0)
+        s, a = generate(model, tok, pre, pre_attn, cfg, max_new_tokens=cfg.max_new_tokens - cut)
+        seqs.append(s.view(len(prompts), K, -1))
+        attns.append(a.view(len(prompts), K, -1))
+    seq = torch.cat(seqs, 1).flatten(0, 1)  # (prompts × R × K, P + T): grouped by prompt, then tree
+    full_attn = torch.cat(attns, 1).flatten(0, 1)
+    tree_ids = torch.arange(R, device=seq.device).repeat_interleave(K).repeat(len(prompts))
+    return seq, full_attn, P, tree_ids
+
+
+def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place):
+    """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
+    overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
+    drop of the groups whose rewards are all equal (their advantages are zero).
+    Returns the chosen rows (a dict of tensors; `parts`: each reward function's rewards), with P, the rewards of all
+    rows (`score`) and each reward function's (`reward_parts`, (rows, functions), NaN where a function
+    returned None)."""
+    G = cfg.num_generations
+    with place.autocast():
+        seq, attn, P, tree_ids = rollout(policy, tok, prompts, cfg, rng)
+    targets = seq[:, P:]
+    mask = task.first_eos_mask(targets, tok.eos_id)
+    group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
+    texts = [tok.decode(row) for row in targets.tolist()]
+    totals, parts = reward_fn.score([ex for ex in prompts for _ in range(G)], texts)
+    rewards = torch.tensor(totals, dtype=torch.float32, device=seq.device)
+    reward_parts = torch.tensor([[math.nan if r is None else r for r in fn_rewards] for fn_rewards in parts],
+                                dtype=torch.float64).T
+    score = rewards.clone()  # the weighted reward before the overlong penalty, reported as reward_mean
+    lengths = mask.sum(-1)
+    if cfg.overlong_buffer:
+        rewards = rewards + sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
+    keep = torch.arange(len(rewards), device=seq.device)
+    if cfg.pods_keep:  # the m rollouts per prompt with the largest reward variance
+        keep = sampling.pods_select(rewards, cfg.pods_keep, group_ids)
+    if cfg.dynamic_sampling:
+        keep = keep[sampling.filter_uniform_groups(rewards[keep], group_ids[keep])]
+    rows = dict(seq=seq, attn=attn, targets=targets, mask=mask, rewards=rewards, group_ids=group_ids,
+                lengths=lengths, tree_ids=tree_ids, parts=reward_parts.to(seq.device))
+    rows = {k: v[keep] if v is not None else None for k, v in rows.items()}
+    return dict(rows, P=P, score=score, all_lengths=lengths, reward_parts=reward_parts)
+
+
+def concat_rows(parts, pad_id):
+    """One batch of `sample_groups` results; prompts left-padded to the longest, so that every
+    completion starts at column P."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p["P"] for p in parts)
+
+    def pad(x, width, value):
+        return torch.cat([x.new_full((x.shape[0], width), value), x], 1)
+
+    out = {k: torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
+           for k in parts[0] if k not in ("P", "seq", "attn")}
+    out["seq"] = torch.cat([pad(p["seq"], P - p["P"], pad_id) for p in parts])
+    out["attn"] = torch.cat([pad(p["attn"], P - p["P"], 0) for p in parts])
+    return dict(out, P=P)

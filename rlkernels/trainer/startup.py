@@ -1,0 +1,223 @@
+"""A run's set-up, in the order train() calls it: the config (merged over the checkpoint's on --resume), the task
+and reward, the policy, the demo's supervised warm-up, the update's models and optimizer, a resumed run's state,
+and the run's logs."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+import time
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
+from .checkpoint import load_checkpoint, unfit
+from .run_config import Config, describe, merge_resume, run_dir, validate
+from .distributed import dist_info
+from .model import Critic, enable_checkpointing, output_head_of, parts
+from .run_folder import prepare_out_dir, write_file
+from .state import Run
+from .update import UpdateForward, loss_config, update_engine
+
+
+def configure(config: Config, explicit: Optional[set], reward_fn, stop):
+    """The run's config (merged over the checkpoint's on --resume), processes, device and folder; (Run, the
+    reward functions)."""
+    t_start = time.time()
+    validate(config)
+    saved = load_checkpoint(config.resume) if config.resume else None
+    cfg = merge_resume(config, saved["config"], explicit) if saved else config
+    reward_fns = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
+    rank, world = dist_info()
+    if cfg.fsdp and world == 1:
+        raise ValueError("--fsdp: shards the models over the processes of torchrun (torchrun --nproc-per-node N "
+                         "-m rlkernels.train ... --fsdp), and this is one process; drop --fsdp (or --fsdp false)")
+    # The demo model is so small that one thread per process is fastest (more threads spin on
+    # tiny matmuls, badly so on a shared machine); real models get up to 4 per process.
+    torch.set_num_threads(cfg.threads or (1 if not cfg.model else max(1, min(4, os.cpu_count() or 1) // world)))
+    cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
+    run = Run(cfg, device.placement(cfg.device, cfg.dtype, world), rank, world, stop, saved, t_start)
+    runs_on = run.place.describe()
+    if run.master:
+        prepare_out_dir(cfg.out)
+    layout = ("one process" if world == 1 else
+              f"{'FSDP2' if cfg.fsdp else 'DDP'} over {world} processes ({runs_on['backend']})")
+    run.log(f"rlkernels.train: {'resuming ' + cfg.resume + ' with ' if saved else ''}{describe(cfg)}\n"
+            f"  {layout} on {runs_on['device']}, compute dtype {runs_on['dtype']} (float32 weights); "
+            f"writing {cfg.out}/")
+    return run, reward_fns
+
+
+def load_task(run: Run, reward_fns) -> None:
+    """The prompts and the reward, before any model loads (so their errors come first), then the seeds.
+    The task's own seeded shuffle draws no global random numbers."""
+    cfg = run.cfg
+    if cfg.dataset:
+        run.train_set, run.eval_set, run.held_out = data.load(cfg)
+    else:
+        run.train_set, run.eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
+        run.held_out = f"{len(run.eval_set)} held-out sums"
+    fns, weights = reward_fns
+    for _, name, _, spec in fns:
+        if name in ("exact", "regex") and spec.startswith(name) and not has_answers(run):
+            raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
+                             f"{cfg.dataset} lack; give --reward a function, or --reward-model")
+    # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
+    run.reward_fn = rewards_lib.build(fns, weights, cfg.reward_model, run.place)
+    # model init and data order are identical on every rank; sampling differs per rank (`restore`)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    run.rng = random.Random(cfg.seed)
+
+
+def has_answers(run: Run) -> bool:
+    """Whether the prompts carry the answer column that exact, regex and the warm-up read."""
+    return "answer" in run.train_set[0] and "answer" in run.eval_set[0]
+
+
+def warms_up(run: Run) -> bool:
+    """Whether the demo's supervised warm-up runs (a resumed run loads the weights instead)."""
+    return bool(not run.saved and not run.cfg.model and run.cfg.warmup_steps)
+
+
+def load_policy(run: Run) -> None:
+    """The tokenizer and the policy, on the run's device, its output head checked."""
+    cfg, source = run.cfg, f" in {run.cfg.dataset}" if run.cfg.dataset else ""
+    if cfg.model:
+        run.policy, run.tok = task.load_model(cfg.model)
+    else:
+        run.tok = task.CharTokenizer()
+        for ex in run.train_set[:1] + run.eval_set[:1]:
+            run.tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
+        prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
+    if cfg.prompts_per_step * run.world > len(run.train_set):
+        ranks = f" × {run.world} ranks" if run.world > 1 else ""
+        raise ValueError(f"--prompts-per-step: {cfg.prompts_per_step}{ranks} is more than the {len(run.train_set)} "
+                         f"training prompts{source} (after {len(run.eval_set)} held out for eval)")
+    if warms_up(run):
+        run.stop.until = "the warm-up and the evaluation before RL"
+        if not has_answers(run):
+            raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which "
+                             f"--dataset {cfg.dataset} lacks; give --warmup-steps 0")
+        if cfg.warmup_batch > len(run.train_set):
+            raise ValueError(f"--warmup-batch: {cfg.warmup_batch} is more than the {len(run.train_set)} training "
+                             f"prompts{source} (after {len(run.eval_set)} held out for eval)")
+    if not cfg.model:
+        run.policy = task.tiny_model(cfg, run.tok, prompt_len)
+    run.policy.to(run.place.device)  # built on the CPU, so a seed gives the same weights on every device
+    run.head_args = output_head_of(run.policy, cfg.temperature, run.place)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(run.policy)
+    run.policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
+    n_params = sum(p.numel() for p in run.policy.parameters())
+    run.log(f"policy: {type(run.policy).__name__}, {n_params / 1e6:.2f}M parameters; {len(run.train_set)} training "
+            f"prompts, {run.held_out}")
+
+
+def warm_up(run: Run) -> None:
+    """The demo model's supervised warm-up, until the held-out reward reaches --warmup-target twice in a row."""
+    cfg, policy, place = run.cfg, run.policy, run.place
+    policy.train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    in_a_row, reached = 0, None  # checks at or above the target in a row: one alone can be a fluctuation
+    bar = tqdm(total=cfg.warmup_steps, desc="warm-up", disable=not (cfg.progress and run.master), dynamic_ncols=True)
+    for it in range(1, cfg.warmup_steps + 1):
+        sup = task.supervised_batch(run.tok, run.rng.sample(run.train_set, cfg.warmup_batch))
+        ids, attn, labels = (t.to(place.device) for t in sup)
+        with place.autocast():
+            loss = policy(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        bar.update(1)
+        if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
+            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place)[0]
+            bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
+            in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
+            if in_a_row == 2:
+                break
+    bar.close()
+    why = "the target twice in a row" if in_a_row == 2 else "--warmup-steps"
+    last_check = f", held-out greedy reward {reached:.3f} at the last check" if reached is not None else ""
+    run.log(f"warm-up: {it} supervised steps (stopped at {why}){last_check}, final loss {loss.item():.3f}")
+
+
+def build_update(run: Run) -> None:
+    """The loss, the frozen reference (the policy as RL starts: any KL term needs it), LoRA, PPO's critic, the
+    update engine (DDP / FSDP) and the optimizer."""
+    cfg, saved, place = run.cfg, run.saved, run.place
+    algo_ppo = cfg.algo == "ppo"
+    run.loss_cfg = loss_config(cfg, cfg.pods_keep or cfg.num_generations)
+    # PPO: β in the reward
+    run.beta = (0.05 if cfg.kl_coef is None else cfg.kl_coef) if algo_ppo else run.loss_cfg.kl_coef
+    if run.beta > 0:
+        if saved and saved["ref"] is None and not cfg.model:  # the demo's reference lives only in checkpoints
+            raise ValueError(f"--kl-coef: the run in {cfg.resume!r} trained without a KL term, so its checkpoint "
+                             f"has no reference model; resume it with --kl-coef 0")
+        run.ref = copy.deepcopy(run.policy).eval().requires_grad_(False)
+        if saved and saved["ref"] is not None:
+            try:
+                run.ref.load_state_dict(saved["ref"])
+            except RuntimeError as e:
+                raise unfit(cfg.resume, e) from None
+    if cfg.lora_rank:
+        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target).to(place.device)
+    if algo_ppo:
+        trunk = parts(run.policy)[0]
+        run.critic = Critic(trunk, run.policy.config.hidden_size, cfg.critic == "separate").to(place.device)
+    # under FSDP the export writes a plain copy of the policy, taken here (sharded modules cannot be copied)
+    run.meta_policy = sharding.meta_copy(run.policy) if cfg.fsdp and run.master else None
+    # the engine before the optimizer: under FSDP it shards the parameters the optimizer and a checkpoint load into
+    run.engine = update_engine(UpdateForward(run.policy, run.critic, run.loss_cfg, run.head_args, cfg.loss_path),
+                               place, find_unused=cfg.dynamic_sampling, fsdp=cfg.fsdp)
+    if run.ref is not None and sharding.is_sharded(run.policy):
+        sharding.shard(run.ref, place.device)  # else every rank holds a whole copy of it
+    run.params = [p for p in run.engine.parameters() if p.requires_grad]
+    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+
+
+def restore(run: Run) -> None:
+    """A resumed run: the weights, optimizer, step, β and every random state of its checkpoint. A new run: one
+    sampling stream per rank."""
+    saved, cfg = run.saved, run.cfg
+    if not saved:
+        torch.manual_seed(cfg.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
+        return
+    try:
+        sharding.load_state_dict(run.policy, saved["model"])
+        if run.critic is not None:
+            sharding.load_state_dict(run.critic, saved["critic"])
+        sharding.load_optimizer_state_dict(run.engine, run.optimizer, saved["optimizer"])
+        run.start, run.beta, run.eval_before = saved["step"], saved["kl_coef"], saved["eval_reward_before"]
+        run.rng.setstate(saved["rng"]["python"])
+        random.setstate(saved["rng"]["python_global"])
+        cuda_rngs = saved["rng"].get("cuda")  # absent from checkpoints of CPU runs
+        device.set_rng_state(saved["rng"]["torch"][run.rank], cuda_rngs[run.rank] if cuda_rngs else None,
+                             run.place.device)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise unfit(cfg.resume, e) from None
+    run.log(f"resumed at step {run.start} from {cfg.resume}")
+
+
+def open_logs(run: Run) -> None:
+    """metrics.jsonl and completions.jsonl (a resumed run keeps the rows up to its checkpoint, read from the
+    run's folder, also when --out moves it), the --report-to trackers and the progress bar."""
+    cfg, history = run.cfg, []
+    if run.master:
+        if run.saved:
+            history = outputs.truncate_metrics(os.path.join(run_dir(cfg.resume), "metrics.jsonl"), run.metrics_path,
+                                              run.start)
+            outputs.truncate_metrics(os.path.join(run_dir(cfg.resume), "completions.jsonl"), run.completions_path,
+                                    run.start)
+        else:
+            write_file(run.metrics_path, "", "w")
+            write_file(run.completions_path, "", "w")
+    # a resumed run's summary counts the steps before its checkpoint too
+    run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
+    run.tracking = trackers.Trackers(cfg.report_to if run.master else [], cfg.out, cfg, run.start + 1)
+    run.bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
+                   disable=not (cfg.progress and run.master), dynamic_ncols=True, desc=cfg.algo)

@@ -1,0 +1,67 @@
+"""`Run`: one run's state, the object train() passes from phase to phase (loop.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from .run_config import Config
+
+
+def quiet(*args, **kwargs) -> None:
+    """`log` on ranks other than 0: one line per message, not one per rank."""
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    place: Any  # device.Placement
+    rank: int
+    world: int
+    stop: Any  # stop.StopRequest
+    saved: Optional[dict]  # the checkpoint a resumed run continues, else None
+    t_start: float
+    # the task and the policy
+    tok: Any = None
+    train_set: list = None
+    eval_set: list = None
+    held_out: str = ""  # what the eval set is, for the log
+    reward_fn: Any = None
+    rng: Any = None  # prompt order, mini-batch order, tree cut depths
+    policy: Any = None
+    head_args: dict = None
+    # the update
+    loss_cfg: Any = None
+    beta: float = 0.0  # the KL coefficient: PPO's adapts
+    ref: Any = None
+    critic: Any = None
+    meta_policy: Any = None  # under FSDP, rank 0's plain copy of the policy for the export
+    engine: Any = None
+    optimizer: Any = None
+    params: list = None
+    # progress
+    start: int = 0  # the step a resumed run continues after
+    eval_before: Optional[float] = None
+    skipped_total: int = 0
+    last: dict = dataclasses.field(default_factory=dict)  # the last metrics row
+    tracking: Any = None
+    bar: Any = None
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out_dir(self) -> str:
+        return self.cfg.out
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.cfg.out, "metrics.jsonl")
+
+    @property
+    def completions_path(self) -> str:
+        return os.path.join(self.cfg.out, "completions.jsonl")
+
+    def log(self, *args, **kwargs) -> None:
+        (print if self.master else quiet)(*args, **kwargs)

@@ -1,0 +1,131 @@
+"""The update: one optimizer step on a mini-batch (all ranks together), through the update's forward as one module
+(DDP or FSDP under torchrun); the loss config of --algo and the learning-rate schedule.
+
+Gradients are SUMMED over ranks, not averaged: the loss is already divided by the global token / row count
+(`num_items` / `num_seqs`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import rlkernels
+from rlkernels import presets
+
+from . import model, sharding, timing
+from .run_config import Config
+from .distributed import all_sum, dist_info
+
+
+class UpdateForward(nn.Module):
+    """The update's forward pass as one module: the policy loss through `loss_head`, and the critic's values.
+
+    DistributedDataParallel reduces the gradients of the parameters its module's forward uses, and
+    the loss head reads the trunk and the lm_head weight directly, not through the model's forward:
+    so all of it runs inside this forward (under FSDP, the root's forward, which gathers that weight).
+    Returns (loss, metrics, values or None)."""
+
+    def __init__(self, policy, critic, loss_cfg, head_args, path):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+        self.loss_cfg, self.head_args, self.path = loss_cfg, head_args, path
+        self.timer = timing.LossHeadTimer()
+
+    def forward(self, mbatch, P, num_items, num_seqs):
+        hid = model.hidden_states(model.parts(self.policy)[0], mbatch["seq"], mbatch["attn"])[:, P - 1:-1]
+        out = self.timer.loss_head(lambda x: model.loss_head(self.policy, x, mbatch, self.loss_cfg,
+                                                             num_items=num_items, num_seqs=num_seqs,
+                                                             head_args=self.head_args, path=self.path), hid)
+        values = self.critic(hid, mbatch["seq"], mbatch["attn"], P) if self.critic is not None else None
+        return out.loss, out.metrics, values
+
+
+def _summed(group, bucket):
+    """DDP communication hook: gradients summed over ranks (DDP's own hook averages them, which would
+    shrink every update by the world size, as the loss is already Σ_rank / N_global)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def update_engine(forward: UpdateForward, place, find_unused: bool, fsdp: bool = False):
+    """`forward` as it runs the update: itself in one process, wrapped in DistributedDataParallel under
+    torchrun, or with `fsdp` sharded by FSDP2 (in place; sharding.py). `find_unused`: some rank may train
+    on an empty mini-batch (dynamic sampling keeps unequal numbers of groups per rank)."""
+    if dist_info()[1] == 1:
+        return forward
+    if fsdp:
+        return sharding.shard(forward, place.device)
+    ids = [place.device.index] if place.device.type == "cuda" else None
+    # no buffer broadcast per forward: the models' buffers (rotary tables) are constants
+    ddp = nn.parallel.DistributedDataParallel(forward, device_ids=ids, forward_sync_buffers=False,
+                                              find_unused_parameters=find_unused)
+    ddp.register_comm_hook(None, _summed)
+    return ddp
+
+
+def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_items, num_seqs):
+    """One optimizer step on a mini-batch (all ranks together); (this rank's metrics, skipped).
+    A non-finite loss or gradient on any rank never reaches the weights: the step is skipped."""
+    timer = getattr(engine, "module", engine).timer  # under DDP, the UpdateForward it wraps
+    timer.begin_step(place.device)
+    with place.autocast():
+        loss, metrics, pred = engine(mbatch, P, num_items, num_seqs)
+    m = {k: float(v) for k, v in metrics.items()}
+    if pred is not None:
+        vout = rlkernels.value_loss(pred, mbatch["values"], mbatch["returns"], mbatch["mask"],
+                                    clip=cfg.vf_clip, num_items=num_items)
+        loss = loss + cfg.vf_coef * vout.loss
+        m["value_loss"] = float(vout.loss.detach())
+        m["vf_clip_frac"] = float(vout.metrics["vf_clip_frac"])
+    m["loss"] = float(loss.detach())
+    bad = all_sum(0.0 if math.isfinite(m["loss"]) else 1.0) > 0
+    optimizer.zero_grad(set_to_none=True)
+    if not bad:
+        loss.backward()  # under DDP: summed over ranks by the time it returns
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        bad = all_sum(0.0 if torch.isfinite(grad_norm) else 1.0) > 0
+        m["grad_norm"] = float(grad_norm)
+    if bad:
+        optimizer.zero_grad(set_to_none=True)
+        return m, True
+    optimizer.step()
+    m.update(timer.end_step())
+    return m, False
+
+
+
+# metrics that are this rank's share of a global sum (Σ_rank / N_global): summed over ranks, not averaged
+SUMMED_METRICS = ("loss", "value_loss")
+
+def loss_config(cfg: Config, group_size: int):
+    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
+    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
+    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
+    constant = presets.fields(cfg.algo).get("agg") == "constant"
+    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
+    over = {"entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:
+        over["kl_coef"] = cfg.kl_coef
+        if cfg.kl_coef > 0 and base.kl_estimator is None:
+            over["kl_estimator"] = "k3"
+    if base.ratio in ("group_expectation", "snis"):
+        over["group_size"] = group_size
+    return base.replace(**over)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """The learning rate of RL step `step` (from 1) as a fraction of --lr: a linear ramp over --lr-warmup-steps,
+    then --lr-scheduler-type: constant, or a linear or cosine decay towards 0 after the last step (as transformers'
+    schedules, whose step s counts from 0)."""
+    if step < cfg.lr_warmup_steps:
+        return step / cfg.lr_warmup_steps
+    if cfg.lr_scheduler_type == "constant":
+        return 1.0
+    progress = max(0, step - 1 - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
+    return 1.0 - progress if cfg.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
