@@ -29,10 +29,12 @@ def _mask(mask, B) -> torch.Tensor:
     return check_mask("mask", mask)
 
 
-def _group_mean(x, inverse, G) -> torch.Tensor:
-    """Each row's group mean (B,), 0 in a group of one (verl's convention)."""
+def _group_mean(x, inverse, G, weights=None) -> torch.Tensor:
+    """Each row's group mean (B,), weighted by `weights` when given, 0 in a group of one (verl's convention)."""
     counts = group_sum(torch.ones_like(x), inverse, G)
-    return torch.where(counts > 1, group_sum(x, inverse, G) / counts, 0.0)[inverse]
+    total = counts if weights is None else group_sum(weights, inverse, G)
+    summed = group_sum(x if weights is None else weights * x, inverse, G)
+    return torch.where(counts > 1, summed / total, 0.0)[inverse]
 
 
 def _grpo(x, inverse, G, scale_by_std: bool, eps: float) -> torch.Tensor:
@@ -64,9 +66,7 @@ def opo(rewards: torch.Tensor, mask: torch.Tensor, group_ids: Optional[torch.Ten
     x = _rewards(rewards)
     lengths = _mask(mask, x.shape[0]).sum(-1).to(x.dtype)
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
-    counts = group_sum(torch.ones_like(x), inverse, G)
-    baseline = group_sum(lengths * x, inverse, G) / group_sum(lengths, inverse, G)
-    return x - torch.where(counts > 1, baseline, 0.0)[inverse]
+    return x - _group_mean(x, inverse, G, weights=lengths)
 
 
 @torch.no_grad()
