@@ -69,6 +69,7 @@ class TrafficCounter(TorchDispatchMode):
         super().__init__()
         self.read = self.written = self.flops = 0
         self.live = self.peak = 0
+        self._seen = set()  # storages counted in `live`
         self.by_op: Dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -104,24 +105,21 @@ class TrafficCounter(TorchDispatchMode):
         for t in _tensors(out):
             storage = t.untyped_storage()
             key = storage._cdata
-            if key in _SEEN:
+            if key in self._seen:
                 continue
             size = storage.nbytes()
-            _SEEN.add(key)
+            self._seen.add(key)
             self.live += size
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key, size)
 
     def _free(self, key, size):
-        _SEEN.discard(key)
+        self._seen.discard(key)
         self.live -= size
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
-
-
-_SEEN = set()
 
 
 def _aliases(t, args, kwargs) -> bool:
