@@ -43,3 +43,62 @@ def test_warning_names_what_the_kernels_lack_once():
         warn_general_path(lacking, "torch")  # the torch backend has no kernels to lack
         gspo = plan(presets.gspo(), _backend.kernels("torch"))
         warn_general_path(gspo, "test-backend")  # a sequence-level ratio: not token-level
+
+
+@pytest.mark.skipif(not CPU_OK, reason="the cpu backend is not built")
+@pytest.mark.parametrize("preset,in_kernel", [("grpo", True), ("dapo", True), ("gspo", False), ("clip_cov", False)])
+def test_both_fused_ops_behave_alike_without_a_gradient(preset, in_kernel):
+    """Without a gradient both ops take the same step: the forward kernel where it has the loss (its statistics
+    are the loss: one pass), else the composition `policy_loss(logprobs)` (no derivatives nobody asks for);
+    either way the value of the call with a gradient."""
+    import torch
+
+    import rlkernels
+    from benchmarks.launches import count, loss_inputs
+
+    config, targets, adv, mask, kw = loss_inputs(preset, B=4, T=16)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(*targets.shape, 32, generator=g)
+    weight = torch.randn(1000, 32, generator=g) / 32 ** 0.5
+    logits = hidden @ weight.t()
+    calls = {
+        "logits": lambda x: rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", **kw),
+        "hidden": lambda h: rlkernels.fused_linear_policy_loss(h, weight, targets, adv, mask, config, backend="cpu",
+                                                               chunk_size=24, **kw),
+    }
+    for name, x in (("logits", logits), ("hidden", hidden)):
+        torch.manual_seed(0)  # Clip-Cov draws its tokens
+        with_grad = calls[name](x.clone().requires_grad_(True))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            c = count(lambda: calls[name](x))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            without = calls[name](x)
+        assert (c.names.get("rlkernels_C::policy_token_fwd", 0) > 0) == in_kernel, (name, c.names)
+        assert c.names.get("rlkernels_C::token_logprobs_bwd", 0) == 0, (name, c.names)  # no gradient pass
+        torch.testing.assert_close(without.loss, with_grad.loss.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_loss_arguments_are_declared_once():
+    """`policy_loss` and both fused ops list the keyword arguments `LossInputs.build` declares, with its defaults;
+    a misspelt one is a TypeError naming the function and the keyword (not a silent default)."""
+    import inspect
+
+    import torch
+
+    import rlkernels
+    from rlkernels.losses.inputs import LOSS_ARGS, LossInputs
+
+    build = inspect.signature(LossInputs.build).parameters
+    for fn in (rlkernels.policy_loss, rlkernels.fused_policy_loss, rlkernels.fused_linear_policy_loss):
+        params = inspect.signature(fn).parameters
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
+        for name in LOSS_ARGS:
+            assert params[name].kind is params[name].KEYWORD_ONLY and params[name].default is build[name].default
+    logp, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"policy_loss\(\) got an unexpected keyword argument 'old_logps'"):
+        rlkernels.policy_loss(logp, torch.zeros(2), mask, presets.grpo(), old_logps=logp)
+    with pytest.raises(TypeError, match=r"fused_policy_loss\(\) got an unexpected keyword argument 'chunk_size'"):
+        rlkernels.fused_policy_loss(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), mask,
+                                    presets.grpo(), chunk_size=4)

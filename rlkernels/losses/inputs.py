@@ -11,7 +11,9 @@ No check reads a tensor's values on the host: value checks on device tensors are
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+import functools
+import inspect
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -124,6 +126,33 @@ class LossInputs:
         batch = Batch(inputs=self, logp=logp_m, old_logp=old, adv=where(self.adv),
                       lengths=self.mask.sum(-1).to(logp.dtype))
         return batch, where(self.ref_logp), where(entropy)
+
+
+# The keyword arguments of a loss call that go to `LossInputs.build` as they are: declared once, in
+# its signature; `policy_loss` and the fused ops take them as `**loss_args` (`takes_loss_args`).
+LOSS_ARGS = ("old_logp", "ref_logp", "group_ids", "rewards", "num_items", "num_seqs", "is_weights", "rollout_logp",
+             "entropy_quantile_group")
+
+
+def takes_loss_args(fn: Callable) -> Callable:
+    """`fn(..., **loss_args)` with `LOSS_ARGS` as keyword-only arguments in its signature (what `help`,
+    IDEs and `inspect` show), declared by `LossInputs.build`; another keyword is a TypeError naming `fn`."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    build = inspect.signature(LossInputs.build).parameters
+    first_keyword = next((i for i, p in enumerate(own) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(own))
+    params = own[:first_keyword] + [build[name] for name in LOSS_ARGS] + own[first_keyword:]
+    known = frozenset(p.name for p in params)
+
+    @functools.wraps(fn)
+    def with_loss_args(*args, **kwargs):
+        for name in kwargs:
+            if name not in known:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}")
+        return fn(*args, **kwargs)
+
+    with_loss_args.__signature__ = sig.replace(parameters=params)
+    return with_loss_args
 
 
 def _count(name, x, dtype):

@@ -11,7 +11,7 @@ from .._checks import check_tensor
 from . import surrogates
 from .aggregation import aggregate, masked_mean
 from .config import PolicyLossConfig
-from .inputs import LossInputs
+from .inputs import LossInputs, takes_loss_args
 from .kl import kl_estimate
 from .metrics import metrics_from_sums
 
@@ -28,41 +28,34 @@ class LossOutput:
     entropy: Optional[torch.Tensor] = None
 
 
+@takes_loss_args
 def policy_loss(
     logp: torch.Tensor,
     advantages: Optional[torch.Tensor],
     mask: torch.Tensor,
     config: PolicyLossConfig,
     *,
-    old_logp: Optional[torch.Tensor] = None,
-    ref_logp: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
-    group_ids: Optional[torch.Tensor] = None,
-    rewards: Optional[torch.Tensor] = None,
-    num_items: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    is_weights: Optional[torch.Tensor] = None,
-    rollout_logp: Optional[torch.Tensor] = None,
-    entropy_quantile_group=None,
+    **loss_args,
 ) -> LossOutput:
     """The policy loss of `config` on log-probs `logp (B, T)` of the sampled tokens.
 
     `advantages` is `(B,)` or `(B, T)` (`None` for `snis`, which takes `rewards (B,)`);
-    `old_logp=None` means on-policy. `num_items` / `num_seqs` replace the local token / row
-    counts of the aggregation (global counts for gradient accumulation and data parallel).
+    `old_logp=None` means on-policy. `ref_logp` `(B, T)`: the reference's log-probs (the KL term).
+    `entropy` `(B, T)`: the per-token entropies (the bonus, `top_entropy_quantile`, the metric).
+    `group_ids` `(B,)`: each row's prompt group (grouped ratios; default: `config.group_size` contiguous
+    rows). `num_items` / `num_seqs` replace the local token / row counts of the aggregation (global
+    counts for gradient accumulation and data parallel).
     `is_weights` `(B, T)` or `(B,)`: constant weights of each token's surrogate term (not of the KL
     or entropy terms), e.g. the rollout correction's importance weights (docs/math.md §7).
     `rollout_logp` `(B, T)`: the sampler's log-probs, read by `config.off_policy_mask` (default: `old_logp`).
     `entropy_quantile_group`: a torch.distributed process group over whose ranks' masked tokens
     `config.top_entropy_quantile` takes its quantile (TRL takes it over every process; default: this call's).
+    The keyword arguments but `entropy` are declared once, by `LossInputs.build` (`takes_loss_args`).
     """
     check_tensor("logp", logp, ndim=2, dtypes=(torch.float32, torch.float64))
-    inputs = LossInputs.build(
-        config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask, advantages=advantages,
-        old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards, num_items=num_items,
-        num_seqs=num_seqs, is_weights=is_weights, rollout_logp=rollout_logp,
-        entropy_quantile_group=entropy_quantile_group,
-    )
+    inputs = LossInputs.build(config, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask,
+                              advantages=advantages, **loss_args)
     return evaluate(logp, entropy, inputs, config)
 
 

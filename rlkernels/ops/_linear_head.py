@@ -206,13 +206,12 @@ class LinearHead:
             else:
                 grads.bias += g.sum(0, dtype=grads.bias.dtype)
 
-    def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> "HeadGrads":
-        """The second pass: recompute each chunk's logits, then `backward_chunk`."""
+    def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> None:
+        """The second pass: recompute each chunk's logits, then `backward_chunk` (then `finish`)."""
         for s, e in self.chunks():
             h = None if grad_entropy is None else grad_entropy[s:e]
             self.backward_chunk(self.logits(s, e), s, e, lse_parts[s:e], entropy[s:e] if h is not None else entropy,
                                 grad_logp[s:e], h, grads)
-        return self.finish(grads)
 
     def finish(self, grads: "HeadGrads") -> "HeadGrads":
         """∂hidden summed over ranks (each rank saw its slice of the vocabulary)."""

@@ -23,18 +23,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.token_loss_params import NUM_STATS
-from ..losses import LossOutput, PolicyLossConfig, policy_loss
-from ..losses.spec import LossInputs
-from ._loss_step import add_entropy_bonus, entropy_bonus_grad, kernel_inputs, row_grads
-from ._token_stats import loss_from_stats
-from ._precomputed_grad import attach_grads
+from .. import _backend
 from .._dtypes import acc_dtype
-from ._linear_head import LinearHead, head_spec
-from .linear_token_logprobs import linear_token_logprobs
+from ..kernels.token_loss_params import NUM_STATS
+from ..losses import LossOutput, PolicyLossConfig
+from ..losses.spec import LossInputs, takes_loss_args
+from ._linear_head import HeadGrads, LinearHead, head_spec
+from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
+from ._precomputed_grad import attach_grads
+from .linear_token_logprobs import logprobs_of_head
 
 
+@takes_loss_args
 def fused_linear_policy_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -44,20 +45,12 @@ def fused_linear_policy_loss(
     config: PolicyLossConfig,
     *,
     bias: Optional[Tensor] = None,
-    old_logp: Optional[Tensor] = None,
-    ref_logp: Optional[Tensor] = None,
-    group_ids: Optional[Tensor] = None,
-    rewards: Optional[Tensor] = None,
-    num_items: Optional[float] = None,
-    num_seqs: Optional[float] = None,
-    is_weights: Optional[Tensor] = None,
-    rollout_logp: Optional[Tensor] = None,
-    entropy_quantile_group=None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
     process_group=None,
+    **loss_args,
 ) -> LossOutput:
     """`policy_loss(linear_token_logprobs(hidden, weight, targets, bias=bias), ...)` with the
     gradients for hidden, weight and bias computed in the forward.
@@ -66,64 +59,65 @@ def fused_linear_policy_loss(
     arguments are those of `policy_loss` and `linear_token_logprobs`. The entropy is always
     computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
     """
-    loss_kwargs = dict(old_logp=old_logp, ref_logp=ref_logp, group_ids=group_ids, rewards=rewards,
-                       num_items=num_items, num_seqs=num_seqs, is_weights=is_weights,
-                       rollout_logp=rollout_logp, entropy_quantile_group=entropy_quantile_group)
     if not isinstance(hidden, Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden: expected shape (B, T, H), got {tuple(getattr(hidden, 'shape', ()))}")
+    spec = head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group)
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias)]
-    if not any(need):  # nothing to differentiate: the plain composition, one pass
-        logp, entropy = linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                              softcap=softcap, return_entropy=True, backend=backend, chunk_size=chunk_size,
-                                              process_group=process_group)
-        out = policy_loss(logp, advantages, mask, config, entropy=entropy, **loss_kwargs)
-        return LossOutput(out.loss, out.metrics, logp, entropy)
+    decided = plan(config, _backend.kernels(spec.backend), forward=process_group is None)  # sharded: ℓ first
+    warn_general_path(decided, spec.backend)
+    # As `fused_policy_loss`: without a gradient, the forward kernel where it has the loss, else the definition.
+    if not any(need) and decided.step is not Step.FORWARD:
+        return composed(lambda: logprobs_of_head(hidden, weight, bias, targets, spec, True), advantages, mask, config,
+                        loss_args)
 
-    spec = head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group)
     head = LinearHead(hidden, weight, bias, targets, spec)
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(hidden), device=hidden.device,
-                              mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_kwargs)
-    grads = head.new_grads(*need)
-    decided = plan(config, head.kernels, forward=process_group is None)  # a sharded head: the log-probs first
-    warn_general_path(decided, spec.backend)
-    if decided.step is Step.FORWARD:
-        out, logp, entropy, grads = _one_pass(head, grads, inputs, config)
-    else:
-        out, logp, entropy, grads = _two_passes(head, grads, inputs, config)
-    grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
-    loss = attach_grads(out.loss, (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
+                              mask=mask, advantages=advantages, what="hidden (B, T, H)", **loss_args)
+    chunk_loop = _ChunkLoop(head, head.new_grads(*need) if any(need) else None)
+    out, logp, entropy = run_step(chunk_loop, decided.step, inputs, config)
+    loss = out.loss
+    if chunk_loop.grads is not None:
+        grads = head.finish(chunk_loop.grads)
+        grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
+        loss = attach_grads(loss, (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
     return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
 
 
-def _one_pass(head: LinearHead, grads, inputs: LossInputs, config):
-    """Token-level: per chunk, the fused forward kernel, then the backward kernel in place."""
-    per_row, params = kernel_inputs(inputs, config)
-    need_h = config.entropy_coef != 0
-    bonus_grad = entropy_bonus_grad(inputs, config, inputs.dtype)  # a bonus apart from the loss: known up front
-    stats = torch.empty(head.n, NUM_STATS, dtype=inputs.dtype, device=head.hidden.device)
-    logps, entropies = [], []  # the chunks' own outputs, joined once at the end (not a copy per chunk)
-    for s, e in head.chunks():
-        buf = head.logits(s, e)
-        logp, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(buf, s, e, per_row, params)
-        if bonus_grad is not None:
-            grad_entropy = bonus_grad[s:e]
-        head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, grad_entropy if need_h else None, grads)
-        logps.append(logp)
-        entropies.append(entropy)
-    entropy = _joined(entropies, stats)
-    out = loss_from_stats(stats, inputs)
-    if bonus_grad is not None:
-        out = add_entropy_bonus(out, bonus_grad, entropy, inputs)
-    return out, _joined(logps, stats), entropy, head.finish(grads)
+class _ChunkLoop:
+    """The pass over the head's logits, chunk by chunk through one buffer (`_loss_step.LogitsPass`); the
+    gradients (`grads`, None without one) are accumulated as the pass goes."""
+
+    def __init__(self, head: LinearHead, grads: Optional[HeadGrads]):
+        self.head, self.kernels, self.grads = head, head.kernels, grads
+        self.lse_parts = self.entropy = None
+
+    def fused(self, forward: TokenForward):
+        """Per chunk: the fused forward kernel, then (with a gradient) the backward kernel in place: each
+        token's loss depends on that token alone, so the kernel's per-token derivatives are final."""
+        head = self.head
+        stats = torch.empty(head.n, NUM_STATS, dtype=forward.dtype, device=head.hidden.device)
+        logps, entropies = [], []  # the chunks' own outputs, joined once at the end (not a copy per chunk)
+        for s, e in head.chunks():
+            buf = head.logits(s, e)
+            logp, entropy, lse_parts, grad_logp, grad_entropy, stats[s:e] = head.policy_chunk(
+                buf, s, e, forward.per_row, forward.params)
+            if self.grads is not None:
+                head.backward_chunk(buf, s, e, lse_parts, entropy, grad_logp, forward.entropy_grad(grad_entropy, s, e),
+                                    self.grads)
+            logps.append(logp)
+            entropies.append(entropy)
+        return _joined(logps, stats), _joined(entropies, stats), stats
+
+    def logprobs(self):
+        logp, self.entropy, self.lse_parts = self.head.forward(True)
+        return logp, self.entropy
+
+    def backward(self, grad_logp, grad_entropy):
+        """The second pass: each chunk's logits again, for the gradients."""
+        if self.grads is not None:
+            self.head.backward(self.lse_parts, self.entropy, grad_logp, grad_entropy, self.grads)
 
 
 def _joined(chunks, like: Tensor) -> Tensor:
     return torch.cat(chunks) if chunks else like.new_empty(0)
-
-
-def _two_passes(head: LinearHead, grads, inputs: LossInputs, config):
-    """Any ratio: log-probs and entropy of all rows, the loss by `losses/`, then the gradient pass."""
-    logp, entropy, lse_parts = head.forward(True)
-    out, grad_logp, grad_entropy = row_grads(head.kernels, logp, entropy, inputs, config)
-    return out, logp, entropy, head.backward(lse_parts, entropy, grad_logp, grad_entropy, grads)

@@ -118,6 +118,6 @@ def _params(config: PolicyLossConfig, objective: int, with_token_terms: bool) ->
         kl_estimator=_KL[config.kl_estimator] if kl_in_loss else k.KL_NONE,
         kl_coef=float(config.kl_coef) if kl_in_loss else 0.0,
         kl_bias_correction=bool(config.kl_bias_correction) and kl_in_loss,
-        # an entropy bonus aggregated apart from the loss is added outside the kernels (`_loss_step.with_entropy_bonus`)
+        # an entropy bonus aggregated apart from the loss is added outside the kernels (`_loss_step`)
         entropy_coef=float(config.entropy_coef) if with_token_terms and not separate_entropy_bonus(config) else 0.0,
     )

@@ -48,9 +48,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         if not ctx.need_entropy:
             grad_entropy = None
         need = ctx.needs_input_grad
-        grads = head.backward(lse_parts, entropy, grad_logp.reshape(-1),
-                              None if grad_entropy is None else grad_entropy.reshape(-1),
-                              head.new_grads(need[0], need[1], need[2] and bias is not None)).to(weight.dtype)
+        grads = head.new_grads(need[0], need[1], need[2] and bias is not None)
+        head.backward(lse_parts, entropy, grad_logp.reshape(-1), None if grad_entropy is None else grad_entropy.reshape(-1),
+                      grads)
+        grads = head.finish(grads).to(weight.dtype)
         grad_hidden = None if grads.hidden is None else grads.hidden.view(hidden.shape)
         return grad_hidden, grads.weight, grads.bias, None, None, None
 
@@ -82,6 +83,11 @@ def linear_token_logprobs(
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     spec = head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group)
-    logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, spec, return_entropy)
-    logp = logp.view(targets.shape)
-    return (logp, entropy.view(targets.shape)) if return_entropy else logp
+    logp, entropy = logprobs_of_head(hidden, weight, bias, targets, spec, return_entropy)
+    return (logp, entropy) if return_entropy else logp
+
+
+def logprobs_of_head(hidden, weight, bias, targets, spec: HeadSpec, need_entropy: bool):
+    """(ℓ, H) shaped like `targets` of inputs `head_spec` has validated into `spec` (H: only with `need_entropy`)."""
+    logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, spec, need_entropy)
+    return logp.view(targets.shape), entropy.view(targets.shape) if need_entropy else entropy
