@@ -8,7 +8,7 @@ import torch
 import rlkernels
 from rlkernels import presets, reference
 from rlkernels.losses.kl import kl_estimate
-from rlkernels.ops.kernel_params import kernel_supports
+from rlkernels.ops._plan import kernel_supports
 
 from loss_inputs import random_loss_inputs
 

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import launches
 from rlkernels import _backend, presets
-from rlkernels.ops.kernel_params import kernel_supports
+from rlkernels.ops._plan import kernel_supports
 
 CONFIGS = {name: launches.loss_inputs(name)[0] for name in presets.NAMES}  # with Dr. GRPO's norm_length
 # Token-level losses the forward kernel evaluates; the others (Clip-Cov, KL-Cov) choose tokens over the whole call

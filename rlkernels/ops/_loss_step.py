@@ -137,7 +137,7 @@ def row_grads(step: Step, kernels, logp: Tensor, entropy: Tensor, inputs: LossIn
         out, grad, grad_h = sequence_step(kernels, logp, entropy, inputs, config, high)
         out, grad_h = _with_entropy_bonus(out, grad_h, entropy, inputs, config, high)
         return out, grad, grad_h
-    if step is Step.COVARIANCE:  # never with top_entropy_quantile (covariance_supports)
+    if step is Step.COVARIANCE:  # never with top_entropy_quantile (`_plan`)
         out, grad, grad_h = covariance_step(kernels, logp, entropy, inputs, config)
         out, grad_h = _with_entropy_bonus(out, grad_h, entropy, inputs, config)
         return out, grad, grad_h

@@ -2,7 +2,7 @@
 
 Which objectives and KL estimators the kernels have, and their parameters, is the table of
 `kernels.token_loss_params` (where +inf means "no bound"); this module fills its `TokenLossParams`
-from a config, and says which configs those parameters express (`ops._plan` decides with that).
+from a config (`ops._plan` decides which configs those parameters express).
 """
 from __future__ import annotations
 
@@ -23,39 +23,9 @@ def _bound(x: Optional[float]) -> float:
     return math.inf if x is None else float(x)
 
 
-def token_objective(config: PolicyLossConfig) -> bool:
-    """Whether the config's surrogate is one of the kernels' per-token objectives at the token's own ratio."""
-    return config.ratio == "token" and config.objective in _OBJECTIVES
-
-
-def kernel_supports(config: PolicyLossConfig) -> bool:
-    """Whether the fused kernels evaluate this config's loss themselves (every term of it is per token;
-    the off-policy and entropy masks need row means or quantiles of the kernel's outputs first)."""
-    return (token_objective(config) and config.off_policy_mask is None and config.top_entropy_quantile is None
-            and kernel_terms(config))
-
-
-def covariance_supports(config: PolicyLossConfig) -> bool:
-    """Whether `_covariance_step` evaluates this config (Clip-Cov, KL-Cov) with `policy_token_loss`."""
-    return (config.ratio == "token" and config.objective in ("clip_cov", "kl_cov") and config.off_policy_mask is None
-            and config.top_entropy_quantile is None and kernel_terms(config))
-
-
-def kernel_terms(config: PolicyLossConfig) -> bool:
-    """Whether the kernels' parameters express this config: a KL term that is none, or one of the table's
-    estimators times at most the token's own ratio (other estimators and a KL times the row's ratio take the
-    general path)."""
-    return config.kl_coef == 0 or (config.kl_estimator in _KL and not row_bias_correction(config))
-
-
-def row_bias_correction(config: PolicyLossConfig) -> bool:
-    """A KL term times its row's sequence ratio: it couples the row's tokens, which no per-token formula has."""
-    return config.kl_bias_correction and config.kl_bias_ratio == "sequence" and config.kl_coef > 0
-
-
 def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
-    """The kernels' parameters of a config that `kernel_supports`."""
-    if not kernel_supports(config):
+    """The kernels' parameters of a config that `_plan.kernel_supports`."""
+    if not (config.ratio == "token" and config.objective in _OBJECTIVES):
         raise ValueError(f"config: the fused kernels evaluate token-level {', '.join(_OBJECTIVES)} losses only, got "
                          f"ratio={config.ratio!r}, objective={config.objective!r}")
     return _params(config, _OBJECTIVES[config.objective], with_token_terms=True)
