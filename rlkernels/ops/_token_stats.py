@@ -1,4 +1,5 @@
-"""The loss and metrics of a call from the kernels' per-token statistics (`kernels.token_loss_params.STATS`)."""
+"""The loss and metrics of a call from the kernels' per-token statistics (`kernels.token_loss_params.STATS`):
+what the forward step (`_loss_step`), the sequence step and the covariance step each end with."""
 from __future__ import annotations
 
 from typing import Optional
