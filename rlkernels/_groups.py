@@ -103,31 +103,21 @@ def group_reduce(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, op: st
     return x.new_zeros((num_groups, *x.shape[1:])).scatter_reduce_(0, index, x, op, include_self=False)
 
 
-def group_logsumexp(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor,
-                    size: Optional[int] = None) -> torch.Tensor:
-    """``(G, ...)`` logsumexp of ``x (B, ...)`` over the ``valid`` rows of each group (−inf for a group with
-    none); ``valid`` broadcasts against ``x``; ``size`` as in `group_sum`."""
+def group_exp(x: torch.Tensor, valid: torch.Tensor, inverse: Optional[torch.Tensor], num_groups: int,
+              size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(e, top)``: ``e_i = exp(x_i − top_g)`` ``(B,)`` on the ``valid`` rows (0 on the others), ``top (G,)`` the
+    largest valid ``x`` of each group: nothing overflows, and a group's largest ``e`` is 1, so a group sum of ``e``
+    is ≥ 1 where the group has a valid row. A group of none has the dtype's lowest value as its top (its ``e`` are
+    0, not NaN). ``size`` as in `group_sum` (then a max over the ``(G, size)`` view)."""
     x = torch.where(valid, x, float("-inf"))
+    lowest = torch.finfo(x.dtype).min
     if size is not None:
-        x = x.view(num_groups, size, *x.shape[1:])
-        top = x.amax(1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()  # a group of none: 0, its sum empty
-        return torch.log(torch.exp(x - top[:, None]).sum(1)) + top
-    top = group_reduce(x, inverse, num_groups, "amax").nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
-    return torch.log(group_sum(torch.exp(x - top[inverse]), inverse, num_groups)) + top
-
-
-def group_softmax(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, valid: torch.Tensor,
-                  size: Optional[int] = None) -> torch.Tensor:
-    """``(B,)``: e^{x_i} / Σ_j e^{x_j} over the ``valid`` rows j of row i's group, 0 for invalid rows; ``size``
-    as in `group_sum` (then one softmax over the ``(G, size)`` view: a group of none gives NaN, masked to 0)."""
-    if size is not None:
-        v = valid.view(num_groups, size)
-        p = torch.softmax(torch.where(v, x.view(num_groups, size), float("-inf")), 1)
-        return torch.where(v, p, 0.0).reshape(-1)
-    x = torch.where(valid, x, float("-inf"))
-    # no log-sum-exp: one exp, one sum and a division (NaN in a group of no valid row, masked to 0 as above)
-    e = torch.exp(x - group_reduce(x, inverse, num_groups, "amax").detach()[inverse])
-    return torch.where(valid, e / group_sum(e, inverse, num_groups)[inverse], 0.0)
+        x = x.view(num_groups, size)
+        top = x.amax(1).clamp(min=lowest).detach()
+        return torch.exp(x - top[:, None]).view(-1), top
+    # the max over a fill of the lowest value (include_self): finite, and no pass to set the groups' start first
+    top = x.new_full((num_groups,), lowest).scatter_reduce_(0, inverse, x, "amax").detach()
+    return torch.exp(x - top[inverse]), top
 
 
 def group_centered(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .._groups import group_gather, group_logsumexp, group_softmax, group_sum
+from .._groups import group_exp, group_gather, group_sum
 from .aggregation import masked_sum_rows
 
 if TYPE_CHECKING:  # inputs.py imports this module
@@ -316,10 +316,11 @@ def group_expectation(b: Batch, cfg) -> Surrogate:
 
 def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor,
                          group_size: Optional[int] = None):
-    """log Ê_g of each row's group (B,): log Σ_g q_j² − log Σ_g q_j over the valid rows, log q_j the mean ℓ_old."""
-    both = group_logsumexp(torch.stack([2 * log_q, log_q], 1), group, num_groups, valid[:, None],
-                           group_size)  # one reduction
-    return group_gather(both[:, 0] - both[:, 1], group, group_size)
+    """log Ê_g of each row's group (B,): log(Σ_g q_j² / Σ_g q_j) over the valid rows, log q_j the mean ℓ_old; as
+    log(Σ e_j² / Σ e_j) + log max_g q with e_j = q_j / max_g q, so that nothing overflows."""
+    e, top = group_exp(log_q, valid, group, num_groups, group_size)
+    sums = group_sum(e[:, None].expand(-1, 2).cumprod(1), group, num_groups, group_size)  # [e, e·e]: one op, one sum
+    return group_gather(torch.log(sums[:, 1] / sums[:, 0]) + top, group, group_size)
 
 
 def geometric(b: Batch, cfg) -> Surrogate:
@@ -354,15 +355,16 @@ def snis(b: Batch, cfg) -> Surrogate:
 
 def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Tensor, num_groups: int,
                    valid: torch.Tensor, group_size: Optional[int] = None) -> torch.Tensor:
-    """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from log ρ_i unclamped; 0 for invalid
-    rows."""
-    counts = group_sum(valid.to(log_rho.dtype), group, num_groups, group_size).clamp(min=1)
-    # ρ_i / mean_j ρ_j = n_g · softmax_g(log ρ)_i, without forming ρ: the softmax subtracts the group's largest
-    # log ρ, so nothing overflows, and a clamp of log ρ would change the weights (docs/math.md §4)
-    w_hat = group_softmax(log_rho, group, num_groups, valid, group_size) * group_gather(counts, group, group_size)
-    # over the valid rows: ŵ is 0 on the others
-    baseline = group_sum(w_hat * rewards, group, num_groups, group_size) / counts
-    return w_hat * (rewards - group_gather(baseline, group, group_size))
+    """ŵ_i·(R_i − b_g) (B,), SNIS's constant coefficient of Σ_t m ℓ, from log ρ_i unclamped; 0 for invalid rows.
+
+    Over the valid rows, with e_j = ρ_j / max_g ρ (0 on the others): ŵ_i = ρ_i / mean_j ρ_j = n_g·e_i / Σ_j e_j and
+    b_g = mean_j ŵ_j R_j = Σ_j e_j R_j / Σ_j e_j, from one group sum. Without forming ρ: nothing overflows, and a
+    clamp of log ρ would change the weights (docs/math.md §4)."""
+    e, _ = group_exp(log_rho, valid, group, num_groups, group_size)
+    sums = group_sum(torch.stack([valid, e * rewards, e], 1), group, num_groups, group_size)  # n_g, Σ e R, Σ e
+    # Σ e ≥ 1 in a group with a valid row; in one without, it is 0 and so are n_g and Σ e R
+    scale, baseline = group_gather(sums[:, :2] / sums[:, 2:].clamp(min=1), group, group_size).unbind(1)
+    return e * scale * (rewards - baseline)
 
 
 BY_RATIO = {

@@ -91,18 +91,11 @@ class _Rows:
     def masked_sum(self, x) -> Tensor:
         return torch.where(self.mask, x, self.zero).sum(-1)
 
-    @functools.cached_property
-    def logp_sum(self) -> Tensor:
-        """S = Σ_t m ℓ."""
-        return self.masked_sum(self.logp)
-
-    def means(self) -> tuple:
-        """(Σ_t m ℓ / L, Σ_t m ℓ_old / L), both rows' means in one reduction (the same on-policy)."""
-        if self.old_logp is None:
-            mean = self.logp_sum / self.divisor
-            return mean, mean
-        mean, old_mean = self.masked_sum(torch.stack([self.logp, self.old_logp])) / self.divisor
-        return mean, old_mean
+    def means(self, *others: Tensor) -> Tensor:
+        """(k, B): the row means Σ_t m x / max(L, 1) of ℓ, of ℓ_old (ℓ again on-policy) and of `others` (B, T), in
+        one reduction."""
+        old = self.logp if self.old_logp is None else self.old_logp
+        return self.masked_sum(torch.stack([self.logp, old, *others])) / self.divisor
 
     @functools.cached_property
     def log_ratio_sum(self) -> Tensor:
@@ -145,7 +138,8 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
     """A surrogate with one value per row: `policy_token_loss` over the rows, row i weighted W_i / L_i, so that
     its statistics count once per token (Σ_i L_i·stats_i) and its derivative w.r.t. a row mean is each token's."""
     valid = rows.lengths > 0
-    row_weight = (weights if omega is None else weights * omega).sum(-1) / rows.divisor  # W_i / L_i
+    w = weights if omega is None else weights * omega
+    row_weight = None  # W_i / L_i, formed with GEPO's means when it takes them
     c = config.log_ratio_clamp
     x_old, params = None, None
     grad_scale = None  # ∂x/∂ℓ_t·L_i when x is not a row mean (the same on each of the row's tokens)
@@ -161,11 +155,13 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
         params = log_band_params(config, 0.0, 0.0, 2 * c + 1)  # |s − edge| ≤ 2c: the op clamps nothing more
         grad_scale = torch.where(raw == x, rows.lengths, rows.zero)  # where the clamp of s passes the gradient
     elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
-        (x, old_mean), objective, adv = rows.means(), "clip", inputs.adv_row
+        (x, old_mean, row_weight), objective, adv = rows.means(w), "clip", inputs.adv_row  # w: 0 where masked
         x_old = gepo_log_expectation(old_mean, inputs.group, inputs.num_groups, valid, inputs.group_size)
     else:  # GSPO: the clip objective (or SAPO's gate) of the mean log-ratio
         x, objective, adv = rows.log_ratio_sum / rows.divisor, config.objective, inputs.adv_row
         x_old = torch.zeros_like(x)
+    if row_weight is None:
+        row_weight = w.sum(-1) / rows.divisor
     row_grad, _, stats = kernels.policy_token_loss(x.contiguous(), None, valid, row_weight, adv.contiguous(),
                                                    None if x_old is None else x_old.contiguous(), None,
                                                    params or surrogate_params(config, objective))
