@@ -196,6 +196,37 @@ def test_verl_mode_names(mode, weights):
         torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-9, msg=verl_name)
 
 
+@pytest.mark.parametrize("verl_name,ours", [("vanilla", "ppo"), ("gspo", "gspo"), ("geo_mean", "geo_mean"),
+                                            ("cispo", "cispo"), ("clip_cov", "clip_cov")])
+def test_zero_rollout_weights(verl_name, ours):
+    """IcePop's masked weights (0 on some tokens, a whole row here) weight the loss as verl's do: loss and gradient."""
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                        policy_loss=VerlPolicyLossConfig(clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=2.0))
+    logp, old, adv, mask, w = _inputs(spread=1.0, empty_row=False)
+    w[0, :3], w[3] = 0.0, 0.0
+    fn = rk_verl.verl_mode_fn(ours) if ours in rk_verl.VERL_MODES else rk_verl.policy_loss_fn(ours)
+    torch.manual_seed(0)
+    ref = _loss_and_grad(core_algos.get_policy_loss_fn(verl_name), logp, old, adv, mask, "token-mean", cfg, w)
+    torch.manual_seed(0)
+    got = _loss_and_grad(fn, logp, old, adv, mask, "token-mean", cfg, w)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-9)
+
+
+def test_vespo_takes_rollout_weights_into_its_ratio():
+    """VESPO's rollout weights ω = π_old/π_rollout enter its sequence ratio, as in the VESPO authors' verl loss
+    (w_i = π/π_rollout): the same loss and gradient as ℓ_old lowered by log ω, unweighted."""
+    logp, old, adv, mask, w = _inputs(spread=0.2)
+    cfg = _actor_config(loss_agg_mode="token-mean")
+    fn = rk_verl.policy_loss_fn("vespo")
+    weighted = _loss_and_grad(fn, logp, old, adv, mask, "token-mean", cfg, w)
+    shifted = _loss_and_grad(fn, logp, old - w.log(), adv, mask, "token-mean", cfg, None)
+    torch.testing.assert_close(weighted[0], shifted[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weighted[1], shifted[1], rtol=1e-12, atol=1e-12)
+    plain = _loss_and_grad(fn, logp, old, adv, mask, "token-mean", cfg, None)
+    assert not torch.allclose(weighted[1], plain[1] * w)  # not the per-token product of verl's other losses
+
+
 def test_config_mapping():
     cfg = _actor_config(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=0.35, clip_ratio_c=4.0)
     assert rk_verl.loss_config("ppo", cfg) == presets.ppo(clip_low=0.3, clip_high=0.35, dual_clip=4.0)

@@ -25,7 +25,7 @@ config its numbers, as verl's own losses read them):
 | `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high` (DPPO's divergence thresholds for `dppo_*`), except for `fspo` (its √L band is `fspo_c_*`) and the presets without a clip (`snis`, `gpg`, `sapo`, `kl_cov`, `dro`, `vespo`) |
 | `clip_ratio_c` | `dual_clip`, for the presets that have a dual clip (`ppo`) |
 | `rollout_n` | `group_size` of `gepo` / `snis` (rows of a group must be contiguous and whole in each micro-batch) |
-| `rollout_is_weights` | multiplies the per-token loss before aggregation (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`; `gspo` and `luspo` are then evaluated in the GSPO-token form, as verl's `gspo`: each token's weight scales its own gradient) |
+| `rollout_is_weights` | `is_weights`: they multiply the per-token loss before aggregation, as in verl's losses (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`; `gspo` and `luspo` are then evaluated in the GSPO-token form, as verl's `gspo`: each token's weight scales its own gradient; `vespo` takes them into its sequence ratio, as the VESPO authors' verl loss does; docs/math.md §7) |
 | `tau_pos` / `tau_neg` | `sapo_tau_pos` / `sapo_tau_neg` of `sapo` (whose `loss_agg_mode` is always `"seq-mean-token-mean"`, as verl's `sapo`) |
 | `clip_ratio_c` | `ratio_cap` of `dppo_tv` / `dppo_kl` (verl: `config.get("clip_ratio_c", 20.0)`) |
 | `policy_loss.clip_cov_ratio` / `clip_cov_lb` / `clip_cov_ub` | the same fields of `clip_cov` |
@@ -42,8 +42,8 @@ The KL and entropy terms are 0 here: verl adds them outside the policy loss (`ac
 
 verl's own losses and these: `vanilla` = `rlkernels_ppo` (verl always applies the dual clip;
 `clip_ratio_c` very large turns it off, = `rlkernels_dapo`/`grpo` with verl's clip ratios);
-`gspo` = `rlkernels_gspo_token` (and `rlkernels_gspo`, whose gradient is the same while
-`rollout_is_weights` is constant within a row); `cispo` = `rlkernels_cispo`; `geo_mean` =
+`gspo` = `rlkernels_gspo_token` (and `rlkernels_gspo`: the same value and gradient, with
+`rollout_is_weights` too); `cispo` = `rlkernels_cispo`; `geo_mean` =
 `rlkernels_gmpo` under `seq-mean-token-mean` (verl's `geo_mean` ignores `loss_agg_mode` and
 averages over all rows, empty ones included: `rlkernels_geo_mean` does exactly that);
 `register()` also adds `rlkernels_vanilla` (= `rlkernels_ppo`), `rlkernels_geo_mean` and
@@ -54,7 +54,8 @@ every verl mode has an `rlkernels_` twin under its name;
 `kl_cov`, `dro` = `rlkernels_<same name>` (Clip-Cov draws its tokens from torch's RNG as verl
 does: the same state, the same tokens). Differences in guards: rlkernels clamps every
 exponentiated log-ratio to ±20 (verl's `gspo` clamps at +10, `geo_mean` not at all) and gives 0,
-not NaN, for an empty mask.
+not NaN, for an empty mask. In metrics: a token whose rollout weight is 0 (IcePop) is not counted
+in `actor/pg_clipfrac` (docs/math.md §10; verl counts it).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ from .._checks import check_mask, check_real, check_tensor
 from . import _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
 from ..losses import rollout_is_weights as is_weights_of  # verl's argument takes the name
-from ..losses.spec import LossInputs, aggregate, masked_mean, per_token_loss
+from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
 PREFIX = "rlkernels_"
@@ -226,14 +227,10 @@ def policy_loss_fn(preset: str, _all_rows: bool = False, **overrides) -> Callabl
         if cfg.ratio == "snis":  # SNIS takes rewards: verl's per-row "advantage" is read as the reward
             kwargs["rewards"] = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             advantages = None
-        rng = torch.get_rng_state() if rollout_is_weights is not None and cfg.objective == "clip_cov" else None
-        out = policy_loss(logp, advantages, mask, cfg, **kwargs)
-        loss = out.loss
         if rollout_is_weights is not None:
-            if rng is not None:  # Clip-Cov's draw: the weighted loss chooses the tokens the metrics saw, as verl draws once
-                torch.set_rng_state(rng)
-            loss = _weighted_loss(logp, advantages, mask, cfg, rollout_is_weights, kwargs)
-        return loss, _metrics(out.metrics, logp, old_log_prob, advantages, mask, cfg)
+            cfg, kwargs["is_weights"] = _rollout_weights(cfg, rollout_is_weights.to(logp.dtype), mask)
+        out = policy_loss(logp, advantages, mask, cfg, **kwargs)
+        return out.loss, _metrics(out.metrics, logp, old_log_prob, advantages, mask, cfg)
 
     loss_fn.__name__ = f"{PREFIX}{preset}"
     loss_fn.__doc__ = f"verl policy loss for the rlkernels `{preset}` preset (rlkernels.integrations.verl)."
@@ -277,24 +274,20 @@ def _mask(response_mask: torch.Tensor) -> torch.Tensor:
     return check_mask("response_mask", check_tensor("response_mask", response_mask, ndim=2))
 
 
-def _weighted_loss(logp, advantages, mask, cfg, weights, kwargs):
-    """verl's rollout correction: the per-token loss times the weights, then aggregated.
+def _rollout_weights(cfg: PolicyLossConfig, weights: torch.Tensor, mask: torch.Tensor):
+    """(config, `is_weights`) with which `policy_loss` applies verl's `rollout_is_weights` as verl's
+    losses do (`pg_losses * rollout_is_weights`, then `agg_loss`), where `is_weights` alone would not.
 
     A sequence ratio (`gspo`, `luspo`) is evaluated in its GSPO-token form, as verl's `gspo`: the same
-    value, and the weight of token t scales the gradient of ℓ_t alone (through the mean, each token's
-    gradient would carry the mean of its row's weights instead)."""
-    if cfg.ratio == "sequence":
+    value, and the weight of token t scales the gradient of ℓ_t alone (through the sequence ratio,
+    each token's gradient would carry the mean of its row's weights). `vespo` needs nothing: it takes
+    the weights into its sequence ratio, as the VESPO authors' verl loss does (docs/math.md §7)."""
+    if cfg.ratio == "sequence" and cfg.objective != "cispo":  # CISPO's loss is per token already
         cfg = cfg.replace(ratio="sequence_token")
-    inputs = LossInputs.build(cfg, shape=tuple(logp.shape), dtype=logp.dtype, device=logp.device, mask=mask,
-                              advantages=advantages, old_logp=kwargs["old_logp"], rewards=kwargs.get("rewards"),
-                              num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"])
-    b, _, _ = inputs.masked(logp, None, cfg)
-    per_token, _, _ = per_token_loss(b, cfg, None, None)
-    w = torch.where(mask, weights.to(logp.dtype), torch.ones((), dtype=logp.dtype, device=logp.device)).detach()
-    if cfg.ratio == "geometric":  # one weight per row: the geometric mean of its tokens' weights
-        w = torch.exp(b.row_mean(torch.log(w + 1e-10)))[:, None].expand_as(w)
-    return aggregate(per_token * w, b.mask, cfg.agg, num_items=kwargs["num_items"], num_seqs=kwargs["num_seqs"],
-                     norm_length=cfg.norm_length)
+    if cfg.ratio == "geometric":  # verl's geo_mean: one weight per row, the geometric mean of its tokens'
+        log_w = torch.where(mask, torch.log(weights + 1e-10), weights.new_zeros(()))
+        weights = torch.exp(log_w.sum(-1) / (mask.sum(-1) + 1e-8))
+    return cfg, weights
 
 
 def _metrics(metrics, logp, old_logp, advantages, mask, cfg) -> Dict[str, float]:
