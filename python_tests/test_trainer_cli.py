@@ -284,3 +284,29 @@ def test_console_script_commands(capsys):
     assert cli.main(["trl", "sft"]) == 2 and "rlkernels trl grpo" in capsys.readouterr().err
     assert cli.main(["fly"]) == 2 and "expected one of train, demo, bench, trl" in capsys.readouterr().err
     assert cli.main([]) == 2 and "rlkernels train [FLAGS]" in capsys.readouterr().out
+
+
+def test_each_entry_point_validates_once(tmp_path, monkeypatch, capsys):
+    """`rlkernels train` checks its config in from_args, `train(config)` in train(): once each, none lost."""
+    from rlkernels.trainer import device, loop
+
+    calls = []
+
+    def counted(spec, dtype, check=device.check):  # validate's device check: one call per validate
+        calls.append(spec)
+        check(spec, dtype)
+
+    def stop(*args, **kwargs):  # the set-up's next step after the config
+        raise ValueError("stopped before the run")
+
+    monkeypatch.setattr(device, "check", counted)
+    monkeypatch.setattr(rewards, "reward_functions", stop)
+    assert main(["--out", str(tmp_path / "o")]) == 2 and "stopped before the run" in capsys.readouterr().err
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(ValueError, match="stopped before the run"):
+        loop.train(Config(out=str(tmp_path / "o")))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="^--steps: expected an int >= 1"):
+        loop.train(Config(steps=0))
+    assert main(["--steps", "0"]) == 2 and "--steps: expected an int >= 1" in capsys.readouterr().err

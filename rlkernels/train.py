@@ -29,13 +29,14 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
 
-    from .trainer import device, train
+    from .trainer import device
+    from .trainer.loop import train_validated  # from_args has validated cfg
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(device.backend(device.process_device(cfg.device, world)))
-        train(cfg, explicit=explicit if cfg.resume else None)
+        train_validated(cfg, explicit=explicit if cfg.resume else None)
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from rlkernels import presets, sampling
 
 from . import generation, outputs, rewards as rewards_lib, run_folder, sharding, startup, stop as stop_lib
 from .checkpoint import save
-from .run_config import Config
+from .run_config import Config, validate
 from .distributed import all_sum, dist_info, nan_mean_std
 from .generation import concat_rows, sample_groups
 from .model import token_logp
@@ -51,6 +51,13 @@ def train(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dic
     `--reward-model` is added after them).
 
     Ctrl-C and SIGTERM, at any point, stop the run at the next checkpoint that resumes it exactly (stop.py)."""
+    validate(config)
+    return train_validated(config, reward_fn, explicit)
+
+
+def train_validated(config: Config, reward_fn=None, explicit: Optional[set] = None) -> dict:
+    """`train` of a config that has passed `validate`, as `from_args` returns it: `rlkernels train` checks its
+    flags there, once, before it starts the process group."""
     with stop_lib.StopRequest(print if dist_info()[0] == 0 else quiet) as stop:
         run, reward_fns = startup.configure(config, explicit, reward_fn, stop)
         startup.load_task(run, reward_fns)

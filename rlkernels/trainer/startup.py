@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
 from .checkpoint import load_checkpoint, unfit
-from .run_config import Config, describe, merge_resume, run_dir, validate
+from .run_config import Config, describe, merge_resume, run_dir
 from .distributed import dist_info
 from .model import Critic, enable_checkpointing, output_head_of, parts
 from .run_folder import prepare_out_dir, write_file
@@ -25,9 +25,8 @@ from .update import UpdateForward, loss_config, update_engine
 
 def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     """The run's config (merged over the checkpoint's on --resume), processes, device and folder; (Run, the
-    reward functions)."""
+    reward functions). `config` has passed `validate` (train() or from_args); merge_resume validates the merge."""
     t_start = time.time()
-    validate(config)
     saved = load_checkpoint(config.resume) if config.resume else None
     cfg = merge_resume(config, saved["config"], explicit) if saved else config
     reward_fns = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
