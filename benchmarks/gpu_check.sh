@@ -42,8 +42,8 @@ stage "tests"
 parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8" || true)
 # test_gpu_ready: a CUDA-graph capture of a loss step; test_linear_head: the bf16 hidden-state path.
 timeout "$(limit 150)" $PY -m pytest -q -p no:cacheprovider $parallel \
-  python_tests/test_kernel_contract.py python_tests/test_policy_token_kernel.py python_tests/test_policy_token_loss.py \
-  python_tests/test_triton_policy_token.py python_tests/test_triton_fused.py python_tests/test_compile.py \
+  python_tests/test_kernel_contract.py python_tests/test_policy_token_fwd.py python_tests/test_policy_token_loss.py \
+  python_tests/test_triton_fused.py python_tests/test_compile.py \
   python_tests/test_threads.py python_tests/test_precision.py python_tests/test_edge_inputs.py \
   python_tests/test_token_logprobs.py python_tests/test_linear_path.py python_tests/test_covariance_choice.py \
   python_tests/test_gpu_ready.py python_tests/test_traffic.py python_tests/test_linear_head.py || status=1

@@ -1,18 +1,14 @@
 """Case builders, fp64 references and error bounds of the kernel-contract tests
-(test_kernel_contract.py: `token_logprobs_fwd` / `token_logprobs_bwd` of every backend), and the
-bad token-loss scalars and the NaN checks of test_policy_token_kernel.py, test_policy_token_loss.py and
-test_triton_policy_token.py."""
+(test_kernel_contract.py: `token_logprobs_fwd` / `token_logprobs_bwd` of every backend). Those of the
+per-token loss ops are in token_loss_cases.py."""
 from typing import NamedTuple, Optional
 
 import functools
-import math
 import zlib
 
 import torch
 
 from rlkernels import reference
-from rlkernels.kernels import token_loss_params
-from rlkernels.losses.kl import kl_estimate
 
 # V: 1 and 7 are all tail (smaller than one 16-lane step); 1000 is not a multiple of the step;
 # 4099 (prime) spans three 2048-element blocks with a partial last one; 151936 = Qwen's vocabulary.
@@ -310,83 +306,3 @@ class RelativeBounds:
         assert grad.dtype == logits.dtype and grad.shape == logits.shape and grad.device == logits.device
         assert_rounded(grad, grad32)
         return [grad32, grad]
-
-
-# Bad scalars of the token loss (TokenLossParams fields), each refused with an error naming it, by
-# policy_token_fwd and policy_token_loss alike (the checks of csrc/include/rlkernels/token_loss_args.h).
-BAD_LOSS_SCALARS = [
-    ("objective", dict(objective=max(e.id for e in token_loss_params.OBJECTIVES) + 1)),
-    ("objective", dict(objective=1.5)),
-    ("kl_estimator", dict(kl_estimator=max(e.id for e in token_loss_params.KL_ESTIMATORS) + 1)),
-    ("clip_low", dict(clip_low=math.nan)),
-    ("clip_low", dict(clip_low=-0.1)),
-    ("clip_high", dict(clip_high=math.nan)),
-    ("clip_high", dict(clip_high=-1.0)),
-    ("delta", dict(delta=math.nan)),
-    ("delta", dict(delta=0.0)),
-    ("dual_clip", dict(dual_clip=math.nan)),
-    ("kl_coef", dict(kl_coef=math.nan)),
-    ("kl_coef", dict(kl_coef=math.inf)),
-    ("kl_coef", dict(kl_coef=-0.1)),
-    ("kl_clamp", dict(kl_clamp=math.nan)),
-    ("kl_clamp", dict(kl_clamp=0.0)),
-    ("entropy_coef", dict(entropy_coef=math.nan)),
-    ("log_ratio_clamp", dict(log_ratio_clamp=math.nan)),
-    ("log_ratio_clamp", dict(log_ratio_clamp=0.0)),
-    ("sapo_tau_pos", dict(sapo_tau_pos=0.0)),
-    ("sapo_tau_neg", dict(sapo_tau_neg=math.nan)),
-    ("ratio_cap", dict(ratio_cap=0.0)),
-    ("dro_beta", dict(dro_beta=-0.1)),
-    ("dro_beta", dict(dro_beta=math.inf)),
-]
-
-
-# Drawing log-ratios away from the kinks of the token loss (the clip bounds, ±c, ±kl_clamp), where an
-# fp32 kernel and the fp64 spec could take different branches.
-KINK_MARGIN = 1e-3  # distance of every drawn value from a kink; fp32's error of ℓ is ~1e-6
-
-
-def uniform_away(gen, n, half_width, near_kink):
-    """n values uniform in [−half_width, half_width], each redrawn until `near_kink` is False."""
-    draw = lambda k: (torch.rand(k, generator=gen, dtype=torch.float64) * 2 - 1) * half_width  # noqa: E731
-    x = draw(n)
-    while (redo := near_kink(x)).any():
-        x[redo] = draw(int(redo.sum()))
-    return x
-
-
-def close_to(x, points):
-    """Where x is within KINK_MARGIN of one of `points`."""
-    if not points:
-        return torch.zeros_like(x, dtype=torch.bool)
-    return torch.stack([(x - p).abs() < KINK_MARGIN for p in points]).any(0)
-
-
-def kl_term(delta, estimator, log_ratio_clamp):
-    """The KL estimate of Δ = ℓ_ref − ℓ before its kl_clamp (the spec's, which clamps Δ where the estimator does)."""
-    return kl_estimate(delta, torch.zeros_like(delta), estimator, log_ratio_clamp).detach()
-
-
-# NaN in a per-token input of the token loss: each output NaN exactly where the spec's is (torch's min, max and
-# clamp keep a NaN; a gradient that a clamp stops is 0, even through a NaN factor).
-def with_nans(t, mask):
-    """A copy of `t` with NaN on every other token that `mask` keeps."""
-    t = t.clone()
-    t.view(-1)[torch.nonzero(mask.reshape(-1))[::2, 0]] = math.nan
-    return t
-
-
-def assert_same_nans(name, actual, expected):
-    """`actual` is NaN where `expected` is and nowhere else."""
-    actual = actual.detach().cpu()
-    wrong = torch.nonzero((actual.isnan() != expected.isnan()).reshape(-1))[:5, 0].tolist()
-    assert not wrong, (f"{name}: NaN-ness unlike the spec's at {wrong}: got {actual.reshape(-1)[wrong].tolist()}, "
-                       f"want {expected.reshape(-1)[wrong].tolist()}")
-
-
-def assert_like_spec_with_nans(name, actual, expected, close):
-    """NaN exactly where the spec's `expected` is, the other values checked by `close(name, actual, expected)`
-    (each harness's own tolerance) with the NaN positions zeroed on both sides."""
-    assert_same_nans(name, actual, expected)
-    nan = expected.isnan()
-    close(name, actual.detach().cpu().double().masked_fill(nan, 0), expected.masked_fill(nan, 0))
