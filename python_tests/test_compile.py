@@ -130,6 +130,33 @@ def test_every_preset_traces_without_graph_break():
     _assert_same(*_run(torch.compile(fn, fullgraph=True, backend="eager"), [logits], *args), *expected)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", COMPILED_PRESETS)
+def test_fused_linear_policy_loss_traces_in_one_graph(name, backend):
+    """Under compile the hidden-state op is its definition `policy_loss(linear_token_logprobs(...))`, as
+    `fused_policy_loss` is (its gradients computed in the forward break the graph: a host check, and
+    autograd.grad for the general step): one graph (Dynamo's, `eager` backend) with eager's value and gradients."""
+    g = torch.Generator().manual_seed(5)
+    B, T, H, V = 2, 5, 16, 50
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) / 4
+    targets = torch.randint(0, V, (B, T), generator=g)
+    adv, mask, old, ref = _loss_inputs(B, T)
+    config = presets.get(name, entropy_coef=0.01)
+
+    def fn(h, w):
+        return rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, config, old_logp=old, ref_logp=ref,
+                                                  backend=backend, chunk_size=4).loss
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="eager")):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = f(h, w)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for compiled, eager in zip(*reversed(results)):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow  # ~25-30 s on 2 cores with a cold inductor cache: a C++ build per graph, forward and backward
 def test_inductor_matches_eager():
     """token_logprobs on each CPU backend + policy_loss, and fused_policy_loss, in one graph."""

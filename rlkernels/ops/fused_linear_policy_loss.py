@@ -66,8 +66,9 @@ def fused_linear_policy_loss(
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias)]
     decided = plan(config, _backend.kernels(spec.backend), forward=process_group is None)  # sharded: ℓ first
     warn_general_path(decided, spec.backend)
-    # As `fused_policy_loss`: without a gradient, the forward kernel where it has the loss, else the definition.
-    if not any(need) and decided.step is not Step.FORWARD:
+    # As `fused_policy_loss`: without a gradient, the forward kernel where it has the loss, else the definition;
+    # under torch.compile the definition too (the gradients computed in the forward do not trace).
+    if torch.compiler.is_compiling() or (not any(need) and decided.step is not Step.FORWARD):
         return composed(lambda: logprobs_of_head(hidden, weight, bias, targets, spec, True), advantages, mask, config,
                         loss_args)
 
