@@ -18,7 +18,7 @@ import torch
 from token_loss_cases import (  # sets TRITON_INTERPRET=1 before triton is imported where there is no GPU
     BAD_LOSS_SCALARS, BRANCHES, BY_NAME, CASES, CLIP_HIGH, CLIP_LOW, ENTROPY, KL, LOSS, NAN_CASES, PADDING,
     branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches, params, seed, shape_params, spec,
-    token_args, with_nans,
+    token_args, with_nan_fields,
 )
 from rlkernels.kernels import cpu, cuda
 from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS
@@ -139,11 +139,7 @@ def test_nan_inputs_give_the_spec_nans(name, backend):
     """NaN in old_logp, ref_logp or the advantages of some unmasked tokens: the gradients, the loss and every
     statistic NaN exactly where the spec's are, the other values the spec's."""
     case = NAN_CASES[name]
-    for field in ("old", "ref", "adv"):
-        x = _inputs(case, backend, seed(name))
-        if getattr(x, field) is None:
-            continue
-        setattr(x, field, with_nans(getattr(x, field), x.mask))
+    for x in with_nan_fields(lambda: _inputs(case, backend, seed(name))):
         close_to_spec(*_call(backend, x, case.params), spec(case, x), backend.loss_tol, nans=True)
 
 

@@ -564,6 +564,15 @@ def with_nans(t, mask):
     return t
 
 
+def with_nan_fields(make_inputs):
+    """`make_inputs()` once per field of ℓ_old, ℓ_ref and A that it has, with NaN on some unmasked tokens of that
+    field (`with_nans`)."""
+    for field in ("old", "ref", "adv"):
+        x = make_inputs()
+        if getattr(x, field) is not None:
+            yield dataclasses.replace(x, **{field: with_nans(getattr(x, field), x.mask)})
+
+
 def assert_same_nans(name, actual, expected):
     """`actual` is NaN where `expected` is and nowhere else."""
     actual = actual.detach().cpu()
