@@ -96,7 +96,7 @@ class _OneTensor:
 
     def __init__(self, kernels, blocks, targets: Tensor, temperature: float):
         self.kernels, self.blocks, self.targets, self.temperature = kernels, blocks, targets, temperature
-        self.per_row = None
+        self.lse_parts = self.entropy = self.per_row = None
 
     def fused(self, forward: TokenForward):
         logp, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
@@ -106,13 +106,12 @@ class _OneTensor:
         return logp, entropy, stats
 
     def logprobs(self):
-        logp, entropy, lse_parts = run_blocks(self.kernels.token_logprobs_fwd, self.blocks, [self.targets],
-                                              self.temperature, True)
-        self.per_row = (lse_parts, entropy)
-        return logp, entropy
+        logp, self.entropy, self.lse_parts = run_blocks(self.kernels.token_logprobs_fwd, self.blocks, [self.targets],
+                                                        self.temperature, True)
+        return logp, self.entropy
 
     def backward(self, grad_logp, grad_entropy):
-        self.per_row = (*self.per_row, grad_logp, grad_entropy)
+        self.per_row = (self.lse_parts, self.entropy, grad_logp, grad_entropy)
 
 
 def _describe(x) -> str:
