@@ -113,7 +113,7 @@ BACKENDS = [
             # V = 1000: two interpreter tiles of 512, the first one all −inf in the −inf case.
             edge_vocab=1000, edge_lead=600, edge_dtypes=(torch.float32, torch.bfloat16), nan_dtypes=(torch.float32,),
             no_entropy_vocabs=(1000,),
-            refuses=frozenset({"logits-int64", "logits-3d", "logits-transposed", "logits-fp64", "targets-short",
+            refuses=frozenset({"logits-int64", "logits-4d", "logits-transposed", "logits-fp64", "targets-short",
                                "lse_parts-short", "lse_parts-logsumexp", "grad_logp-short", "grad_entropy-short",
                                "entropy-empty", "logits-half-transposed"}),
             refuses_out=("shape", "stride"), errors=ValueError,

@@ -209,7 +209,7 @@ def test_cpu_bad_tensors_name_the_argument(backend):
     n = a["logits"].shape[0]
     cases = [  # a dtype is a TypeError, a shape, layout or value a ValueError (docs/design.md §8)
         ("logits", TypeError, dict(logits=a["logits"].long())),
-        ("logits", ValueError, dict(logits=a["logits"][None])),
+        ("logits", ValueError, dict(logits=a["logits"][None, None])),  # (N, V) or (B, T, V) only
         ("logits", ValueError, dict(logits=torch.randn(10, n).t())),  # not contiguous
         ("targets", TypeError, dict(targets=a["targets"].float())),
         ("targets", ValueError, dict(targets=a["targets"][:3])),
@@ -261,7 +261,7 @@ def test_triton_bad_tensors_name_the_argument(backend):
     a = _valid_args(device=backend.device)
     cases = [
         ("logits", TypeError, dict(logits=a["logits"].double())),
-        ("logits", ValueError, dict(logits=a["logits"][None])),
+        ("logits", ValueError, dict(logits=a["logits"][None, None])),  # (N, V) or (B, T, V) only
         ("logits", ValueError, dict(logits=a["logits"].t())),  # strided over V
         ("targets", ValueError, dict(targets=a["targets"][:3])),
         ("mask", ValueError, dict(mask=a["mask"][:3])),

@@ -59,17 +59,18 @@ template <int kThreads> struct Group {  // kThreads threads per row, kRows rows 
 template <int kThreads, bool kCap>
 constexpr int kMinBlocks = kCap ? 0 : 1536 / Group<kThreads>::kBlock;
 
-// Rows first_row + blockIdx.x · kRows + (group) of N; lane 0 of the row's group hands its results
+// Rows first_row + blockIdx.x · kRows + (group) of N, each where `at` says (a batch stride beside the
+// row stride: a view such as logits[:, :-1] in one launch); lane 0 of the row's group hands its results
 // to `out` (rows::StoreRow, rows::StorePolicyToken).
 template <typename T, int kThreads, bool kEntropy, bool kCap, typename Out>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
-    fwd_kernel(const T* __restrict__ logits, int64_t stride, int64_t first_row, int64_t N, int64_t V,
+    fwd_kernel(const T* __restrict__ logits, rlk::RowIndex at, int64_t first_row, int64_t N, int64_t V,
                const int64_t* __restrict__ targets, Head head, Out out) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
   const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
   if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
-  const T* z = logits + row * stride;
+  const T* z = logits + at(row);
   State st = rows::thread_state<T, kThreads, kEntropy, kCap>(z, V, head, lane);
   if constexpr (kRows == 1) {
     using Reduce = cub::BlockReduce<State, kThreads>;
@@ -90,19 +91,19 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads,
 
 template <typename T, int kThreads, bool kCap>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
-    bwd_kernel(const T* logits, int64_t stride, int64_t N, int64_t V, const int64_t* __restrict__ targets,
-               RowGrads grads, Head head, T* out, int64_t out_stride) {
+    bwd_kernel(const T* logits, rlk::RowIndex at, int64_t first_row, int64_t N, int64_t V,
+               const int64_t* __restrict__ targets, RowGrads grads, Head head, T* out, rlk::RowIndex out_at) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
-  const int64_t row = int64_t(blockIdx.x) * kRows + group;
+  const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
   if (row >= N) return;
   const bool has_h = grads.grad_entropy != nullptr;
   const GradOf<kCap> grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], head,
                           rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
                                                   has_h ? grads.entropy[row] : 0.0f, head.inv_tau),
                           targets[row]};
-  const T* z = logits + row * stride;
-  T* o = out + row * out_stride;
+  const T* z = logits + at(row);
+  T* o = out + out_at(row);
   if ((reinterpret_cast<uintptr_t>(z) & 15) == (reinterpret_cast<uintptr_t>(o) & 15)) {
     rows::grad_row<T, kThreads, true>(z, o, V, grad, lane);
   } else {
@@ -140,7 +141,7 @@ cudaError_t fwd(const Rows& logits, const int64_t* targets, Head head, const Out
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
       fwd_kernel<T, kThreads, kEntropy, decltype(cap)::value, Out><<<grid, G::kBlock, 0, stream>>>(
-          static_cast<const T*>(logits.data), logits.row_stride, start, logits.n, logits.v, targets, head, out);
+          static_cast<const T*>(logits.data), logits.at, start, logits.n, logits.v, targets, head, out);
     }
   });
 }
@@ -160,21 +161,12 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
   return with_threads(logits.v, head, [&](auto threads, auto cap) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
-    const T* z = static_cast<const T*>(logits.data);
-    T* o = static_cast<T*>(out.data);
     for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
       const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
       const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
-      RowGrads g = grads;
-      g.lse_parts += 2 * start;
-      g.grad_logp += start;
-      if (g.grad_entropy != nullptr) {
-        g.entropy += start;
-        g.grad_entropy += start;
-      }
       bwd_kernel<T, kThreads, decltype(cap)::value><<<grid, G::kBlock, 0, stream>>>(
-          z + start * logits.row_stride, logits.row_stride, n, logits.v, targets + start, g, head,
-          o + start * out.row_stride, out.row_stride);
+          static_cast<const T*>(logits.data), logits.at, start, logits.n, logits.v, targets, grads, head,
+          static_cast<T*>(out.data), out.at);
     }
   });
 }
@@ -184,7 +176,7 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
 cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, const Head& head, float* logp,
                                float* entropy, float* lse_parts, cudaStream_t stream) {
   if (logits.n == 0) return cudaSuccess;
-  if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
+  if (logits.v <= 0 || logits.at.seq_len <= 0) return cudaErrorInvalidValue;
   switch (logits.dtype) {
     case Dtype::kFloat32: return fwd_rows<float>(logits, targets, head, logp, entropy, lse_parts, stream);
     case Dtype::kBFloat16:
@@ -197,8 +189,8 @@ cudaError_t token_logprobs_fwd(const Rows& logits, const int64_t* targets, const
 cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, const Head& head,
                                const Rows& out, cudaStream_t stream) {
   if (logits.n == 0 || logits.v == 0) return cudaSuccess;
-  if (out.n != logits.n || out.v != logits.v || out.dtype != logits.dtype || logits.row_stride < logits.v ||
-      out.row_stride < out.v) {
+  if (out.n != logits.n || out.v != logits.v || out.dtype != logits.dtype || logits.at.seq_len <= 0 ||
+      out.at.seq_len != logits.at.seq_len) {
     return cudaErrorInvalidValue;
   }
   switch (logits.dtype) {
@@ -213,7 +205,7 @@ cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, const H
                              const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
                              cudaStream_t stream) {
   if (logits.n == 0) return cudaSuccess;
-  if (logits.v <= 0 || logits.row_stride < logits.v) return cudaErrorInvalidValue;
+  if (logits.v <= 0 || logits.at.seq_len <= 0) return cudaErrorInvalidValue;
   const rows::StorePolicyToken store{in, params, out};
   switch (logits.dtype) {
     case Dtype::kFloat32: return fwd<float, true>(logits, targets, head, store, stream);

@@ -25,10 +25,27 @@ supports = supports_all_but(dict.fromkeys(
     "the torch backend has no fused policy kernels"))
 
 
-def _chunks(n_rows: int, vocab: int):
+def _chunks(logits):
+    """(start, end, index): the rows start:end of logits (N, V) or (B, T, V) as `logits[index]`, about
+    CHUNK_ELEMENTS logits each: of a (B, T, V) view, whole sequences, or part of one when T rows are more."""
+    vocab = logits.shape[-1]
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for start in range(0, n_rows, step):
-        yield start, min(start + step, n_rows)
+    if logits.dim() == 2:
+        for start in range(0, logits.shape[0], step):
+            yield start, min(start + step, logits.shape[0]), (slice(start, start + step),)
+        return
+    batch, seq = logits.shape[:2]
+    if seq == 0:
+        return
+    if seq <= step:
+        for b in range(0, batch, step // seq):
+            stop = min(b + step // seq, batch)
+            yield b * seq, stop * seq, (slice(b, stop),)
+        return
+    for b in range(batch):
+        for t in range(0, seq, step):
+            stop = min(t + step, seq)
+            yield b * seq + t, b * seq + stop, (b, slice(t, stop))
 
 
 def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -46,13 +63,13 @@ def _capped(z, softcap):
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
-    n, vocab = logits.shape
+    n, vocab = logits.shape[:-1].numel(), logits.shape[-1]
     acc = acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
-    for s, e in _chunks(n, vocab):
-        z, _ = _capped(logits[s:e].to(acc), softcap)
+    for s, e, index in _chunks(logits):
+        z, _ = _capped(logits[index].reshape(-1, vocab).to(acc), softcap)
         # Relative to the row max, as log_softmax: log p = d − log s with d = (z − m)/τ, never
         # z/τ − (m/τ + log s), which rounds to ulp(m/τ); τ scales differences only (z/τ overflows
         # near 3e38 at τ < 1). A row of −inf (m = −inf) gives z − m = NaN, so NaN results.
@@ -71,11 +88,11 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
                        softcap=0.0):
-    n, vocab = logits.shape
+    vocab = logits.shape[-1]
     acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
-    for s, e in _chunks(n, vocab):
-        y, t = _capped(logits[s:e].to(acc), softcap)
+    for s, e, index in _chunks(logits):
+        y, t = _capped(logits[index].reshape(-1, vocab).to(acc), softcap)
         log_p = (y - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
         p = torch.exp(log_p)
         g = grad_logp[s:e, None].to(acc)
@@ -88,5 +105,5 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
         chunk /= temperature
         if t is not None:  # dy/dz = (1 − t)(1 + t)
             chunk *= (1 - t) * (1 + t)
-        grad[s:e] = chunk
+        grad[index] = chunk.view(grad[index].shape)
     return grad
