@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 from rlkernels.kernels import OPS, Kernels, cpu, cuda, torch_chunked  # noqa: E402
 
 from kernel_cases import (  # noqa: E402
-    BAD_INPUTS, BAD_OUT, CUDA_SHAPES, DTYPE_IDS, DTYPES, NAN_ROWS, SHAPES, TOL_REL, TRITON_SHAPES, VALID_ROWS,
+    BAD_INPUTS, BAD_OUT, CUDA_SHAPES, DTYPE_IDS, DTYPES, NAN_ROWS, SHAPES, TOL_REL, TRITON_SHAPES, ULP, VALID_ROWS,
     BadArgs, ExactBounds, RelativeBounds, _close_grad, _inputs, _reference, assert_close_rel, assert_grad_close,
     assert_rounded, bad_out_case, bwd_fp32, case_inputs, contract_case, grid_logits, minus_inf_case, misaligned,
     nan_rows_case,
@@ -414,6 +414,41 @@ def test_strided_rows_int32_targets_and_in_place(backend):
     assert out.data_ptr() == logits.data_ptr()
     assert_grad_close(logits.cpu(), ref.grad, 1e-5)
     assert torch.equal(wide[:, 1000:], tail)  # the padding past V is untouched
+
+
+@pytest.mark.parametrize("backend,dtype", _params(lambda b: [(d,) for d in (torch.float32, torch.bfloat16)], _dt))
+def test_batch_strided_view_in_one_call(backend, dtype):
+    """logits[:, :-1] of a (B, T + 1, V) parent, read where it lies in one call (a batch stride beside the row
+    stride, issue 30): the forward gives the reference's values of its rows, and the backward gives the gradient of
+    the same rows copied contiguous, into a new buffer of the view's shape, into the same box of a parent-shaped
+    buffer (each sequence's last position left as it was) and into a (T, B, V) buffer seen as (B, T, V). V odd:
+    the rows are aligned differently in turn."""
+    B, T, V = 3, 4, 37
+    parent, _ = _inputs(B * (T + 1), V, dtype)
+    targets = torch.randint(0, V, (B * T,), generator=torch.Generator().manual_seed(3))
+    g, h = torch.randn(B * T), torch.randn(B * T)
+    z, y, gd, hd = backend.to(parent.view(B, T + 1, V), targets, g, h)
+    view = z[:, :-1]
+    logp, entropy, lse_parts = backend.kernels.token_logprobs_fwd(view, y, 0.8, True)
+    ref = _reference(parent.view(B, T + 1, V)[:, :-1].reshape(-1, V), targets, 0.8)
+    for actual, expected in ((logp, ref.logp), (entropy, ref.entropy), (lse_parts, ref.lse_parts)):
+        assert actual.shape == expected.shape
+        backend.bounds.outputs(actual, expected, dtype)
+
+    bwd = backend.kernels.token_logprobs_bwd
+    copy = view.reshape(-1, V).contiguous()
+    expected = bwd(copy, y, lse_parts, entropy, gd, hd, 0.8).view(B, T, V).cpu().double()
+    tol = dict(rtol=2 * ULP[dtype], atol=1e-6 * expected.abs().max().item())
+    grad = bwd(view, y, lse_parts, entropy, gd, hd, 0.8)
+    assert grad.shape == (B, T, V)
+    torch.testing.assert_close(grad.cpu().double(), expected, **tol)
+    boxed = torch.full((B, T + 1, V), 7.0, dtype=dtype, device=backend.device)
+    assert bwd(view, y, lse_parts, entropy, gd, hd, 0.8, out=boxed[:, :-1]).data_ptr() == boxed.data_ptr()
+    torch.testing.assert_close(boxed[:, :-1].cpu().double(), expected, **tol)
+    assert (boxed[:, -1] == 7).all()
+    transposed = torch.empty(T, B, V, dtype=dtype, device=backend.device).transpose(0, 1)
+    bwd(view, y, lse_parts, entropy, gd, hd, 0.8, out=transposed)
+    torch.testing.assert_close(transposed.cpu().double(), expected, **tol)
 
 
 # fp64 logits, where the backend takes them.

@@ -63,13 +63,14 @@ def _capped(z, softcap):
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
-    n, vocab = logits.shape[:-1].numel(), logits.shape[-1]
+    n = logits.shape[:-1].numel()
     acc = acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
     for s, e, index in _chunks(logits):
-        z, _ = _capped(logits[index].reshape(-1, vocab).to(acc), softcap)
+        z, _ = _capped(logits[index].to(acc), softcap)  # (rows, V) or (sequences, T, V): read where it lies
+        rows = z.shape[:-1]
         # Relative to the row max, as log_softmax: log p = d − log s with d = (z − m)/τ, never
         # z/τ − (m/τ + log s), which rounds to ulp(m/τ); τ scales differences only (z/τ overflows
         # near 3e38 at τ < 1). A row of −inf (m = −inf) gives z − m = NaN, so NaN results.
@@ -78,32 +79,33 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
         e_d = torch.exp(d)
         total = e_d.sum(-1)
         log_s = total.log()
-        lse_parts[s:e] = torch.stack((m[:, 0], log_s), 1)
-        logp[s:e] = d.gather(1, targets[s:e, None]).squeeze(1) - log_s
+        lse_parts[s:e] = torch.stack((m[..., 0], log_s), -1).view(-1, 2)
+        logp[s:e] = (d.gather(-1, targets[s:e].reshape(*rows, 1)).squeeze(-1) - log_s).view(-1)
         if need_entropy:
             # H = log s − Σ e^d·d / s: terms relative to m, no cancellation of large numbers.
-            entropy[s:e] = log_s - _p_times(e_d, d).sum(-1) / total
+            entropy[s:e] = (log_s - _p_times(e_d, d).sum(-1) / total).view(-1)
     return logp, entropy, lse_parts
 
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
                        softcap=0.0):
-    vocab = logits.shape[-1]
     acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
     for s, e, index in _chunks(logits):
-        y, t = _capped(logits[index].reshape(-1, vocab).to(acc), softcap)
-        log_p = (y - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
+        y, t = _capped(logits[index].to(acc), softcap)  # (rows, V) or (sequences, T, V): read where it lies
+        per_row = lambda x: x[s:e].reshape(*y.shape[:-1], -1)  # noqa: E731  per-row values shaped as the chunk
+        lse = per_row(lse_parts)
+        log_p = (y - lse[..., :1]).div_(temperature) - lse[..., 1:]
         p = torch.exp(log_p)
-        g = grad_logp[s:e, None].to(acc)
+        g = per_row(grad_logp).to(acc)
         chunk = -g * p
-        chunk.scatter_add_(1, targets[s:e, None], g)
+        chunk.scatter_add_(-1, per_row(targets), g)
         if grad_entropy is not None:
             # ∂H/∂x_v = −p_v (log p_v + H)
-            h = grad_entropy[s:e, None].to(acc)
-            chunk -= h * _p_times(p, log_p + entropy[s:e, None])
+            h = per_row(grad_entropy).to(acc)
+            chunk -= h * _p_times(p, log_p + per_row(entropy))
         chunk /= temperature
         if t is not None:  # dy/dz = (1 − t)(1 + t)
             chunk *= (1 - t) * (1 + t)
-        grad[index] = chunk.view(grad[index].shape)
+        grad[index] = chunk
     return grad
