@@ -486,6 +486,8 @@ def _stand_in(name, logits_dtype, size):
     import torch
     if name.endswith("_ptr"):
         return _Rows(logits_dtype if name in _LOGITS_DTYPE else getattr(torch, _POINTEES.get(name, "float32")))
+    if name == "first_batch":
+        return 0  # the first launch of a grid (the grid's y holds 65535 sequences)
     if name in ("V", "n", "seq_len") or name.startswith("stride"):
         return size  # contiguous rows (T = V rows per sequence); n: the tokens of an elementwise kernel
     if name == "loss_params":  # the token loss's packed scalars, as TokenLossParams.packed() gives them

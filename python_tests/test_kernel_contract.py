@@ -502,6 +502,29 @@ _needs_cuda = pytest.mark.skipif(not (ON_CUDA and _TRITON_OK), reason="needs a C
 
 
 @_needs_triton
+def test_triton_row_grids_cover_every_sequence_once(monkeypatch):
+    """A (B, T, V) launch is a program per row on a (T, B) grid; past 65535 sequences (the grid's y) it is cut into
+    launches that start at `first_batch`, which the kernels add (checked with 2 sequences per launch). (N, V) is one
+    sequence of N rows."""
+    from rlkernels.kernels.triton import launch
+    assert list(launch.row_grids(7 * 3, 7)) == [((7, 3), 0)]
+    assert list(launch.row_grids(1000, 1000)) == [((1000, 1), 0)]
+    grids = list(launch.row_grids(3 * 140000, 3))
+    assert [first for _, first in grids] == [0, 65535, 131070]
+    assert sum(y for (x, y), _ in grids) == 140000 and all(x == 3 and y <= 65535 for (x, y), _ in grids)
+
+    parent, _ = _inputs(5 * 4, 37, torch.float32)
+    z, y, g = TRITON.to(parent.view(5, 4, 37), torch.randint(0, 37, (15,)), torch.randn(15))
+    whole = tk.token_logprobs_fwd(z[:, :-1], y, 1.0, True)
+    grad = tk.token_logprobs_bwd(z[:, :-1], y, whole[2], whole[1], g, None, 1.0)
+    monkeypatch.setattr(launch, "MAX_BATCHES", 2)
+    for got, expected in zip(tk.token_logprobs_fwd(z[:, :-1], y, 1.0, True), whole):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(tk.token_logprobs_bwd(z[:, :-1], y, whole[2], whole[1], g, None, 1.0), grad, rtol=0,
+                               atol=0)
+
+
+@_needs_triton
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_triton_launch_config_table():
     for vocab in [1, 7, 1000, 4096, 4099, 32768, 128256, 151936]:

@@ -81,6 +81,17 @@ def row_layout(x):
     return x.shape[0] * x.shape[1], max(x.shape[1], 1), x.stride(0), x.stride(1)
 
 
+MAX_BATCHES = 65535  # the largest grid y
+
+
+def row_grids(n, seq_len):
+    """(grid, first_batch) of each launch over the N rows of `row_layout`: T programs along the grid's x, one
+    per row of a sequence, and a sequence per program along its y; one launch unless B > 65535."""
+    batches = n // seq_len
+    for first in range(0, batches, MAX_BATCHES):
+        yield (seq_len, min(MAX_BATCHES, batches - first)), first
+
+
 def row_vector(x, n, device, name, shape=()):
     """An fp32 contiguous (N, *shape) tensor (for entropy, lse_parts (N, 2) and the incoming
     gradients)."""
