@@ -13,6 +13,9 @@ a TorchDispatchMode that adds up, for every op that is not a view:
   outputs and its mutated arguments; an aten op also reads an argument it updates in place, except the
   outputs of `out=` ops and the targets of `fill_`, `zero_` and `copy_`, which it only writes;
 * FLOPs: 2·m·n·k for every `mm`, `addmm`, `bmm`, `baddbmm`, `addmm.dtype_out` (the head's GEMMs).
+`rlkernels_C::scale_grad_`, the backward of the two-pass path, is counted as the read of its one incoming number:
+the paths run `loss.backward()`, whose incoming gradient is the one the forward assumed, and the op then returns
+before it touches the gradient (another incoming gradient would add one read and one write of it).
 It also keeps the peak of live bytes allocated by the counted ops (fake tensors free like real ones),
 the inputs included; the extra peak is that less the leaves (logits, or hidden states and head weight) and
 their gradients, which must exist anyway, as a fraction of the N·V·b logits (for the hidden-state path:
@@ -20,7 +23,9 @@ of the logits it avoids).
 
 The modelled time is bytes / 4.27 TB/s + FLOPs / 760 TFLOP/s, the copy bandwidth and bf16 dense matmul
 rate measured on an H200 (benchmarks/RESULTS.md). Passes are bytes over N·V·b (b the logits' element size):
-the logits path's floor is 3 (read forward, read and write backward); the hidden-state path's FLOP floor is
+the logits path's floor is 3 (read forward, read and write backward), 2 on the two-pass path (read once and write
+the gradient, both in the forward: `two_pass=True`, the cpu backend's default; the cuda kernel is designed,
+docs/design.md §7, not yet written, so that row models it with the cpu op); the hidden-state path's FLOP floor is
 3·2·N·H·V (the logits, ∂hidden and ∂W products).
 
 The inputs are fake CPU tensors and the backend is `cpu`, whose op sequence is the `cuda` backend's: both
@@ -48,6 +53,8 @@ HBM_BYTES_PER_S = 4.27e12
 MATMUL_FLOPS_PER_S = 760e12
 GEMMS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")
 WRITE_ONLY = ("fill_", "zero_", "copy_")
+# returns at once when the incoming gradient is the assumed one, as in every path here (the docstring)
+RETURNS_AT_ONCE = {"rlkernels_C::scale_grad_": "grad_out"}
 
 
 def _tensors(x):
@@ -82,7 +89,11 @@ class TrafficCounter(TorchDispatchMode):
         schema = func._schema
         read = written = 0
         mutated = set()
+        key = f"{func.namespace}::{name}"
         for arg, value in zip(schema.arguments, [*args, *[kwargs.get(a.name) for a in schema.arguments[len(args):]]]):
+            if key in RETURNS_AT_ONCE:
+                read += sum(_nbytes(t) for t in _tensors(value)) if arg.name == RETURNS_AT_ONCE[key] else 0
+                continue
             for t in _tensors(value):
                 is_write = arg.alias_info is not None and arg.alias_info.is_write
                 if is_write:
@@ -95,7 +106,6 @@ class TrafficCounter(TorchDispatchMode):
         if name in GEMMS:
             self.flops += _gemm_flops(name, args)
         self.read, self.written = self.read + read, self.written + written
-        key = f"{func.namespace}::{name}"
         self.by_op[key] = self.by_op.get(key, 0) + read + written
         self._track(out)
         return out
@@ -208,12 +218,12 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             return [leaf]
         return run
 
-    def fused(preset, sliced):
+    def fused(preset, sliced, two_pass=False):
         def run():
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets, adv, mask, kw = _loss_args(n, batch, device)
             finish(rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
-                                               **kw).loss)
+                                               two_pass=two_pass, **kw).loss)
             return [leaf]
         return run
 
@@ -233,6 +243,8 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
         "token_logprobs, sliced": logprobs(True),
         "fused_policy_loss grpo": fused("grpo", False),
         "fused_policy_loss grpo, sliced": fused("grpo", True),
+        "fused_policy_loss grpo, two-pass": fused("grpo", False, True),
+        "fused_policy_loss grpo, two-pass, sliced": fused("grpo", True, True),
         "fused_policy_loss gspo": fused("gspo", False),
         "fused_policy_loss gspo, sliced": fused("gspo", True),
         "fused_linear_policy_loss grpo": linear("grpo"),

@@ -25,7 +25,9 @@ def test_token_level_logits_path_budget(preset):
     c = launches.fused_policy_loss_count(preset, "cpu")
     assert c.syncs == 0, c.names
     assert c.ops <= 24, c.names
-    assert c.names.get("rlkernels_C::policy_token_fwd") == 1  # the loss is evaluated in the kernel
+    # the loss is evaluated in the kernel, which on the cpu also writes ∂logits (the two-pass path): no backward kernel
+    assert c.names.get("rlkernels_C::policy_token_fwd_grad") == 1, c.names
+    assert "rlkernels_C::token_logprobs_bwd" not in c.names, c.names
 
 
 @pytest.mark.parametrize("preset", TOKEN_LEVEL)

@@ -1,7 +1,8 @@
 """Bytes over the logits, counted (`benchmarks.traffic`: a TorchDispatchMode over forward + backward on fake
 tensors), and the views of logits read in place with their gradient handed to the parent.
 
-The floor of the logits path is 3 passes over N·V·b: read forward, read and write backward. A slice such as
+The floor of the logits path is 3 passes over N·V·b: read forward, read and write backward; 2 where the forward
+writes the gradient (the two-pass path). A slice such as
 `model(x).logits[:, :-1]` must not add autograd's zero-filled parent-sized gradient and copy (7 and 5 passes
 before: a clone of the slice for token_logprobs, `slice_backward` for both ops). The parent's rows outside
 the slice are written once (zeros): that is the gradient autograd needs there.
@@ -35,6 +36,21 @@ def test_logits_path_makes_three_passes(backend, path, sliced, dtype):
     per_token = 512 * N  # the (N,) per-token vectors: targets, mask, log-probs, derivatives, statistics
     assert row.bytes <= (3.0 + outside) * size + per_token, row.by_op
     # the logits (or their parent) and one gradient of that size; no second N × V buffer
+    assert row.peak_bytes <= 2 * size * (1 + outside) + 0.05 * size, row.by_op
+
+
+@pytest.mark.parametrize("backend", COUNTED)
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_pass_path_makes_two_passes(backend, sliced, dtype):
+    """The forward reads the logits once and writes ∂logits once; the backward (`loss.backward()`, the assumed
+    incoming gradient) moves nothing of size N × V."""
+    name = "fused_policy_loss grpo, two-pass" + (", sliced" if sliced else "")
+    (row,) = traffic.model(N, V, H, dtype, backend, only=[name])
+    outside = B / N if sliced else 0.0
+    size = N * V * torch.empty(0, dtype=dtype).element_size()
+    assert row.bytes <= (2.0 + outside) * size + 512 * N, row.by_op
+    assert row.by_op["rlkernels_C::policy_token_fwd_grad"] >= 2 * size, row.by_op
     assert row.peak_bytes <= 2 * size * (1 + outside) + 0.05 * size, row.by_op
 
 

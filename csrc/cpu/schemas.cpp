@@ -20,6 +20,17 @@ TORCH_LIBRARY(rlkernels_C, m) {
   m.def("policy_token_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv, Tensor? old_logp,"
         " Tensor? ref_logp, Tensor? is_weights, float temperature, float softcap, float[] params)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The two-pass row (docs/design.md §2): policy_token_fwd's (logp, entropy, stats) and, from the same read of
+  // each row, ∂logits = scale·(the backward at the token's derivatives; at ∂/∂H = entropy_grad where given).
+  // The second returns a new gradient; the `_out` one writes `out`, which may be `logits` itself.
+  m.def("policy_token_fwd_grad(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv,"
+        " Tensor? old_logp, Tensor? ref_logp, Tensor? is_weights, Tensor? entropy_grad, float temperature,"
+        " float softcap, float[] params, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("policy_token_fwd_grad_out(Tensor logits, Tensor targets, Tensor mask, Tensor weight, Tensor adv,"
+        " Tensor? old_logp, Tensor? ref_logp, Tensor? is_weights, Tensor? entropy_grad, float temperature,"
+        " float softcap, float[] params, float scale, Tensor(a!) out) -> (Tensor, Tensor, Tensor)");
+  // grad ×= grad_out / assumed unless the one number grad_out equals `assumed`: the backward of the two-pass row.
+  m.def("scale_grad_(Tensor(a!) grad, Tensor grad_out, float assumed) -> ()");
   // The per-token policy loss at given log-probs (N,); `params` as in policy_token_fwd.
   // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
   // 1). Returns (grad_logp, grad_entropy, stats).

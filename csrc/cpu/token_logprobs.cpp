@@ -26,6 +26,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -146,10 +147,20 @@ struct VecCap {
   }
 };
 
+// e^d of a step of elements into the two-pass row's scratch (kStep elements; past V into its padding).
+template <typename Vec>
+void keep_pair(typename Vec::value_type* p, const Vec& a, const Vec& b) {
+  a.store(p);
+  b.store(p + Vec::size());
+}
+
+// `keep` (V + kStep elements) and `block_m` (a block's entry each), for the two-pass row: e^d of every element
+// and the running max m each block's d was taken at (−inf for a block skipped, as every element so far was −inf).
 template <typename scalar_t, bool kEntropy, bool kCap>
 rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     const scalar_t* z, int64_t V, int64_t target, typename Io<scalar_t>::acc_t inv_tau,
-    const rlk::SoftCap<typename Io<scalar_t>::acc_t>& soft_cap) {
+    const rlk::SoftCap<typename Io<scalar_t>::acc_t>& soft_cap, typename Io<scalar_t>::acc_t* keep = nullptr,
+    typename Io<scalar_t>::acc_t* block_m = nullptr) {
   using IO = Io<scalar_t>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
@@ -193,6 +204,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       rlk::softmax_rescale<Vec, Vec, kEntropy>(s1, u1, Vec(alpha), Vec(delta));
       m = block_max;
     }
+    if (keep != nullptr) block_m[start / kBlock] = m;
     if (m == rlk::neg_inf<acc_t>()) continue;  // every element so far is −inf
 
     // Sweep 2 (from L1): d = max((z − m)/τ, floor), e = e^d, summed into block-local sums that are
@@ -207,8 +219,10 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       }
       const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
       const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
-      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
-      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
+      const Vec ea = vexp(da), eb = vexp(db);
+      if (keep != nullptr) keep_pair(keep + start + i, ea, eb);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, ea, da);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, eb, db);
     }
     if (full < len) {
       load_tail(zb + full, len - full, a, b);
@@ -218,8 +232,10 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
       }
       const Vec da = at::vec::maximum(rlk::scaled_diff(a, v_m, v_inv_tau), v_floor);
       const Vec db = at::vec::maximum(rlk::scaled_diff(b, v_m, v_inv_tau), v_floor);
-      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, vexp(da), da);
-      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, vexp(db), db);
+      const Vec ea = vexp(da), eb = vexp(db);
+      if (keep != nullptr) keep_pair(keep + start + full, ea, eb);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs0, bu0, ea, da);
+      rlk::softmax_accumulate<Vec, kEntropy>(bs1, bu1, eb, db);
     }
     s0 = s0 + bs0;
     s1 = s1 + bs1;
@@ -282,6 +298,51 @@ void backward_row(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
   } else {
     grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
   }
+}
+
+// backward_row from the forward's kept e^d (forward_row's `keep`, `block_m`) rather than from the logits: p_v =
+// e_v·e^{(m_b − m)/τ − log s} with one exp per block, not one per element, the exp being most of the work of a
+// pass on a CPU. log p_v, for the entropy term alone (B ≠ 0), from the logit as in backward_row. The same
+// formula; p rounds differently (a few ulp of fp32). For rows without a skipped block and without a cap.
+template <typename scalar_t>
+void backward_row_kept(const scalar_t* z, scalar_t* grad, int64_t V, int64_t target,
+                       typename Io<scalar_t>::acc_t m, typename Io<scalar_t>::acc_t log_s,
+                       const rlk::GradCoeffs<typename Io<scalar_t>::acc_t>& c, typename Io<scalar_t>::acc_t inv_tau,
+                       const typename Io<scalar_t>::acc_t* keep, const typename Io<scalar_t>::acc_t* block_m) {
+  using IO = Io<scalar_t>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t kStep = IO::kStep;
+  const Vec v_inv_tau(inv_tau), v_floor(rlk::exp_floor<acc_t>()), v_m(m), v_log_s(log_s), v_A(c.A), v_B(c.B);
+  const bool entropy_term = c.B != acc_t(0);
+  const acc_t z_target = static_cast<acc_t>(z[target]);  // `grad` may be `z` itself
+  Vec a, b;
+  for (int64_t start = 0; start < V; start += kBlock) {
+    const int64_t len = std::min(kBlock, V - start);
+    const Vec f(std::exp(rlk::scaled_diff(block_m[start / kBlock], m, inv_tau) - log_s));
+    auto grad2 = [&](int64_t i, Vec& lo, Vec& hi) {  // the logits in (read only for the entropy term), ∂ out
+      const Vec p0 = Vec::loadu(keep + start + i) * f, p1 = Vec::loadu(keep + start + i + Vec::size()) * f;
+      if (!entropy_term) {
+        lo = p0 * v_A;
+        hi = p1 * v_A;
+        return;
+      }
+      lo = rlk::grad_element(p0, at::vec::maximum(rlk::log_prob(lo, v_m, v_log_s, v_inv_tau), v_floor), v_A, v_B);
+      hi = rlk::grad_element(p1, at::vec::maximum(rlk::log_prob(hi, v_m, v_log_s, v_inv_tau), v_floor), v_A, v_B);
+    };
+    const int64_t full = len - len % kStep;
+    for (int64_t i = 0; i < full; i += kStep) {
+      if (entropy_term) IO::load(z + start + i, a, b);
+      grad2(i, a, b);
+      IO::store(grad + start + i, a, b);
+    }
+    if (full < len) {
+      if (entropy_term) load_tail(z + start + full, len - full, a, b);
+      grad2(full, a, b);
+      store_tail(grad + start + full, len - full, a, b);
+    }
+  }
+  grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
 }
 
 // The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
@@ -456,12 +517,25 @@ void token_logprobs_bwd_out_cpu(const at::Tensor& logits, const at::Tensor& targ
   token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
 }
 
+// Where the two-pass row writes ∂logits: `grad` (the logits' shape, rows apart; it may be the logits),
+// scale·(the backward formula of docs/design.md §2) from the token's own derivatives, or ∂/∂H from
+// `entropy_grad` where given (an entropy bonus outside the kernel's loss).
+struct GradTarget {
+  at::Tensor* grad;
+  const std::optional<at::Tensor>& entropy_grad;
+  double scale;
+};
+
 // The forward plus the per-token policy loss (rlkernels/token_loss.h) of each row, evaluated on
-// the row's results while they are at hand: one read of the logits.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
+// the row's results while they are at hand: one read of the logits. With `into`, the two-pass row
+// (docs/design.md §2): the row's ∂logits is written right after, while the row is still in this
+// core's cache (a 151936-logit fp32 row is 594 KiB, within L2), so the logits are read once from
+// memory and the gradient written once, where forward + backward read them twice.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_rows(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
-    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params) {
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params,
+    const GradTarget* into) {
   check_logits(logits);
   const int64_t N = rlk::row_count(logits), V = logits.size(-1);
   RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
@@ -471,6 +545,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, acc);
   if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", acc);
+  const bool bonus = into != nullptr && into->entropy_grad.has_value();
+  if (bonus) rlk::check_token_tensor(*into->entropy_grad, "entropy_grad", logits, "the rows of logits", acc);
+  if (into != nullptr) {
+    RLK_CHECK_VALUE(std::isfinite(into->scale) && into->scale != 0.0, "scale: expected a finite nonzero number, got ",
+                    into->scale);
+  }
   const auto opts = logits.options().dtype(acc);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -497,18 +577,125 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     acc_t* st_p = stats.mutable_data_ptr<acc_t>();
     const acc_t inv_tau = static_cast<acc_t>(1.0 / temperature);
     const auto cap = rlk::soft_cap<acc_t>(softcap);
+    scalar_t* gz = into != nullptr ? into->grad->mutable_data_ptr<scalar_t>() : nullptr;
+    const rlk::RowIndex out_row = into != nullptr ? rlk::row_index(*into->grad) : row;
+    const acc_t* bonus_p = bonus ? into->entropy_grad->const_data_ptr<acc_t>() : nullptr;
+    const acc_t scale = into != nullptr ? static_cast<acc_t>(into->scale) : acc_t(1);
+    // Without a cap the forward keeps e^d of the row, so that the backward takes no exp per element.
+    const bool kept = gz != nullptr && !cap.on();
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> keep(kept ? V + Io<scalar_t>::kStep : 0), block_m(kept ? (V + kBlock - 1) / kBlock : 0);
       for (int64_t n = begin; n < end; ++n) {
-        const auto r = forward_row_as<scalar_t>(true, z + row(n), V, y[n], inv_tau, cap);
+        const auto r = kept ? forward_row<scalar_t, true, false>(z + row(n), V, y[n], inv_tau, cap, keep.data(),
+                                                                 block_m.data())
+                            : forward_row_as<scalar_t>(true, z + row(n), V, y[n], inv_tau, cap);
         logp_p[n] = r.logp;
         ent_p[n] = r.entropy;
         lse_p[2 * n] = r.m;
         lse_p[2 * n + 1] = r.log_s;
         rlk::token_loss(in.at(n, r.logp, r.entropy), loss).store(n, gl_p, ge_p, st_p);
+        if (gz == nullptr) continue;
+        // The backward's coefficients at the per-row derivatives times the scale, rounded as the
+        // three-pass backward rounds them (`g·scale` in acc_t), so that both write the same bits.
+        const acc_t g = gl_p[n] * scale;
+        const auto c = bonus_p != nullptr          ? rlk::grad_coeffs<acc_t>(g, bonus_p[n] * scale, r.entropy, inv_tau)
+                       : loss.entropy_coef != 0 ? rlk::grad_coeffs<acc_t>(g, ge_p[n] * scale, r.entropy, inv_tau)
+                                                : rlk::grad_coeffs<acc_t>(g, acc_t(0), acc_t(0), inv_tau);
+        // a NaN row returns before keeping every block, a row that starts with −inf blocks skips them
+        const bool from_kept = kept && std::isfinite(r.log_s) &&
+                               std::all_of(block_m.begin(), block_m.end(), [](acc_t mb) { return mb > rlk::neg_inf<acc_t>(); });
+        if (from_kept) {
+          backward_row_kept<scalar_t>(z + row(n), gz + out_row(n), V, y[n], r.m, r.log_s, c, inv_tau, keep.data(),
+                                      block_m.data());
+        } else if (cap.on()) {
+          backward_row<scalar_t, true>(z + row(n), gz + out_row(n), V, y[n], r.m, r.log_s, c, inv_tau, cap);
+        } else {
+          backward_row<scalar_t, false>(z + row(n), gz + out_row(n), V, y[n], r.m, r.log_s, c, inv_tau, cap);
+        }
       }
     });
   });
   return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params) {
+  return policy_token_rows(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap,
+                           params, nullptr);
+}
+
+// The two-pass row into `out`: the logits themselves, or memory disjoint from them (rlkernels/grad_out_check.h).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_out_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, const std::optional<at::Tensor>& entropy_grad, double temperature,
+    double softcap, at::ArrayRef<double> params, double scale, const at::Tensor& out) {
+  check_logits(logits);
+  RLK_CHECK_VALUE(out.device().is_cpu(), "out: expected a CPU tensor, got ", out.device());
+  rlk::check_grad_out(logits, out);
+  at::Tensor grad = out;
+  const GradTarget into{&grad, entropy_grad, scale};
+  auto r = policy_token_rows(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap,
+                             params, &into);
+  return {std::get<0>(r), std::get<1>(r), std::get<5>(r)};
+}
+
+// The two-pass row into a new gradient (asking for huge pages, as token_logprobs_bwd).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, const std::optional<at::Tensor>& entropy_grad, double temperature,
+    double softcap, at::ArrayRef<double> params, double scale) {
+  check_logits(logits);
+  at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
+  const GradTarget into{&grad, entropy_grad, scale};
+  auto r = policy_token_rows(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap,
+                             params, &into);
+  return {std::get<0>(r), std::get<1>(r), std::get<5>(r), grad};
+}
+
+// grad ×= grad_out / assumed, in the accumulation precision, unless grad_out equals `assumed` (rounded
+// to grad_out's dtype): the backward of the two-pass path. On the CPU the scalar is read where it lies
+// (no device to wait for); a GPU kernel reads it on the device and returns at once when it matches.
+void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_out, double assumed) {
+  RLK_CHECK_VALUE(grad.device().is_cpu() && grad_out.device().is_cpu(), "grad, grad_out: expected CPU tensors, got ",
+                  grad.device(), " and ", grad_out.device());
+  RLK_CHECK_TYPE(is_supported_float(grad.scalar_type()), "grad: expected dtype float32, bfloat16, float16 or float64, "
+                 "got ", grad.scalar_type());
+  RLK_CHECK_VALUE(grad.is_contiguous(), "grad: expected a contiguous tensor, got strides ", grad.strides());
+  RLK_CHECK_VALUE(grad_out.numel() == 1 && (grad_out.scalar_type() == at::kFloat || grad_out.scalar_type() == at::kDouble),
+                  "grad_out: expected one float32 or float64 number, got ", grad_out.sizes(), " ",
+                  grad_out.scalar_type());
+  RLK_CHECK_VALUE(std::isfinite(assumed) && assumed != 0.0, "assumed: expected a finite nonzero number, got ", assumed);
+  // read where it lies (no op: nothing for a dispatcher to see or a device to wait for)
+  const bool fp64 = grad_out.scalar_type() == at::kDouble;
+  const double incoming = fp64 ? *grad_out.const_data_ptr<double>() : double(*grad_out.const_data_ptr<float>());
+  const double expected = fp64 ? assumed : double(static_cast<float>(assumed));
+  if (incoming == expected || grad.numel() == 0) return;
+  rlk::dispatch_floating<true>(grad.scalar_type(), "grad", [&](auto zero) {
+    using scalar_t = decltype(zero);
+    using IO = Io<scalar_t>;
+    using acc_t = typename IO::acc_t;
+    using Vec = typename IO::Vec;
+    constexpr int64_t kStep = IO::kStep;
+    const Vec ratio(static_cast<acc_t>(incoming / assumed));
+    scalar_t* p = grad.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, grad.numel(), int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+      Vec a, b;
+      int64_t i = begin;
+      for (; i + kStep <= end; i += kStep) {
+        IO::load(p + i, a, b);
+        IO::store(p + i, a * ratio, b * ratio);
+      }
+      if (i < end) {
+        load_tail(p + i, end - i, a, b);
+        store_tail(p + i, end - i, a * ratio, b * ratio);
+      }
+    });
+  });
 }
 
 }  // namespace
@@ -519,6 +706,9 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CPU, m) {
   m.impl("token_logprobs_bwd", &rlk_cpu::token_logprobs_bwd_cpu);
   m.impl("token_logprobs_bwd_out", &rlk_cpu::token_logprobs_bwd_out_cpu);
   m.impl("policy_token_fwd", &rlk_cpu::policy_token_fwd_cpu);
+  m.impl("policy_token_fwd_grad", &rlk_cpu::policy_token_fwd_grad_cpu);
+  m.impl("policy_token_fwd_grad_out", &rlk_cpu::policy_token_fwd_grad_out_cpu);
+  m.impl("scale_grad_", &rlk_cpu::scale_grad_cpu);
 }
 
 // ---------------------------------------------------------------------------------------------

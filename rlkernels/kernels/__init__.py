@@ -17,7 +17,8 @@ from torch import Tensor
 from .token_loss_params import CovarianceChoiceParams, TokenLossParams
 
 # every op of the contract; the fused policy ops are optional (`Kernels.supports`)
-OPS = ("token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_loss", "covariance_choice")
+OPS = ("token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_fwd_grad", "policy_token_loss",
+       "covariance_choice")
 
 
 class Kernels(Protocol):
@@ -113,6 +114,28 @@ class Kernels(Protocol):
         outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
         on the device).
         """
+
+    def policy_token_fwd_grad(self, logits: Tensor, targets: Tensor, mask: Tensor, weight: Tensor, adv: Tensor,
+                              old_logp: Optional[Tensor], ref_logp: Optional[Tensor], is_weights: Optional[Tensor],
+                              entropy_grad: Optional[Tensor], temperature: float, params: TokenLossParams,
+                              scale: float, out: Optional[Tensor] = None,
+                              softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(logp, entropy, stats, grad_logits): the two-pass row (docs/design.md §2). cpu has it (with
+        `scale_grad_`); cuda and triton do not yet (`supports`, docs/design.md §7).
+
+        ``policy_token_fwd``'s ``logp``, ``entropy`` and ``stats`` and, from the same read of each row,
+        ``token_logprobs_bwd`` at ``g = scale·grad_logp`` and ``h = scale·h₀``, where h₀ is
+        ``entropy_grad (N,)`` when given (∂/∂H of an entropy bonus outside the token's loss), else the
+        token's ``grad_entropy`` when ``params.entropy_coef != 0``, else 0. ``scale`` (finite, nonzero) is
+        the gradient the caller expects to flow into the loss. ``out`` as in ``token_logprobs_bwd``
+        (it may be ``logits`` itself); without it, a new contiguous gradient.
+        """
+
+    def scale_grad_(self, grad: Tensor, grad_out: Tensor, assumed: float) -> None:
+        """``grad ×= grad_out / assumed`` (contiguous ``grad``, in the accumulation precision), unless the one
+        number ``grad_out`` equals ``assumed`` rounded to its dtype: then nothing is read or written. It reads
+        ``grad_out`` where it lies, with no host sync (a GPU kernel returns at once when it matches). With
+        ``policy_token_fwd_grad``."""
 
     def policy_token_loss(self, logp: Tensor, entropy: Optional[Tensor], mask: Tensor, weight: Tensor,
                           adv: Optional[Tensor], old_logp: Optional[Tensor], ref_logp: Optional[Tensor],

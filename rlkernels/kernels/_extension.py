@@ -18,8 +18,8 @@ import torch
 from . import supports_all_but
 
 # what the cpu and cuda backends take from here: the contract's ops (kernels/__init__.py)
-__all__ = ["supports", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_loss",
-           "covariance_choice"]
+__all__ = ["supports", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_fwd_grad",
+           "scale_grad_", "policy_token_loss", "covariance_choice"]
 
 try:
     from rlkernels import _C
@@ -88,6 +88,24 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     return torch.ops.rlkernels_C.policy_token_fwd(
         logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, float(temperature), float(softcap),
         params.packed())
+
+
+@python_errors
+def policy_token_fwd_grad(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, entropy_grad, temperature,
+                          params, scale, out=None, softcap=0.0):
+    """(logp, entropy, stats, grad_logits): policy_token_fwd and ∂logits from one read of each row, into `out`
+    when given (it may be `logits` itself); see rlkernels/kernels/__init__.py."""
+    args = (logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, entropy_grad, float(temperature),
+            float(softcap), params.packed(), float(scale))
+    if out is None:
+        return torch.ops.rlkernels_C.policy_token_fwd_grad(*args)
+    return (*torch.ops.rlkernels_C.policy_token_fwd_grad_out(*args, out), out)
+
+
+@python_errors
+def scale_grad_(grad, grad_out, assumed):
+    """grad ×= grad_out / assumed unless grad_out equals `assumed`; see rlkernels/kernels/__init__.py."""
+    torch.ops.rlkernels_C.scale_grad_(grad, grad_out, float(assumed))
 
 
 @python_errors

@@ -8,7 +8,7 @@ from . import Kernels
 
 class SoftCapped:
     """`Kernels` whose passes over logits read every logit z as c·tanh(z/c); the ops on log-probs
-    (`policy_token_loss`, `covariance_choice`) read no logits and are the backend's own."""
+    (`policy_token_loss`, `covariance_choice`) and `scale_grad_` read no logits and are the backend's own."""
 
     def __init__(self, kernels: Kernels, softcap: float):
         self.kernels, self.softcap = kernels, softcap
@@ -24,6 +24,12 @@ class SoftCapped:
 
     def policy_token_fwd(self, *args, **kwargs):
         return self.kernels.policy_token_fwd(*args, softcap=self.softcap, **kwargs)
+
+    def policy_token_fwd_grad(self, *args, **kwargs):
+        return self.kernels.policy_token_fwd_grad(*args, softcap=self.softcap, **kwargs)
+
+    def scale_grad_(self, *args, **kwargs):
+        return self.kernels.scale_grad_(*args, **kwargs)
 
     def policy_token_loss(self, *args, **kwargs):
         return self.kernels.policy_token_loss(*args, **kwargs)

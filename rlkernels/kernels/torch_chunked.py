@@ -21,7 +21,7 @@ def available():
 
 
 supports = supports_all_but(dict.fromkeys(
-    ("policy_token_fwd", "policy_token_loss", "covariance_choice"),
+    ("policy_token_fwd", "policy_token_fwd_grad", "policy_token_loss", "covariance_choice"),
     "the torch backend has no fused policy kernels"))
 
 

@@ -40,6 +40,20 @@ def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     return vec(), vec(), logits.new_empty(n, 2, dtype=dtype), vec(), vec(), logits.new_empty(n, NUM_STATS, dtype=dtype)
 
 
+def _fwd_grad_out_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, entropy_grad, temperature,
+                       softcap, params, scale, out=None):
+    n, dtype = _rows(logits), acc_dtype(logits)
+    return logits.new_empty(n, dtype=dtype), logits.new_empty(n, dtype=dtype), logits.new_empty(n, NUM_STATS, dtype=dtype)
+
+
+def _fwd_grad_fake(*args):
+    return (*_fwd_grad_out_fake(*args), torch.empty_like(args[0], memory_format=torch.contiguous_format))
+
+
+def _scale_grad_fake(grad, grad_out, assumed):
+    return None
+
+
 def _policy_loss_fake(logp, entropy, mask, weight, adv, old_logp, ref_logp, chosen, is_weights, params):
     n = logp.shape[0]
     return torch.empty_like(logp), torch.empty_like(logp), logp.new_empty(n, NUM_STATS)
@@ -77,7 +91,9 @@ def register():
     """Register the fakes and the autograd formula (once: the caller holds the registration lock)."""
     for name, fake in (("token_logprobs_fwd", logprobs_fwd_fake), ("token_logprobs_bwd", logprobs_bwd_fake),
                        ("token_logprobs_bwd_out", _bwd_out_fake), ("policy_token_fwd", _policy_fwd_fake),
-                       ("policy_token_loss", _policy_loss_fake), ("covariance_choice", _choice_fake)):
+                       ("policy_token_fwd_grad", _fwd_grad_fake), ("policy_token_fwd_grad_out", _fwd_grad_out_fake),
+                       ("scale_grad_", _scale_grad_fake), ("policy_token_loss", _policy_loss_fake),
+                       ("covariance_choice", _choice_fake)):
         torch.library.register_fake(f"{_LIB}::{name}", fake)
     register_logprobs_autograd(f"{_LIB}::token_logprobs_fwd", torch.ops.rlkernels_C.token_logprobs_bwd)
     return torch.ops.rlkernels_C.token_logprobs_fwd.default

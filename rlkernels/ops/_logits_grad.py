@@ -1,12 +1,16 @@
 """The backward over logits shared by the ops on logits: `logits_grad` writes ∂logits with the backend's
 kernel, one launch per block of `_rows.LogitsRows` (one for any view that the kernels' batch stride
 expresses), into a new buffer (of the parent's shape for a box view, `_rows.LogitsRows`) or
-over the logits themselves; `deferred_logits_grad` is the loss of the fused logits path, whose backward
-is that one kernel pass.
+over the logits themselves (`grad_buffers`); `deferred_logits_grad` is the loss of the fused logits path,
+whose backward is that one kernel pass.
 
 The fused forward has computed, per row, the derivatives g = ∂loss/∂logp and h = ∂loss/∂H. The
 backward scales them by the incoming gradient (an `(N,)` product on the device: no host sync,
 no N × V rescaling) and runs the backward kernel over the logits.
+
+The two-pass path (docs/design.md §2) writes ∂logits in the forward, for an incoming gradient it assumes;
+`written_logits_grad` is its loss, whose backward hands that gradient to autograd, scaled in one pass
+(`scale_grad_`) only when the incoming gradient differs.
 """
 from __future__ import annotations
 
@@ -23,20 +27,23 @@ def logits_grad(rows: LogitsRows, kernels, targets: Tensor, lse_parts: Tensor, e
                 h: Optional[Tensor], temperature: float, inplace: bool = False) -> Tensor:
     """∂ of `rows.grad_input` from the per-row derivatives `g` (w.r.t. logp) and `h` (w.r.t. H, or None)
     of the rows of `rows.blocks`. `inplace`: written over the (contiguous) logits."""
-    block = rows.blocks[0][2]
-    if not inplace and rows.box is None and len(rows.blocks) == 1 and block.is_contiguous():
-        # the backend allocates (the CPU one asks for huge pages)
-        return kernels.token_logprobs_bwd(block, targets, lse_parts, entropy, g, h,
-                                          temperature).view(rows.grad_input.shape)
-    if inplace:
-        grad = rows.logits.detach()  # a new tensor object: autograd hands it to .grad without a copy
-        outs = [block for _, _, block in rows.blocks]
-    else:
-        grad, outs = rows.new_grad()
+    grad, outs = grad_buffers(rows, inplace)
     for (s, e, block), out in zip(rows.blocks, outs):
-        kernels.token_logprobs_bwd(block, targets[s:e], lse_parts[s:e], entropy[s:e], g[s:e],
-                                   None if h is None else h[s:e], temperature, out=out)
-    return grad
+        written = kernels.token_logprobs_bwd(block, targets[s:e], lse_parts[s:e], entropy[s:e], g[s:e],
+                                             None if h is None else h[s:e], temperature, out=out)
+    return written.view(rows.grad_input.shape) if grad is None else grad
+
+
+def grad_buffers(rows: LogitsRows, inplace: bool):
+    """(the gradient of `rows.grad_input`, where each block's rows go): (None, [None]) when the backend's kernel
+    allocates it (one contiguous block; the CPU one asks for huge pages), the logits themselves with `inplace`,
+    else a new buffer (`LogitsRows.new_grad`)."""
+    if not inplace and rows.box is None and len(rows.blocks) == 1 and rows.blocks[0][2].is_contiguous():
+        return None, [None]
+    if inplace:
+        # a new tensor object: autograd hands it to .grad without a copy
+        return rows.logits.detach(), [block for _, _, block in rows.blocks]
+    return rows.new_grad()
 
 
 class _LogitsGrad(torch.autograd.Function):
@@ -79,3 +86,39 @@ def deferred_logits_grad(loss: Tensor, rows: LogitsRows, targets: Tensor, per_ro
     `per_row = (lse_parts, entropy, grad_logp, grad_entropy or None)` over the rows of `rows.blocks`:
     `(N, 2)`, the others `(N,)`."""
     return _LogitsGrad.apply(loss, rows.grad_input, _State(rows, targets, per_row, temperature, kernels, inplace))
+
+
+class _WrittenGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss, grad_input, state):
+        ctx.state = state  # the logits are not read again: nothing of theirs is saved
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_create_graph()
+        return None, ctx.state.hand_over(grad_out), None
+
+
+class _Written:
+    """A gradient written by the forward for the incoming gradient `scale`, until the backward takes it."""
+
+    def __init__(self, grad: Tensor, scale: float, kernels):
+        self.grad, self.scale, self.kernels = grad, scale, kernels
+
+    def hand_over(self, grad_out: Tensor) -> Tensor:
+        if self.grad is None:
+            raise RuntimeError("fused_policy_loss: a second backward through the same graph (retain_graph=True) is "
+                               "not supported on the two-pass path: the first took the gradient its forward wrote "
+                               "(no copy is kept); call fused_policy_loss again, or pass two_pass=False")
+        # not ours any more: autograd's .grad takes the tensor itself
+        grad, self.grad = self.grad, None
+        self.kernels.scale_grad_(grad, grad_out, self.scale)  # reads nothing of grad when grad_out == scale
+        return grad
+
+
+def written_logits_grad(loss: Tensor, grad_input: Tensor, grad: Tensor, scale: float, kernels) -> Tensor:
+    """`loss` (detached, 0-d) as a function of `grad_input`, whose gradient `grad` (contiguous, `grad_input`'s
+    shape) the forward wrote for an incoming gradient `scale`; any other incoming gradient g scales it by
+    g / scale, one pass over it."""
+    return _WrittenGrad.apply(loss, grad_input, _Written(grad, scale, kernels))

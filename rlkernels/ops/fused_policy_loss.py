@@ -9,13 +9,18 @@ kernel gives log-probs and entropy, then the loss and its derivatives come from 
 `policy_token_loss` (`_sequence_step`) or, for the rest, from `losses/` (the spec) and its
 autograd on `(B, T)` tensors. Either way the backward is one kernel over the logits from the
 per-token derivatives times the incoming gradient (an `(N,)` product, no N × V pass), written
-into a new buffer or, with `inplace=True`, into the logits themselves.
+into a new buffer or, with `inplace=True`, into the logits themselves: 3 passes over the logits.
+
+Two passes where the backend has `policy_token_fwd_grad` (cpu) and the forward kernel evaluates the loss:
+that kernel also writes ∂logits, for the incoming gradient `grad_scale`, from the same read of each row;
+the backward hands it over, scaled once only when the incoming gradient differs (docs/design.md §2).
 
 Under `torch.compile` (and without autograd) the value is the composition
 `policy_loss(token_logprobs(...))`, which traces through the registered ops.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -27,7 +32,7 @@ from .._dtypes import acc_dtype
 from ..kernels.softcap import with_softcap
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.spec import LossInputs, takes_loss_args
-from ._logits_grad import deferred_logits_grad
+from ._logits_grad import deferred_logits_grad, grad_buffers, written_logits_grad
 from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
 from ._rows import check_logits_args, logits_rows, run_blocks
@@ -45,6 +50,8 @@ def fused_policy_loss(
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     inplace: bool = False,
+    two_pass: Optional[bool] = None,
+    grad_scale: float = 1.0,
     backend: Optional[str] = None,
     **loss_args,
 ) -> LossOutput:
@@ -53,11 +60,24 @@ def fused_policy_loss(
     logits `(B, T, V)`, targets `(B, T)`; the other arguments are those of `policy_loss`. The
     entropy is always computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
     `softcap` c: the logits are the head's output before a final-logit cap c·tanh(z/c) (as
-    `token_logprobs`). `inplace=True`: the backward writes ∂logits over the logits (the caller
-    gives them up).
+    `token_logprobs`). `inplace=True`: ∂logits is written over the logits (the caller gives them up; on
+    the two-pass path already by the forward).
+
+    `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
+    instead of 3). None: where the backend has that kernel (cpu) and the config's loss is token-level
+    (docs/design.md §4); True: required (ValueError where it cannot); False: never. Its gradient assumes the
+    incoming gradient `grad_scale` (1 for `loss.backward()`; 1/k for `(loss / k).backward()`, gradient
+    accumulation): then the backward moves nothing of size N × V. Any other incoming gradient gives the
+    same gradient at the cost of one scaling pass over it. On the two-pass path a second backward through
+    the same graph raises.
     """
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
+    if two_pass is not None and not isinstance(two_pass, bool):
+        raise TypeError(f"two_pass: expected None or a bool, got {type(two_pass).__name__}")
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not (
+            math.isfinite(grad_scale) and grad_scale != 0):
+        raise ValueError(f"grad_scale: expected a finite nonzero number, got {grad_scale!r}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(f"logits: expected a tensor of shape (B, T, V), got {_describe(logits)}")
 
@@ -82,12 +102,40 @@ def fused_policy_loss(
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(logits), device=logits.device,
                               mask=mask, advantages=advantages, what="logits (B, T, V)", **loss_args)
     rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
-    logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature)
+    written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(two_pass, decided.step, kernels, needs_grad) \
+        else None
+    logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature, written)
     out, logp, entropy = run_step(logits_pass, decided.step, inputs, config)
     loss = out.loss
-    if needs_grad:
+    if written is not None:
+        if inplace:  # the logits now hold ∂logits: autograd refuses any node that saved them
+            torch.autograd.graph.increment_version(rows.grad_input)
+        loss = written_logits_grad(loss, rows.grad_input, written.grad, written.scale, kernels)
+    elif needs_grad:
         loss = deferred_logits_grad(loss, rows, logits_pass.targets, logits_pass.per_row, temperature, kernels, inplace)
     return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
+
+
+def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool) -> bool:
+    """Whether the forward writes ∂logits (`two_pass` of `fused_policy_loss`); raises where it was required and
+    cannot."""
+    if not needs_grad or requested is False:
+        return False
+    why = kernels.supports("policy_token_fwd_grad")
+    if why is None and step is not Step.FORWARD:
+        why = f"the config's loss needs every row's log-prob first (the {step.value} step, docs/design.md §4)"
+    if why is not None and requested:
+        raise ValueError(f"two_pass: {why}")
+    return why is None
+
+
+class _WrittenBy:
+    """Where the two-pass forward writes ∂logits (`_logits_grad.grad_buffers`) for the incoming gradient `scale`;
+    `grad` once written."""
+
+    def __init__(self, rows, scale: float, inplace: bool):
+        self.rows, self.scale = rows, scale
+        self.grad, self.outs = grad_buffers(rows, inplace)
 
 
 class _OneTensor:
@@ -95,16 +143,35 @@ class _OneTensor:
     view whose dims do not collapse into two strides, `_rows.logits_rows`). Its gradient is deferred to
     the backward, one kernel pass over the logits from `per_row` = (lse_parts, H, ∂loss/∂ℓ, ∂loss/∂H or None)."""
 
-    def __init__(self, kernels, blocks, targets: Tensor, temperature: float):
+    def __init__(self, kernels, blocks, targets: Tensor, temperature: float, written: Optional[_WrittenBy] = None):
         self.kernels, self.blocks, self.targets, self.temperature = kernels, blocks, targets, temperature
+        self.written = written
         self.lse_parts = self.entropy = self.per_row = None
 
     def fused(self, forward: TokenForward):
+        if self.written is not None:
+            return self._fused_two_pass(forward)
         logp, entropy, lse_parts, grad_logp, grad_entropy, stats = run_blocks(
             self.kernels.policy_token_fwd, self.blocks, [self.targets, *forward.per_row], self.temperature,
             forward.params)
         self.per_row = (lse_parts, entropy, grad_logp, forward.entropy_grad(grad_entropy))
         return logp, entropy, stats
+
+    def _fused_two_pass(self, forward: TokenForward):
+        """(ℓ, H, statistics), and ∂logits written into `self.written` (one launch per block)."""
+        w = self.written
+        entropy_grad = forward.bonus_grad if forward.need_entropy_grad else None
+        parts = []
+        for (s, e, block), out in zip(self.blocks, w.outs):
+            parts.append(self.kernels.policy_token_fwd_grad(
+                block, self.targets[s:e], *(None if x is None else x[s:e] for x in forward.per_row),
+                None if entropy_grad is None else entropy_grad[s:e], self.temperature, forward.params, w.scale,
+                out=out))
+        if w.grad is None:  # the kernel allocated it (one contiguous block)
+            w.grad = parts[0][3].view(w.rows.grad_input.shape)
+        if len(parts) == 1:
+            return parts[0][:3]
+        return tuple(torch.cat(outputs) for outputs in zip(*(p[:3] for p in parts)))
 
     def logprobs(self):
         logp, self.entropy, self.lse_parts = run_blocks(self.kernels.token_logprobs_fwd, self.blocks, [self.targets],

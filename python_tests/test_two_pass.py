@@ -1,0 +1,196 @@
+"""`fused_policy_loss` on the two-pass path (docs/design.md §2, §4): the forward writes ∂logits, the backward hands
+it over. Exact against the fp64 reference and equal to the three-pass path, on every preset the forward kernel
+evaluates, with −inf and NaN logits, masked and empty rows, a soft cap and τ ≠ 1; no N × V work in the backward
+when the incoming gradient is the assumed one; one scaling pass, same gradient, when it is not."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rlkernels
+from rlkernels import presets, reference
+from rlkernels.ops._plan import Step, plan
+from rlkernels.kernels import cpu
+
+from loss_inputs import preset, random_loss_inputs
+
+pytestmark = pytest.mark.skipif(not rlkernels.backend_info()["cpu"]["available"], reason="no cpu extension")
+FORWARD_PRESETS = [n for n in presets.NAMES if plan(preset(n), cpu).step is Step.FORWARD]
+B, T, V = 5, 6, 53
+# against the three-pass path: its p_v = exp(d − log s) per element, here e^d kept by the forward times one factor
+# per block (docs/design.md §2): a few ulp of fp32, then one rounding in the logits' dtype. With a cap, the same bits.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-12), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-12)}
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, equal_nan=True, **TOL[a.dtype])
+
+
+def _case(name, dtype=torch.float32, seed=0):
+    config = preset(name, entropy_coef=0.01)
+    inputs = random_loss_inputs(B, T, dtype=torch.float64, noise=0.2, per_token_adv=True, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    logits[0, 1, ::4] = -torch.inf  # −inf entries in an unmasked row
+    logits[1, 2] = -torch.inf  # a masked row that is all −inf
+    logits[1, 3, 7] = torch.nan  # a masked row with a NaN
+    mask = inputs["mask"].clone()
+    mask[0, 1], mask[1, 2:4] = True, False
+    mask[2] = False  # a sequence without tokens
+    kw = dict(old_logp=inputs["old_logp"].float(), ref_logp=inputs["ref_logp"].float())
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 1] = 1  # a finite logit
+    return config, logits.to(dtype), targets, inputs["advantages"].float(), mask, kw
+
+
+def _run(config, logits, targets, adv, mask, kw, incoming=1.0, softcap=9.0, **opts):
+    x = logits.clone().requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.7, softcap=softcap, backend="cpu",
+                                      **kw, **opts)
+    (out.loss * incoming).backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("softcap", [None, 9.0])
+@pytest.mark.parametrize("name", FORWARD_PRESETS)
+def test_every_forward_preset_matches_the_reference_and_three_passes(name, softcap):
+    config, logits, targets, adv, mask, kw = _case(name, seed=len(name))
+    two, grad2 = _run(config, logits, targets, adv, mask, kw, softcap=softcap, two_pass=True)
+    three, grad3 = _run(config, logits, targets, adv, mask, kw, softcap=softcap, two_pass=False)
+    torch.testing.assert_close(two.loss, three.loss, rtol=0, atol=0)
+    if softcap:  # the per-element formula: the same coefficients, one rounding
+        torch.testing.assert_close(grad2, grad3, rtol=0, atol=0, equal_nan=True)
+    _close(grad2, grad3)
+    for key in three.metrics:
+        torch.testing.assert_close(two.metrics[key], three.metrics[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+    z = logits.double().requires_grad_(True)
+    capped = softcap * torch.tanh(z / softcap) if softcap else z
+    logp, ent = reference.token_logprobs(capped, targets, 0.7)
+    kw64 = {k: v.double() for k, v in kw.items()}
+    loss, _ = reference.policy_loss(logp, adv.double(), mask, config, entropy=ent, **kw64)
+    loss.backward()
+    torch.testing.assert_close(two.loss.double(), loss, rtol=1e-5, atol=1e-6)
+    # The all −inf row is NaN on every backend (docs/design.md §2), where the reference's masked row has 0.
+    # Elsewhere NaN exactly where the reference's is (the masked NaN row), the rest within fp32's error.
+    assert grad2[1, 2].isnan().all()
+    grad2[1, 2] = z.grad[1, 2]
+    assert torch.equal(grad2.isnan(), z.grad.isnan())
+    torch.testing.assert_close(grad2.double().nan_to_num(0.0), z.grad.nan_to_num(0.0), rtol=1e-4, atol=1e-6)
+
+
+class _Ops(TorchDispatchMode):
+    """Every op that is not a view (autograd's .grad takes a detach of the gradient it is handed), with its tensors'
+    largest element count and the data pointers of its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func.overloadpacket), max((t.numel() for t in flat), default=0),
+                         [t.data_ptr() for t in outs]))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divide", [1, 4])
+def test_backward_moves_nothing_of_size_n_v_and_hands_over_the_written_gradient(dtype, divide):
+    """`loss.backward()` (and `(loss / k).backward()` with `grad_scale=1/k`): the backward's only op that sees an
+    N × V tensor is scale_grad_, which returns at once; .grad is the tensor the forward wrote, not a copy."""
+    config, logits, targets, adv, mask, kw = _case("grpo", dtype)
+    x = logits.clone().requires_grad_(True)
+    with _Ops() as fwd:
+        out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", grad_scale=1 / divide, **kw)
+    (written_ptr,) = [ptrs[3] for name, _, ptrs in fwd.ops if name == "rlkernels_C.policy_token_fwd_grad"]
+    with _Ops() as bwd:
+        (out.loss / divide).backward()
+    big = [name for name, numel, _ in bwd.ops if numel >= x.numel()]
+    assert big == ["rlkernels_C.scale_grad_"], bwd.ops
+    assert x.grad.data_ptr() == written_ptr
+    y = logits.clone().requires_grad_(True)
+    rlkernels.fused_policy_loss(y, targets, adv, mask, config, backend="cpu", two_pass=False, **kw).loss.div(
+        divide).backward()
+    _close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_another_incoming_gradient_costs_one_scaling_pass(dtype):
+    """A gradient other than the assumed one (a loss scaler's 2.5, an undeclared 1/k): the same gradient as the
+    three-pass path, within the one extra rounding of the scaling pass."""
+    config, logits, targets, adv, mask, kw = _case("dapo", dtype, seed=3)
+    for incoming in (2.5, 0.125):
+        _, got = _run(config, logits, targets, adv, mask, kw, incoming=incoming, two_pass=True)
+        _, expected = _run(config, logits, targets, adv, mask, kw, incoming=incoming, two_pass=False)
+        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+        assert torch.equal(got.isnan(), expected.isnan())
+        torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), **tol)
+    _, unit = _run(config, logits, targets, adv, mask, kw, two_pass=True)
+    _, eighth = _run(config, logits, targets, adv, mask, kw, incoming=0.125, two_pass=True)
+    torch.testing.assert_close(eighth.nan_to_num(0.0), (unit * 0.125).nan_to_num(0.0), rtol=0, atol=0)  # exact
+
+
+def test_inplace_writes_the_gradient_in_the_forward():
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    buffer = logits.clone()
+    x = buffer.view_as(buffer).requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", inplace=True, **kw)
+    _, expected = _run(config, logits, targets, adv, mask, kw, two_pass=False)
+    # the logits hold the gradient before the backward (here at temperature 1, no cap)
+    y = logits.clone().requires_grad_(True)
+    rlkernels.fused_policy_loss(y, targets, adv, mask, config, backend="cpu", two_pass=False, **kw).loss.backward()
+    _close(buffer, y.grad)
+    out.loss.backward()
+    assert x.grad.data_ptr() == buffer.data_ptr()
+
+
+def test_sliced_logits_give_the_parent_the_same_gradient():
+    config, logits, targets, adv, mask, kw = _case("dapo")
+    grads = []
+    for two_pass in (True, False):
+        parent = torch.cat([logits, logits[:, :1]], dim=1).requires_grad_(True)
+        out = rlkernels.fused_policy_loss(parent[:, :-1], targets, adv, mask, config, backend="cpu", two_pass=two_pass,
+                                          **kw)
+        out.loss.backward()
+        grads.append(parent.grad)
+    _close(grads[0], grads[1])
+    assert (grads[0][:, -1] == 0).all()
+
+
+def test_a_second_backward_raises():
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    x = logits.clone().requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", **kw)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward.*two_pass=False"):
+        out.loss.backward()
+
+
+def test_arguments_are_checked():
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    x = logits.clone().requires_grad_(True)
+    for bad in (0.0, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ValueError, match="grad_scale"):
+            rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", grad_scale=bad, **kw)
+    with pytest.raises(TypeError, match="two_pass"):
+        rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", two_pass=1, **kw)
+    with pytest.raises(ValueError, match="two_pass: the config's loss needs every row's log-prob first"):
+        rlkernels.fused_policy_loss(x, targets, adv[:, 0], mask, presets.gspo(), backend="cpu", two_pass=True,
+                                    **kw)
+    with pytest.raises(ValueError, match="two_pass: the torch backend"):
+        rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="torch", two_pass=True, **kw)
+
+
+def test_default_is_two_passes_on_cpu_only_for_forward_configs():
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    for cfg, want in ((config, "rlkernels_C.policy_token_fwd_grad"), (presets.gspo(), "rlkernels_C.token_logprobs_fwd")):
+        x = logits.clone().requires_grad_(True)
+        with _Ops() as ops:
+            rlkernels.fused_policy_loss(x, targets, adv if cfg is config else adv[:, 0], mask, cfg, backend="cpu", **kw)
+        assert want in [name for name, _, _ in ops.ops]
