@@ -36,7 +36,7 @@ from ._logits_grad import deferred_logits_grad, grad_buffers, written_logits_gra
 from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
 from ._rows import check_logits_args, logits_rows, run_blocks
-from .token_logprobs import token_logprobs
+from .token_logprobs import _define as define_ops, token_logprobs
 
 
 @takes_loss_args
@@ -88,6 +88,7 @@ def fused_policy_loss(
     if torch.compiler.is_compiling():  # the custom ops trace; the deferred backward does not
         return composed(logprobs, advantages, mask, config, loss_args)
     name = _backend.resolve(backend, logits.device)
+    define_ops(name)  # the ops' fake implementations, for fake tensors (benchmarks.traffic) as for real ones
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = with_softcap(_backend.kernels(name), check_softcap(softcap))
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
