@@ -194,3 +194,20 @@ def test_default_is_two_passes_on_cpu_only_for_forward_configs():
         with _Ops() as ops:
             rlkernels.fused_policy_loss(x, targets, adv if cfg is config else adv[:, 0], mask, cfg, backend="cpu", **kw)
         assert want in [name for name, _, _ in ops.ops]
+
+
+def test_fp16_declares_its_loss_scale_or_keeps_three_passes():
+    """fp16 logits train under a loss scale (test_gpu_ready.py): not two-pass by default; with the scale declared,
+    the written gradient is the three-pass one under that scale."""
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    scale = 2.0 ** 12
+    grads = []
+    for opts in (dict(), dict(two_pass=True, grad_scale=scale), dict(two_pass=False)):
+        x = logits.half().requires_grad_(True)
+        with _Ops() as ops:
+            out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", **kw, **opts)
+        assert ("rlkernels_C.policy_token_fwd_grad" in [n for n, _, _ in ops.ops]) == bool(opts.get("two_pass"))
+        (out.loss * scale).backward()
+        grads.append(x.grad.float())
+    torch.testing.assert_close(grads[0], grads[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(grads[1], grads[2], rtol=2 ** -10, atol=2 ** -24, equal_nan=True)

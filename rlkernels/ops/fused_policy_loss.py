@@ -1,5 +1,5 @@
 """`fused_policy_loss`: from logits to the policy loss in one read of the logits forward and
-one read + one write backward.
+one read + one write backward, or (token-level losses on the cpu) one read and one write in all.
 
 Token-level losses (`ratio="token"`: PPO, GRPO, DAPO, Dr. GRPO, CISPO, ...): the backend's
 `policy_token_fwd` kernel reads each row once and, in the same program, evaluates the token's
@@ -65,7 +65,8 @@ def fused_policy_loss(
 
     `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
     instead of 3). None: where the backend has that kernel (cpu) and the config's loss is token-level
-    (docs/design.md §4); True: required (ValueError where it cannot); False: never. Its gradient assumes the
+    (docs/design.md §4), fp16 logits excepted; True: required (ValueError where it cannot; with fp16 logits, pass
+    the loss scale as `grad_scale`); False: never. Its gradient assumes the
     incoming gradient `grad_scale` (1 for `loss.backward()`; 1/k for `(loss / k).backward()`, gradient
     accumulation): then the backward moves nothing of size N × V. Any other incoming gradient gives the
     same gradient at the cost of one scaling pass over it. On the two-pass path a second backward through
@@ -103,8 +104,8 @@ def fused_policy_loss(
     inputs = LossInputs.build(config, shape=tuple(targets.shape), dtype=acc_dtype(logits), device=logits.device,
                               mask=mask, advantages=advantages, what="logits (B, T, V)", **loss_args)
     rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
-    written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(two_pass, decided.step, kernels, needs_grad) \
-        else None
+    written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(
+        two_pass, decided.step, kernels, needs_grad, logits.dtype) else None
     logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature, written)
     out, logp, entropy = run_step(logits_pass, decided.step, inputs, config)
     loss = out.loss
@@ -117,10 +118,11 @@ def fused_policy_loss(
     return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
 
 
-def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool) -> bool:
+def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool, dtype: torch.dtype) -> bool:
     """Whether the forward writes ∂logits (`two_pass` of `fused_policy_loss`); raises where it was required and
-    cannot."""
-    if not needs_grad or requested is False:
+    cannot. Not by default for fp16 logits: they train under a loss scale, which arrives as the incoming gradient,
+    and a gradient written at another scale would flush its small entries to zero before the scaling pass."""
+    if not needs_grad or requested is False or (requested is None and dtype == torch.float16):
         return False
     why = kernels.supports("policy_token_fwd_grad")
     if why is None and step is not Step.FORWARD:
