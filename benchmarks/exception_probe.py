@@ -40,7 +40,7 @@ z, y, mask, one, adv, old, ref, w = inputs()
 
 # (what, the call, the exception class, the argument its message names)
 CASES = [
-    ("cpu: 3-D logits", "cpu.token_logprobs_fwd(z[None], y, 1.0, True)", "ValueError", "logits"),
+    ("cpu: 4-D logits", "cpu.token_logprobs_fwd(z[None, None], y, 1.0, True)", "ValueError", "logits"),
     ("cpu: integer logits", "cpu.token_logprobs_fwd(z.long(), y, 1.0, True)", "TypeError", "logits"),
     ("cpu: target out of range", "cpu.token_logprobs_fwd(z, y + 30, 1.0, True)", "ValueError", "targets"),
     ("cpu: out overlapping the logits", "s = torch.randn(50)\n"
@@ -53,8 +53,8 @@ CASES = [
     ("cpu: fraction 0", "cpu.covariance_choice(old, adv, None, mask, None, dataclasses.replace(KL_COV, fraction=0.0))",
      "ValueError", "fraction"),
     ("cpu: an error after two caught ones",
-     "for _ in range(2):\n    try: cpu.token_logprobs_fwd(z[None], y, 1.0, True)\n    except ValueError: pass\n"
-     "cpu.token_logprobs_fwd(z[None], y, 1.0, True)", "ValueError", "logits"),
+     "for _ in range(2):\n    try: cpu.token_logprobs_fwd(z[None, None], y, 1.0, True)\n    except ValueError: pass\n"
+     "cpu.token_logprobs_fwd(z[None, None], y, 1.0, True)", "ValueError", "logits"),
     ("cuda: float64 logits", "cuda.token_logprobs_fwd(z.cuda().double(), y.cuda(), 1.0, True)", "TypeError", "logits"),
     ("cuda: targets on the CPU", "cuda.token_logprobs_fwd(z.cuda(), y, 1.0, True)", "ValueError", "targets"),
     ("cuda: mask on the CPU", "fwd(cuda, *inputs('cuda')[:2], mask, *inputs('cuda')[3:])", "ValueError", "mask"),

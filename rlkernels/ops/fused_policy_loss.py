@@ -89,7 +89,8 @@ def fused_policy_loss(
     if torch.compiler.is_compiling():  # the custom ops trace; the deferred backward does not
         return composed(logprobs, advantages, mask, config, loss_args)
     name = _backend.resolve(backend, logits.device)
-    define_ops(name)  # the ops' fake implementations, for fake tensors (benchmarks.traffic) as for real ones
+    if name in ("cpu", "cuda"):  # the extension's fake implementations, for fake tensors (benchmarks.traffic)
+        define_ops(name)
     temperature = check_logits_args(logits, targets, temperature, name)
     kernels = with_softcap(_backend.kernels(name), check_softcap(softcap))
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
