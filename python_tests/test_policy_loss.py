@@ -49,6 +49,8 @@ OPTIONS = [
     ("kl_cov", dict(kl_cov_ratio=1.0, entropy_coef=0.01)),
     ("dro", dict(dro_beta=1.5, agg="seq_mean_token_mean")),
     ("luspo", dict(clip_low=0.1, clip_high=0.1)),
+    ("topr", dict(ratio="sequence_sum")),  # the paper's trajectory ratio
+    ("topr", dict(ratio="sequence_sum", kl_estimator="k3", kl_coef=0.1, agg="seq_mean_token_sum")),
     ("vespo", dict(vespo_k_pos=0.5, vespo_lambda_pos=0.0, vespo_k_neg=1.0, vespo_lambda_neg=5.0)),
     ("vespo", dict(agg="seq_mean_token_mean")),
     ("grpo", dict(entropy_coef=0.05, entropy_agg="token_mean")),  # the bonus as its own token mean
@@ -773,3 +775,17 @@ def test_dro_and_dppo_by_hand():
     w = torch.exp(lp - old).clamp(max=1.5)
     torch.testing.assert_close(grad, torch.where(m & inside, -adv * w / n, 0.0))
     assert 0 < float(out.metrics["clip_frac"]) < 1
+
+
+def test_topr_trajectory_ratio_as_the_paper():
+    """TOPR's trajectory form truncates π(τ)/μ(τ), one ratio per row: the issue's example (log-ratios [+1, −1],
+    A = −1, seq_mean_token_sum) has ratio 1, so both tokens keep weight 1, where the token form gives [1, e^−1]."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask, adv = torch.ones(1, 2, dtype=torch.bool), torch.tensor([-1.0], dtype=torch.float64)
+    grads = {}
+    for ratio in ("token", "sequence_sum"):
+        out = rlkernels.policy_loss(logp, adv, mask, presets.topr(ratio=ratio, agg="seq_mean_token_sum"), old_logp=old)
+        (grads[ratio],) = torch.autograd.grad(out.loss, logp)
+    torch.testing.assert_close(grads["sequence_sum"], torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(grads["token"], torch.tensor([[1.0, math.exp(-1.0)]], dtype=torch.float64))

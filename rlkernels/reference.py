@@ -390,6 +390,11 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             phi = phi if bool(torch.isfinite(phi)) else torch.zeros_like(phi)
             surr = -phi * a * l
             r_metric = w.expand(L)
+        elif ratio == "sequence_sum" and objective == "topr":   # TOPR at the trajectory ratio π(τ)/μ(τ)
+            w = torch.exp(torch.clamp((l - lo).sum(), -C, C)).detach()
+            surr = -(torch.clamp(w, 0, 1) if bool(a_row < 0) else torch.ones_like(w)) * a * l
+            high = ((w > 1) & (a_row < 0)).expand(L)
+            r_metric = w.expand(L)
         elif ratio == "sequence_sum":               # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
             S = torch.clamp((l - lo).sum(), -C, C)
             band = (-_cfg(config, "fspo_c_low") * math.sqrt(L),

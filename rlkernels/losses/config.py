@@ -20,7 +20,7 @@ _VALID_OBJECTIVES = {
     "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "topr"),
     "sequence": ("clip", "sapo", "cispo"),
     "sequence_token": ("clip", "sapo"),
-    "sequence_sum": ("clip", "vespo"),
+    "sequence_sum": ("clip", "vespo", "topr"),
     "group_expectation": ("clip",),
     "geometric": ("clip",),
     "snis": ("reinforce",),

@@ -259,10 +259,12 @@ def sequence_token(b: Batch, cfg) -> Surrogate:
 
 
 def sequence_sum(b: Batch, cfg) -> Surrogate:
-    """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L."""
+    """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L; VESPO; TOPR at the trajectory's ratio."""
     if cfg.objective == "vespo":
         return vespo(b, cfg)
     s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    if cfg.objective == "topr":  # the paper's truncation of π(τ)/μ(τ), the same on every token of the row
+        return _topr(b.per_token(torch.exp(s)), b, cfg)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
     adv = b.inputs.adv_row
