@@ -11,7 +11,7 @@ from .._checks import check_tensor
 from . import surrogates
 from .aggregation import aggregate, masked_mean
 from .config import PolicyLossConfig
-from .inputs import LossInputs, takes_loss_args
+from .inputs import Batch, LossInputs, takes_loss_args
 from .kl import kl_estimate
 from .metrics import metrics_from_sums
 
@@ -111,7 +111,7 @@ def _gathered(x, mask, group):
     return torch.cat(all_values), torch.cat(all_kept).bool()
 
 
-def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
+def surrogate_weights(b: Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
     """ω of §7, (B, T) and 0 where masked, or None: the importance weights times the off-policy and the entropy
     masks (`high_entropy`: `high_entropy_tokens`'s). The fused paths count a row's clip flags on its ω > 0."""
     # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
@@ -139,7 +139,7 @@ def _quantile(x, mask, q: float):
     return torch.where(hi > lo, low + (high - low) * (pos - lo), low)
 
 
-def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):
+def per_token_loss(b: Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):
     """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): w·surrogate + β·k − c_H·H,
     w the importance weights (1 when None).
 

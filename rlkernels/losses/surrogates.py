@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .._groups import group_exp, group_gather, group_sum
 from .aggregation import masked_sum_rows
-
-if TYPE_CHECKING:  # inputs.py imports this module
-    from .inputs import LossInputs
+from .inputs import Batch
 
 
 @dataclasses.dataclass
@@ -24,29 +22,6 @@ class Surrogate:
     ratio: torch.Tensor  # (B, T) unclipped importance weight, detached, for metrics
     clipped_low: torch.Tensor  # (B, T) bool: the lower clip removes the gradient here
     clipped_high: torch.Tensor  # (B, T) bool
-
-
-class Batch:
-    """One loss call's log-probs, masked positions zeroed (so no NaN can leak in), with its `LossInputs`,
-    whose other fields (groups, rewards, weights) it reads there. Built by `LossInputs.masked`, by keyword."""
-
-    def __init__(self, *, inputs: LossInputs, logp: torch.Tensor, old_logp: torch.Tensor,
-                 adv: Optional[torch.Tensor], lengths: torch.Tensor):
-        self.inputs = inputs
-        self.logp = logp  # ℓ (B, T)
-        self.old_logp = old_logp  # ℓ_old (B, T), detached
-        self.adv = adv  # A (B, T), per-row advantages broadcast
-        self.lengths = lengths  # L_i (B,)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.inputs.mask
-
-    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        return masked_sum_rows(x, self.mask) / self.lengths.clamp(min=1)
-
-    def per_token(self, row: torch.Tensor) -> torch.Tensor:
-        return row[:, None].expand_as(self.logp)
 
 
 def clip_objective(w, adv, cfg):
