@@ -217,14 +217,14 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
             return [leaf]
         return run
 
-    def linear(preset):
+    def linear(preset, **design):  # design: memory_budget (default: the op's), chunk_size
         def run():
             b, t = _shapes(n, batch)
             h = torch.empty(b, t, hidden, dtype=dtype, device=device, requires_grad=True)
             w = torch.empty(vocab, hidden, dtype=dtype, device=device, requires_grad=True)
             targets, adv, mask, kw = _loss_args(n, batch, device)
             finish(rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
-                                                      **kw).loss)
+                                                      **design, **kw).loss)
             return [h, w]
         return run
 
@@ -237,8 +237,15 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
         "fused_policy_loss gspo, sliced": fused("gspo", True),
         "fused_linear_policy_loss grpo": linear("grpo"),
         "fused_linear_policy_loss gspo": linear("gspo"),
+        **{f"fused_linear_policy_loss {p}, {label}": linear(p, **design)
+           for p in ("grpo", "gspo") for label, design in HIDDEN_DESIGNS.items()},
     }
 
+
+# The hidden-state path's other designs, beside its default (vocabulary blocks within 10% of the logits where row
+# chunks take more): speed first (row chunks by the speed rule), and row chunks of 2048 rows (several chunks: the
+# fp32 ∂W accumulator).
+HIDDEN_DESIGNS = {"memory_budget=None": dict(memory_budget=None), "chunk_size=2048": dict(chunk_size=2048)}
 
 # the benchmark report's ops (benchmarks/workloads.py) as paths here
 REPORT_PATHS = {"token_logprobs": "token_logprobs", "grpo": "fused_policy_loss grpo",
@@ -281,6 +288,27 @@ def table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
     return "\n".join(lines)
 
 
+def designs_table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
+    """The hidden-state path's rows: the design each ran (as `rlkernels/ops/_head_design.choose` takes it on a
+    GPU), its extra peak and its modelled time over the 3-GEMM floor."""
+    from rlkernels.ops import _head_design
+
+    floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
+    lines = ["| hidden-state path | design | extra peak / N·V·b | × 3-GEMM floor |", "|---|---|---|---|"]
+    for r in rows:
+        if not r.path.startswith("fused_linear"):
+            continue
+        label = r.path.partition(", ")[2]
+        design = dict(HIDDEN_DESIGNS.get(label, {}))
+        budget = design.get("memory_budget", _head_design.MEMORY_BUDGET)
+        d = _head_design.choose(n, vocab, hidden, dtype, sharded=False, gpu=True, fp32_out=True, memory_budget=budget,
+                                chunk_size=design.get("chunk_size"))
+        pieces = (f"{-(-vocab // d.size)} vocabulary blocks of {d.size} columns" if d.kind == "vocab"
+                  else f"{-(-n // d.size)} row chunk(s) of {d.size} rows")
+        lines.append(f"| {r.path} | {pieces} | {r.extra_peak:.1%} | {r.model_ms / floor_ms:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=8192, help="tokens (rows of logits)")
@@ -294,6 +322,7 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows = model(args.n, args.vocab, args.hidden, dtype, args.backend)
     print(table(rows, args.n, args.vocab, args.hidden, dtype))
+    print("\n" + designs_table(rows, args.n, args.vocab, args.hidden, dtype))
     if args.ops:
         for r in rows:
             print(f"\n{r.path}:")
