@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -63,18 +64,37 @@ def logits_rows(logits: Tensor, in_place: bool = True, to_parent: bool = False) 
     """The rows of `logits (..., V)`. With `in_place`, a view whose rows lie in contiguous runs
     (`logits[:, :-1]`, `logits[:, -C - 1:-1]`, `logits[a:b]`) is read block by block where it lies;
     otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the parent of a box
-    view that autograd would give it to anyway (`LogitsRows.grad_input`)."""
+    view that autograd would give it to anyway (`LogitsRows.grad_input`): a view by one plain view op
+    with no hook or retain_grad on it; any other view leaves its gradient to autograd (one copy)."""
     vocab, detached = logits.shape[-1], logits.detach()
     pieces = _pieces(detached) if in_place else None
     if pieces is None:
         return LogitsRows(detached, _blocks([detached.reshape(-1, vocab).contiguous()]), logits)
     rows = LogitsRows(detached, _blocks(pieces), logits)
     parent = logits._base
-    if to_parent and parent is not None and logits.grad_fn is not None and parent.requires_grad:
+    if to_parent and parent is not None and parent.requires_grad and _autograd_hands_on(logits, parent):
         box = _box(logits, parent)
         if box is not None:
             rows.grad_input, rows.box = parent, box
     return rows
+
+
+# The nodes of view ops whose backward only puts the gradient in its place in the input (`_box` checks where).
+_PLAIN_VIEW = re.compile(r"(Slice|Select|View|AsStrided|Unsqueeze|Squeeze|Alias)Backward\d+")
+
+
+def _autograd_hands_on(view: Tensor, base: Tensor) -> bool:
+    """Whether autograd would hand the gradient of `view` to `base` unchanged but for its place: one plain view
+    op's node between them and no hook or retain_grad on `view`. Anything else is left to autograd: an
+    autograd.Function returning its input as a view (gradient reversal or scaling, tensor-parallel regions),
+    or a chain of view ops, whose inner tensors may hold hooks that Python cannot see on their nodes."""
+    node = view.grad_fn
+    if node is None or not _PLAIN_VIEW.fullmatch(node.name()) or len(node.next_functions) != 1:
+        return False
+    if view._backward_hooks or view.retains_grad:
+        return False
+    target = node.next_functions[0][0]
+    return target is base.grad_fn if base.grad_fn is not None else getattr(target, "variable", None) is base
 
 
 def _blocks(pieces: List[Tensor]) -> List[Tuple[int, int, Tensor]]:
