@@ -5,6 +5,7 @@ as a view (gradient reversal, gradient scaling, tensor-parallel identity regions
 takes autograd's own path. Each case is compared with autograd through the reference composition
 (`reference.py`) on the same view of a copy of the parent.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -122,3 +123,23 @@ def test_only_a_plain_view_without_hooks_goes_to_the_parent():
     for view, make in VIEWS.items():
         rows = logits_rows(make(leaf * 2.0, [], []), to_parent=True)
         assert rows.box is None, view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("source", ["empty_strided", "numpy"])
+def test_a_parent_with_a_stride_0_dimension(backend, source):
+    """A size-1 dimension may have any stride (0 from numpy's newaxis, DLPack, empty_strided): it is still a
+    contiguous parent, and its slice's gradient is the reference's."""
+    parent, targets, weights, _ = _inputs(3)
+    parent, targets, weights = parent[:1].float(), targets[:1], weights[:1].float()
+    if source == "numpy":
+        leaf = torch.from_numpy(np.ascontiguousarray(parent[0].numpy())[None])
+    else:
+        leaf = torch.empty_strided(parent.shape, (0, V, 1)).copy_(parent)
+    assert leaf.stride(0) == 0 and leaf.is_contiguous()
+    leaf.requires_grad_(True)
+    _token_loss(*rlkernels.token_logprobs(leaf[:, :-1], targets, return_entropy=True, backend=backend),
+                weights).backward()
+    copy = parent.clone().requires_grad_(True)
+    _token_loss(*reference.token_logprobs(copy[:, :-1], targets), weights).backward()
+    torch.testing.assert_close(leaf.grad, copy.grad, rtol=1e-5, atol=1e-6)

@@ -128,9 +128,11 @@ def _box(view: Tensor, parent: Tensor) -> Optional[Tuple[slice, ...]]:
     if not parent.is_contiguous() or parent.dtype != view.dtype or parent.shape[-1] != vocab:
         return None
     offset, starts = view.storage_offset() - parent.storage_offset(), []
-    for stride in parent.stride():  # contiguous: the offset splits into one start per dim
-        starts.append(offset // stride)
-        offset %= stride
+    for size, stride in zip(parent.shape, parent.stride()):  # contiguous: the offset splits into one start per
+        start = 0  # dim of size > 1 (one of size 1 may have any stride, 0 from numpy, DLPack or empty_strided)
+        if size > 1:
+            start, offset = divmod(offset, stride)
+        starts.append(start)
     lengths, last = [1] * parent.dim(), -1
     for size, stride in zip(view.shape, view.stride()):
         if size == 1:
