@@ -23,7 +23,7 @@ from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, che
 from .._groups import check_group_size, check_ids, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
-from .aggregation import masked_sum_rows
+from .batch import Batch
 
 _GROUPED_RATIOS = ("group_expectation", "snis")
 
@@ -132,29 +132,6 @@ class LossInputs:
 # its signature; `policy_loss` and the fused ops take them as `**loss_args` (`takes_loss_args`).
 LOSS_ARGS = ("old_logp", "ref_logp", "group_ids", "rewards", "num_items", "num_seqs", "is_weights", "rollout_logp",
              "entropy_quantile_group")
-
-
-class Batch:
-    """One loss call's log-probs, masked positions zeroed (so no NaN can leak in), with its `LossInputs`,
-    whose other fields (groups, rewards, weights) it reads there. Built by `LossInputs.masked`, by keyword."""
-
-    def __init__(self, *, inputs: LossInputs, logp: torch.Tensor, old_logp: torch.Tensor,
-                 adv: Optional[torch.Tensor], lengths: torch.Tensor):
-        self.inputs = inputs
-        self.logp = logp  # ℓ (B, T)
-        self.old_logp = old_logp  # ℓ_old (B, T), detached
-        self.adv = adv  # A (B, T), per-row advantages broadcast
-        self.lengths = lengths  # L_i (B,)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.inputs.mask
-
-    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        return masked_sum_rows(x, self.mask) / self.lengths.clamp(min=1)
-
-    def per_token(self, row: torch.Tensor) -> torch.Tensor:
-        return row[:, None].expand_as(self.logp)
 
 
 def takes_loss_args(fn: Callable) -> Callable:

@@ -6,6 +6,7 @@ row's tokens, so one aggregation serves all of them (docs/math.md, "Surrogates")
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -13,7 +14,7 @@ import torch
 
 from .._groups import group_exp, group_gather, group_sum
 from .aggregation import masked_sum_rows
-from .inputs import Batch
+from .batch import Batch
 
 
 @dataclasses.dataclass
@@ -53,24 +54,41 @@ def sequence_ratio(b: Batch, cfg) -> torch.Tensor:
     return b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
 
 
-def token(b: Batch, cfg) -> Surrogate:
-    return _TOKEN_OBJECTIVES[cfg.objective](token_ratio(b, cfg), b, cfg)
+def sequence_token_ratio(b: Batch, cfg) -> torch.Tensor:
+    """GSPO-token's weight: the value of s_i on every token, the gradient of ℓ_{i,t} alone (B, T)."""
+    return torch.exp(_sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach())
+
+
+def trajectory_ratio(b: Batch, cfg) -> torch.Tensor:
+    """π(τ)/μ(τ) = exp(clamp(Σ_t m (ℓ − ℓ_old))), the raw sequence ratio, on each token of its row (B, T)."""
+    return b.per_token(torch.exp(masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp,
+                                                                                   cfg.log_ratio_clamp)))
+
+
+def at(weight, surrogate):
+    """The surrogate `surrogate(w, b, cfg)` at the importance weight `weight(b, cfg)` (B, T): one of the functions
+    above, so that an objective is written once for every ratio it takes."""
+    return functools.partial(_at, weight, surrogate)
+
+
+def _at(weight, surrogate, b: Batch, cfg) -> Surrogate:
+    return surrogate(weight(b, cfg), b, cfg)
 
 
 def _none(b: Batch) -> torch.Tensor:
     return torch.zeros_like(b.mask)
 
 
-def _clip(w, b: Batch, cfg) -> Surrogate:
+def clip(w, b: Batch, cfg) -> Surrogate:
     return clip_objective(w, b.adv, cfg)
 
 
-def _reinforce(w, b: Batch, cfg) -> Surrogate:
+def reinforce(w, b: Batch, cfg) -> Surrogate:
     """REINFORCE (and GPG): −A·ℓ."""
     return Surrogate(-b.adv * b.logp, w.detach(), _none(b), _none(b))
 
 
-def _cispo(w, b: Batch, cfg) -> Surrogate:
+def cispo(w, b: Batch, cfg) -> Surrogate:
     """CISPO: the clipped weight is a constant that scales the REINFORCE gradient (w per token, or a
     row's sequence ratio broadcast to its tokens, as TRL's sequence-level CISPO)."""
     w = w.detach()
@@ -94,11 +112,11 @@ def soft_gate(w, adv, cfg) -> Surrogate:
     return Surrogate(-adv * torch.sigmoid(tau * (w - 1)) * (4 / tau), w.detach(), none, none)
 
 
-def _sapo(w, b: Batch, cfg) -> Surrogate:
+def sapo(w, b: Batch, cfg) -> Surrogate:
     return soft_gate(w, b.adv, cfg)
 
 
-def _dppo(w, b: Batch, cfg) -> Surrogate:
+def dppo(w, b: Batch, cfg) -> Surrogate:
     """DPPO (Binary-TV / Binary-KL): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the divergence trust region."""
     with torch.no_grad():
         p, p_old, adv = torch.exp(b.logp), torch.exp(b.old_logp), b.adv
@@ -116,13 +134,13 @@ def _dppo(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w, ~inside & (adv < 0), ~inside & (adv > 0))
 
 
-def _dro(w, b: Batch, cfg) -> Surrogate:
+def dro(w, b: Batch, cfg) -> Surrogate:
     """DRO: −(A·ℓ − ½β(ℓ − ℓ_old)²); the log-ratio is not exponentiated, so not clamped."""
     loss = -(b.adv * b.logp - 0.5 * cfg.dro_beta * (b.logp - b.old_logp).square())
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
-def _topr(w, b: Batch, cfg) -> Surrogate:
+def topr(w, b: Batch, cfg) -> Surrogate:
     """TOPR: −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0; flagged where the truncation binds."""
     w = w.detach()
     weight = torch.where(b.adv < 0, w.clamp(0, 1), torch.ones_like(w))
@@ -155,7 +173,7 @@ def kl_cov_tokens(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, cfg
     return (_ranks(cov.reshape(-1), descending=True).view_as(mask) < k) & mask
 
 
-def _clip_cov(w, b: Batch, cfg) -> Surrogate:
+def clip_cov(w, b: Batch, cfg) -> Surrogate:
     """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance."""
     sur = clip_objective(w, b.adv, cfg)
     with torch.no_grad():
@@ -196,7 +214,7 @@ def _ranks(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def _kl_cov(w, b: Batch, cfg) -> Surrogate:
+def kl_cov(w, b: Batch, cfg) -> Surrogate:
     """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
     with torch.no_grad():
         chosen = kl_cov_tokens(b.adv, b.logp.detach(), b.mask, cfg)
@@ -205,41 +223,9 @@ def _kl_cov(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
-_TOKEN_OBJECTIVES = {
-    "clip": _clip,
-    "reinforce": _reinforce,
-    "cispo": _cispo,
-    "sapo": _sapo,
-    "dppo_tv": _dppo,
-    "dppo_kl": _dppo,
-    "clip_cov": _clip_cov,
-    "kl_cov": _kl_cov,
-    "dro": _dro,
-    "topr": _topr,
-}
-
-
-def sequence(b: Batch, cfg) -> Surrogate:
-    w = sequence_ratio(b, cfg)
-    if cfg.objective == "cispo":
-        return _cispo(w, b, cfg)
-    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
-
-
-def sequence_token(b: Batch, cfg) -> Surrogate:
-    # Value of s_i on every token, gradient of ℓ_{i,t} alone (GSPO-token).
-    log_w = _sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach()
-    w = torch.exp(log_w)
-    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
-
-
-def sequence_sum(b: Batch, cfg) -> Surrogate:
-    """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L; VESPO; TOPR at the trajectory's ratio."""
-    if cfg.objective == "vespo":
-        return vespo(b, cfg)
+def fspo(b: Batch, cfg) -> Surrogate:
+    """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L."""
     s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    if cfg.objective == "topr":  # the paper's truncation of π(τ)/μ(τ), the same on every token of the row
-        return _topr(b.per_token(torch.exp(s)), b, cfg)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
     adv = b.inputs.adv_row
@@ -342,14 +328,3 @@ def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Te
     # Σ e ≥ 1 in a group with a valid row; in one without, it is 0 and so are n_g and Σ e R
     scale, baseline = group_gather(sums[:, :2] / sums[:, 2:].clamp(min=1), group, group_size).unbind(1)
     return e * scale * (rewards - baseline)
-
-
-BY_RATIO = {
-    "token": token,
-    "sequence": sequence,
-    "sequence_token": sequence_token,
-    "sequence_sum": sequence_sum,
-    "group_expectation": group_expectation,
-    "geometric": geometric,
-    "snis": snis,
-}
