@@ -196,9 +196,10 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     c = config.log_ratio_clamp
     if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
         log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)
-        x = log_s[:, None].expand(B, T).reshape(-1)
+        # the kernels take contiguous vectors: at B = 1 the reshape of an expand (here and A's) is a stride-0 view
+        x = log_s[:, None].expand(B, T).reshape(-1).contiguous()
         grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
-                                                   adv.reshape(-1), torch.zeros_like(x), None,
+                                                   adv.reshape(-1).contiguous(), torch.zeros_like(x), None,
                                                    surrogate_params(config, config.objective))
         return grad, stats.sum(0)[:4], _max(stats[:, 3])
     if config.ratio == "geometric":
