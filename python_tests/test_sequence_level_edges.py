@@ -49,3 +49,14 @@ def test_gspo_token_with_one_row(backend):
     contiguous (the cpu backend once raised "logp: expected a contiguous tensor")."""
     logits, targets, adv, mask, kw = _inputs(1, 6, seed=0)
     _check_against_the_definition(preset("gspo_token"), logits, targets, adv, mask, kw, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip_high", [710.0, 1e6])
+def test_gmpo_with_a_clip_bound_past_the_range_of_exp(backend, clip_high):
+    """ε_high ≥ 710: e^ε_high overflows a double (the cpu and triton backends once raised OverflowError); the
+    bound then never binds, as in the definition."""
+    logits, targets, adv, mask, kw = _inputs(4, 5, seed=1)
+    out = _check_against_the_definition(preset("gmpo", clip_high=clip_high), logits, targets, adv, mask, kw,
+                                        backend)
+    assert torch.isfinite(out.loss)

@@ -47,8 +47,17 @@ def log_band_params(config: PolicyLossConfig, low: float, high: float, log_ratio
     entropy term): −A·e^min(r, high) for A > 0, |A|·e^max(r, −low) for A < 0, r = clamp(x − x_old) at
     `log_ratio_clamp`. A clip in log space (GMPO's per token; FSPO's per row, shifted to the band's edge)."""
     return dataclasses.replace(_params(config, k.CLIP, with_token_terms=False), clip_low=-math.expm1(-low),
-                               clip_high=math.expm1(high), delta=math.inf, dual_clip=math.inf,
+                               clip_high=_expm1_or_inf(high), delta=math.inf, dual_clip=math.inf,
                                log_ratio_clamp=float(log_ratio_clamp))
+
+
+def _expm1_or_inf(x: float) -> float:
+    """e^x − 1, or +inf (no bound) where a double overflows (x > 709.78: GMPO's clip_high is not capped), as
+    torch's exp gives."""
+    try:
+        return math.expm1(x)
+    except OverflowError:
+        return math.inf
 
 
 def covariance_params(config: PolicyLossConfig) -> k.TokenLossParams:
