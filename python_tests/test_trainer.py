@@ -261,9 +261,9 @@ def test_checkpoints_are_fsynced_and_stale_temp_files_removed(tmp_path, monkeypa
     tmp = str(tmp_path / "checkpoint.pt.tmp")
     checkpoint.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
     assert events == [("fsync", tmp), ("replace", tmp)]
-    # a kill during a save leaves the temp file: the next start removes it
+    # a kill during a save leaves the temp file: the resumed run removes it
     open(tmp, "wb").write(b"half a checkpoint")
-    run_folder.prepare_out_dir(str(tmp_path))
+    run_folder.prepare_out_dir(str(tmp_path), resuming=True).release()
     assert not os.path.exists(tmp) and os.path.exists(tmp_path / "checkpoint.pt")
 
 

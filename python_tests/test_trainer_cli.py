@@ -310,3 +310,67 @@ def test_each_entry_point_validates_once(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="^--steps: expected an int >= 1"):
         loop.train(Config(steps=0))
     assert main(["--steps", "0"]) == 2 and "--steps: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_help_and_flag_errors_import_neither_torch_nor_transformers():
+    """Issue 33 item 6: `--help` and flag errors took 4.5-25 s, importing torch and transformers first
+    (benchmarks/cli_startup.py times them)."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import contextlib, io, sys
+        from rlkernels.cli import main
+        for argv in (["--help"], ["train", "--help"], ["demo", "--help"], ["trl", "--help"], ["train", "--stepz", "1"],
+                     ["train", "--lr", "x"], ["train", "--steps", "0"], ["train", "--lr", "1e-4", "--learning-rate", "1"]):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                code = main(argv)
+            print(argv, code, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.rsplit(" ", 1)[-1] for line in lines] == ["[]"] * 8, lines
+    assert [int(line.split("] ")[1].split()[0]) for line in lines] == [0, 0, 0, 0, 2, 2, 2, 2], lines
+
+
+def test_a_setting_given_twice_is_an_error_on_the_command_line_as_in_a_file(tmp_path):
+    """One rule (issue 33): `--lr` with `--learning_rate` kept the last silently, while the same pair in a file was
+    an error; a key twice in one file was kept silently too. List settings add up when repeated."""
+    with pytest.raises(ValueError, match="^--lr and --learning_rate set the same option; give it once"):
+        from_args(["--lr", "1e-4", "--learning_rate", "2e-4"])
+    with pytest.raises(ValueError, match="^--steps is given twice; give it once"):
+        from_args(["--steps", "3", "--steps=4"])
+    with pytest.raises(ValueError, match="^--progress and --no-progress set the same option"):
+        from_args(["--progress", "--no-progress"])
+    assert from_args(["--reward", "exact", "--reward", "regex:(\\d+)"])[0].reward == ["exact", "regex:(\\d+)"]
+    (tmp_path / "c.yaml").write_text("lr: 1.0e-4\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(ValueError, match="keys 'lr' and 'learning_rate' set the same option"):
+        from_args(["--config", str(tmp_path / "c.yaml")])
+    for name, text in (("d.yaml", "steps: 3\nalgo: grpo\nsteps: 4\n"), ("d.json", '{"steps": 3, "steps": 4}')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^--config {tmp_path / name}: key 'steps' is given twice; give it once"):
+            from_args(["--config", str(tmp_path / name)])
+
+
+def test_each_subcommand_has_its_own_help(capsys):
+    from rlkernels import cli
+
+    assert cli.main(["trl", "--help"]) == 0 and "rlkernels trl grpo [ARGS]" in capsys.readouterr().out
+    assert cli.main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("`rlkernels demo [FLAGS]`") and "usage: rlkernels demo" in out
+    assert cli.main(["train", "--help"]) == 0 and "usage: rlkernels train" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: rlkernels bench") and "vocabulary size V" in out
+
+
+def test_threads_beyond_the_machine_are_refused():
+    """`--threads 100000` crashed the process with SIGSEGV inside torch.set_num_threads (issue 33)."""
+    import os
+
+    with pytest.raises(ValueError, match=r"^--threads: expected at most 4 × the \d+ CPUs"):
+        from_args(["--threads", "100000"])
+    assert from_args(["--threads", str(os.cpu_count())])[0].threads == os.cpu_count()

@@ -127,10 +127,11 @@ def test_sigterm_finishes_the_step_saves_and_exits(reference, tmp_path):
     os.kill(pid, signal.SIGTERM)
     status = os.waitpid(pid, 0)[1]
     log = (tmp_path / "log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM, log  # not a finished run, for a scheduler
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
     assert 1 <= step < TINY["steps"] and len(_rows(out)) == step
     assert "SIGTERM: finishing this step, then saving a checkpoint" in log and f"stopped at step {step}" in log
+    assert f"continue with: rlkernels train --resume {out}" in log
     train(Config(resume=str(out), progress=False))
     assert_same_run(out, reference, f"SIGTERM at step {step}")
 
@@ -168,7 +169,7 @@ def test_a_signal_before_rl_saves_where_rl_starts(reference, tmp_path, where, si
     pid = start_run(out, tmp_path / "log", signal_in(where, sig))
     status = os.waitpid(pid, 0)[1]
     log = (tmp_path / "log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log
+    assert os.waitstatus_to_exitcode(status) == 128 + sig, log  # 130 for Ctrl-C, 143 for SIGTERM
     name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
     assert f"{name}: finishing the warm-up and the evaluation before RL, then saving a checkpoint" in log
     assert "stopped before step 1" in log and "Traceback" not in log

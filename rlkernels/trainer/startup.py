@@ -41,7 +41,8 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     run = Run(cfg, device.placement(cfg.device, cfg.dtype, world), rank, world, stop, saved, t_start)
     runs_on = run.place.describe()
     if run.master:
-        prepare_out_dir(cfg.out)
+        resuming = saved is not None and os.path.realpath(cfg.out) == os.path.realpath(run_dir(config.resume))
+        run.folder = prepare_out_dir(cfg.out, resuming, cfg.overwrite)
     layout = ("one process" if world == 1 else
               f"{'FSDP2' if cfg.fsdp else 'DDP'} over {world} processes ({runs_on['backend']})")
     run.log(f"rlkernels.train: {'resuming ' + cfg.resume + ' with ' if saved else ''}{describe(cfg)}\n"

@@ -43,6 +43,8 @@ class Run:
     start: int = 0  # the step a resumed run continues after
     eval_before: Optional[float] = None
     skipped_total: int = 0
+    stopped: bool = False  # by a signal, at a checkpoint (stop.py)
+    folder: Any = None  # run_folder.Claim of --out, on rank 0
     last: dict = dataclasses.field(default_factory=dict)  # the last metrics row
     tracking: Any = None
     bar: Any = None

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import List
 
-from ..losses import presets
-
 RENAMED = {
     "output_dir": "out", "learning_rate": "lr", "beta": "kl_coef", "max_completion_length": "max_new_tokens",
     "max_steps": "steps", "num_iterations": "epochs", "save_steps": "ckpt_every", "eval_steps": "eval_every",
@@ -80,6 +78,13 @@ def refused(values: dict) -> List[str]:
             if k in SAME_AS_HERE and v not in SAME_AS_HERE[k][1]]
 
 
+def _preset_fields(algo: str) -> dict:
+    """The preset's fields, {} for a name that is none (validate names it); imports torch, so only when needed."""
+    from ..losses import presets
+
+    return presets.fields(algo) if algo in presets.NAMES else {}
+
+
 def _given_both(trl: str, ours: str) -> ValueError:
     return ValueError(f"{trl}: sets --{ours.replace('_', '-')}, which is given too; give one of them")
 
@@ -115,7 +120,7 @@ def resolve(values: dict, defaults, flags=(), world: int = 1) -> dict:
 
     algo = values.get("algo") or defaults("algo")
     eps, eps_high = trl.get("epsilon"), trl.get("epsilon_high")
-    fields = presets.fields(algo) if algo in presets.NAMES else {}
+    fields = _preset_fields(algo) if eps is not None or eps_high is not None else {}
     if fields.get("objective") == "cispo":  # TRL's cispo caps the ratio at epsilon_high and reads no epsilon
         if eps_high is not None:
             set_field("clip_high", eps_high - 1.0, "epsilon_high")
