@@ -118,11 +118,7 @@ class LinearHead:
         buf = self.piece_buffer(e - s, width)
         if self.held == (s, e):
             return buf
-        view = buf[:, : self.vocab]  # padded: a strided view BLAS writes into directly
-        if self.bias is None:
-            torch.mm(self.hidden[s:e], self.weight.t(), out=view)
-        else:
-            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=view)
+        logits_into(buf[:, : self.vocab], self.hidden[s:e], self.weight, self.bias)
         if width > self.vocab:
             buf[:, self.vocab:] = float("-inf")
         self.held = (s, e)
@@ -207,6 +203,17 @@ class LinearHead:
         if self.sharded and grads.hidden is not None:
             dist.all_reduce(grads.hidden, group=self.spec.group)
         return grads
+
+
+def logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    """out = hidden @ weightᵀ (+ bias) in one GEMM that writes `out`, a view of a padded buffer (strided: BLAS
+    writes into it directly); under torch.compile, which refuses a strided `out=`, computed then copied."""
+    if torch.compiler.is_compiling() and not out.is_contiguous():
+        out.copy_(torch.nn.functional.linear(hidden, weight, bias))
+    elif bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
 
 
 def merge_slices(logp, entropy, lse_parts, owned, temperature: float, need_entropy: bool, top, total):

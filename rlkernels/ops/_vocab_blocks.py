@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._dtypes import acc_dtype
 from ._head_design import buffer_width
-from ._linear_head import HeadGrads, LinearHead, accumulate, merge_slices
+from ._linear_head import HeadGrads, LinearHead, accumulate, logits_into, merge_slices
 
 
 class VocabBlockedHead(LinearHead):
@@ -42,11 +42,7 @@ class VocabBlockedHead(LinearHead):
         buf = self.piece_buffer(self.n, buffer_width(v1 - v0, True))
         if self.held == k:
             return buf
-        view = buf[:, : v1 - v0]
-        if self.bias is None:
-            torch.mm(self.hidden, self.weight[v0:v1].t(), out=view)
-        else:
-            torch.addmm(self.bias[v0:v1], self.hidden, self.weight[v0:v1].t(), out=view)
+        logits_into(buf[:, : v1 - v0], self.hidden, self.weight[v0:v1], None if self.bias is None else self.bias[v0:v1])
         buf[:, v1 - v0:] = float("-inf")
         self.held = k
         return buf
