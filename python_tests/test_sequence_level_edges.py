@@ -60,3 +60,16 @@ def test_gmpo_with_a_clip_bound_past_the_range_of_exp(backend, clip_high):
     out = _check_against_the_definition(preset("gmpo", clip_high=clip_high), logits, targets, adv, mask, kw,
                                         backend)
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["gspo", "gmpo", "luspo", "fspo", "gepo", "vespo"])
+def test_a_sampled_token_of_probability_0(backend, name):
+    """A sampled token whose logit is −inf (ℓ = −inf, within the mask): the definition's loss is a number
+    (VESPO's is −∞, from its REINFORCE surrogate −φ·A·ℓ); the cpu and triton backends once gave NaN, from
+    0·(−∞) in the KL and entropy terms' call."""
+    logits, targets, adv, mask, kw = _inputs(4, 5, seed=2)
+    logits[1, 0, targets[1, 0]] = float("-inf")
+    config = preset(name, group_size=2) if name == "gepo" else preset(name)
+    out = _check_against_the_definition(config, logits, targets, adv, mask, kw, backend)
+    assert not torch.isnan(out.loss)
