@@ -112,3 +112,42 @@ def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backen
     elif backend == "cpu" and config.ratio == "token" and config.kl_bias_ratio != "sequence":
         assert c.names.get("rlkernels_C::policy_token_loss") == 2, c.names
         assert c.ops <= 64, c.names
+
+
+def _vocab_blocked_count(monkeypatch, preset: str, cols: int, bias: bool):
+    """Ops of fused_linear_policy_loss (cpu backend, fp32, V = 1000) on vocabulary blocks of `cols` columns."""
+    import torch
+
+    import rlkernels
+    from rlkernels.ops import _head_design
+
+    monkeypatch.setattr(_head_design, "choose", lambda *a, **k: _head_design.Design("vocab", cols))
+    config, targets, adv, mask, kw = launches.loss_inputs(preset)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(*targets.shape, 64, generator=g).requires_grad_(True)
+    w = (torch.randn(1000, 64, generator=g) / 8).requires_grad_(True)
+    b = torch.zeros(1000, requires_grad=True) if bias else None
+
+    def call():
+        rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, config, bias=b, backend="cpu", **kw).loss.backward()
+
+    call()
+    return launches.count(call)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("preset", ["grpo", "clip_cov", "gspo"])  # token-level, covariance, sequence-level
+def test_vocabulary_blocked_hidden_state_path_budget(monkeypatch, preset, bias):
+    """Per vocabulary block the row chunk's 8 ops: forward 3 (the logits GEMM, the −inf fill of its padding, the
+    statistics kernel), backward 5 (GEMM, fill, backward kernel, ∂hidden and ∂W GEMMs), and ∂bias's sum; the
+    block the forward ends on is not computed again. Besides the blocks, once per call: the blocks' target ids
+    (8 ops), the merge of their statistics (16), and the two-pass loss step, as a vocabulary-parallel head has
+    (token-level losses too: a row's statistics need every block first). A GPU's fp32-output GEMM keeps bf16 at
+    the same count; a CPU's upcast adds 2 per block."""
+    three, five = (_vocab_blocked_count(monkeypatch, preset, cols, bias) for cols in (499, 249))  # 3 and 5 blocks
+    per_block = (five.ops - three.ops) / 2
+    besides = three.ops - 3 * per_block
+    assert three.syncs == five.syncs == 0
+    assert per_block <= 8 + bias and besides <= (66 if preset == "gspo" else 56) + bias, (per_block, besides)
+    # GEMMs: the logits 5 forward and 4 backward, ∂W 5, ∂hidden 5 (one writes, four add)
+    assert five.names["aten::mm"] + five.names.get("aten::addmm", 0) == 5 + 4 + 5 + 5
