@@ -23,7 +23,8 @@ def _inputs(B, T, seed):
     targets = torch.randint(0, V, (B, T), generator=g)
     mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,), generator=g)[:, None]
     logp = rlkernels.token_logprobs(logits, targets, backend="torch")
-    kw = dict(old_logp=logp + 0.05 * torch.randn(B, T, generator=g), ref_logp=logp + 0.3 * torch.randn(B, T, generator=g),
+    noise = torch.randn(2, B, T, generator=g)
+    kw = dict(old_logp=logp + 0.05 * noise[0], ref_logp=logp + 0.3 * noise[1],
               rewards=torch.randint(0, 2, (B,), generator=g).float())
     return logits, targets, torch.randn(B, generator=g), mask, kw
 
