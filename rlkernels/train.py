@@ -22,11 +22,14 @@ def main(argv=None, prog: str = "rlkernels train", doc: str = __doc__) -> int:
         print(doc)
         print(C.help_text(prog))
         return 0
+    notes = []
     try:
-        cfg, explicit = C.from_args(argv)
+        cfg, explicit = C.from_args(argv, notes)
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)
         return 2
+    for line in notes:  # TRL's settings with no effect here, and where a TRL recipe trains otherwise
+        print(f"rlkernels.train: {line}")
     import torch.distributed as dist
 
     from .trainer import device, stop

@@ -83,6 +83,10 @@ def load(cfg) -> Tuple[List[dict], List[dict], str]:
     if len(train) < 2:
         raise ValueError(f"--dataset: {cfg.dataset!r} needs at least 2 prompts (some are held out), has {len(train)}")
     random.Random(cfg.seed + 12345).shuffle(train)
+    if not cfg.eval_holdout:  # a TRL recipe without evaluation: every prompt trains, a few are also evaluated
+        evaluated = train[:cfg.eval_size]
+        return train, evaluated, (f"{len(evaluated)} of the {len(train)} training prompts of {cfg.dataset} evaluated "
+                                  f"(not held out: the recipe asks for no evaluation)")
     k = min(cfg.eval_size, len(train) // 2)
     return train[k:], train[:k], (f"{k} of the {len(train)} prompts of {cfg.dataset} held out for evaluation "
                                   f"(--eval-size; --eval-dataset for a separate set)")

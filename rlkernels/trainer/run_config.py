@@ -104,6 +104,8 @@ class Config:
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
     eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most")
+    eval_holdout: bool = _field(True, "hold the --eval-size prompts of --dataset out of training; false: evaluate on "
+                                      "training prompts (a TRL recipe that asks for no evaluation)")
     # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
     # point on every seed and has room to improve
     warmup_steps: int = _field(600, "demo: supervised warm-up steps before RL at most (fewer once --warmup-target is "
@@ -126,6 +128,11 @@ class Config:
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
     lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine")
     weight_decay: float = _field(0.0, "AdamW weight decay")
+    adam_beta1: float = _field(0.9, "AdamW β1 of the RL optimizer")
+    adam_beta2: float = _field(0.98, "AdamW β2 of the RL optimizer (a TRL recipe: TRL's 0.999)")
+    adam_epsilon: float = _field(1e-8, "AdamW ε of the RL optimizer")
+    train_epochs: Optional[float] = _field(None, "TRL's num_train_epochs without max_steps: passes over the training "
+                                                 "prompts, which set --steps once --dataset is read")
     epochs: int = _field(1, "μ: optimisation passes over each rollout batch")
     minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
     max_grad_norm: float = _field(1.0, "gradient clipping norm")
@@ -246,7 +253,7 @@ def _convert_one(name: str, value, source: str, key: Optional[str] = None):
 _WHAT = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}  # for messages
 
 
-KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE]  # every name a flag or key may have
+KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE, *trl_names.IGNORED_WHY]  # every name a flag or key may have
 
 
 def _unknown(names: List[str], where: str) -> ValueError:
@@ -357,6 +364,12 @@ def _add_trl_names(parser) -> None:
         else:
             group.add_argument(*spellings, dest=name, type=_converter(name), default=argparse.SUPPRESS,
                                metavar=name.upper(), help=help)
+    ignored = parser.add_argument_group("TRL's settings with no effect here", "accepted with any value and named "
+                                        "once in the log: " + "; ".join(f"{', '.join(names)} ({why})"
+                                                                        for why, names in trl_names.IGNORED.items()))
+    for name in trl_names.IGNORED_WHY:
+        ignored.add_argument(_flag(name), "--" + name, dest=name, nargs="*", default=argparse.SUPPRESS,
+                             help=argparse.SUPPRESS)
 
 
 def _parse_error(message: str) -> ValueError:
@@ -452,13 +465,16 @@ def load_config_file(path: str) -> dict:
         if name not in FIELDS and trl_names.kind(name) is None:
             unknown.append(str(key))
             continue
+        if value is None and (trl_names.is_trl_name(str(key)) or key in trl_names.SAME_NAME):  # TRL's default
+            continue
         if name in out:
             raise ValueError(f"--config {path}: keys {keys[name]!r} and {key!r} set the same option")
-        out[name], keys[name] = convert(name, value, f"--config {path}", str(key)), key
+        keys[name] = key
+        out[name] = value if name in trl_names.IGNORED_WHY else convert(name, value, f"--config {path}", str(key))
     if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
         message = str(_unknown(unknown, f"--config {path}"))
         raise ValueError("; ".join([message, *trl_names.refused(out)]))
-    return out
+    return out, any(trl_names.is_trl_name(str(k)) for k in data)
 
 
 class _DuplicateKey(Exception):
@@ -486,19 +502,28 @@ def _unique_keys_loader(yaml):
     return Loader
 
 
-def from_args(argv: List[str]) -> tuple:
-    """(Config, the names set explicitly) from command-line arguments: defaults < `--config FILE` < flags."""
+def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
+    """(Config, the names set explicitly) from command-line arguments: defaults < `--config FILE` < flags (a TRL
+    recipe: TRL's defaults < the file < flags). `notes`, if given, gets the lines the log should show: the TRL
+    settings given that have no effect here, and where a TRL recipe still trains otherwise than `trl grpo`."""
     flags = parse_flags(argv)
-    values = load_config_file(flags.pop("config")) if "config" in flags else {}
+    values, trl_recipe = load_config_file(flags.pop("config")) if "config" in flags else ({}, False)
     values.update(flags)
+    ignored = [k for k in values if k in trl_names.IGNORED_WHY]
+    for k in ignored:
+        values.pop(k)
+    if notes is not None and ignored:
+        notes.append(trl_names.ignored_line(ignored))
+    trl_recipe = trl_recipe and bool(values.get("model"))  # TRL's defaults are for a model, not the built-in demo
     if values.get("model") and "warmup_steps" in values:  # TRL's warmup_steps: the learning-rate warm-up
         if "lr_warmup_steps" in values:
             raise ValueError("--warmup-steps: with --model it is TRL's learning-rate warm-up, --lr-warmup-steps, "
                              "which is given too; give one of them")
         values["lr_warmup_steps"] = values.pop("warmup_steps")
     base = Config(model=values.get("model", ""))
-    values = trl_names.resolve(values, lambda name: getattr(base, name), set(flags),
-                               int(os.environ.get("WORLD_SIZE", 1)))
+    defaults = (lambda name: trl_names.TRL_DEFAULTS.get(name, getattr(base, name))) if trl_recipe else \
+        (lambda name: getattr(base, name))
+    values = trl_names.resolve(values, defaults, set(flags), int(os.environ.get("WORLD_SIZE", 1)), trl_recipe, notes)
     if values.get("model"):
         for name in DEMO_ONLY:
             if name in values:
@@ -530,6 +555,13 @@ def validate(cfg: Config) -> None:
                  "eval_completions"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
+    if cfg.train_epochs is not None and not 0 < cfg.train_epochs <= 1e6:
+        raise ValueError(f"--train-epochs: expected a number in (0, 1e6], got {cfg.train_epochs}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{_flag(name)}: expected a number in [0, 1), got {getattr(cfg, name)}")
+    if not cfg.adam_epsilon > 0:
+        raise ValueError(f"--adam-epsilon: expected a number > 0, got {cfg.adam_epsilon}")
     cpus = os.cpu_count() or 1
     if cfg.threads > 4 * cpus:  # torch.set_num_threads(100000) crashes the process (SIGSEGV) on OpenMP builds
         raise ValueError(f"--threads: expected at most 4 × the {cpus} CPUs of this machine ({4 * cpus}), "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import random
 import time
@@ -57,6 +58,11 @@ def load_task(run: Run, reward_fns) -> None:
     cfg = run.cfg
     if cfg.dataset:
         run.train_set, run.eval_set, run.held_out = data.load(cfg)
+        if cfg.train_epochs is not None:  # TRL's num_train_epochs: the steps that pass over the prompts that often
+            per_step = cfg.prompts_per_step * run.world
+            steps = max(1, math.ceil(cfg.train_epochs * len(run.train_set) / per_step))
+            run.cfg = cfg = dataclasses.replace(cfg, steps=steps, train_epochs=None)
+            run.log(f"--steps {steps}: num_train_epochs over {len(run.train_set)} prompts, {per_step} a step")
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
@@ -177,7 +183,8 @@ def build_update(run: Run) -> None:
     if run.ref is not None and sharding.is_sharded(run.policy):
         sharding.shard(run.ref, place.device)  # else every rank holds a whole copy of it
     run.params = [p for p in run.engine.parameters() if p.requires_grad]
-    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
 
 def restore(run: Run) -> None:
