@@ -82,7 +82,7 @@ def design(forward, backward, n, vocab, hidden) -> str:
     # ∂W: outputs shaped like W (row chunks; its width may be padded) or like a block of its rows (blocks).
     # Forward and backward both: the forward may compute the gradients.
     dw = [g for g in forward + backward if g[1][-1] == hidden and len(g[1]) == 2
-          and (g[1][0] >= vocab if cols >= vocab else g[1][0] == cols)]
+          and (g[1][0] >= vocab if cols >= vocab else g[1][0] <= cols and g[1][0] != n)]
     dw_types = collections.Counter(f"{str(g[2]).replace('torch.', '')}→{str(g[3]).replace('torch.', '')}"
                                    for g in dw)
     return (f"{kind}; forward {len(forward)} GEMMs, backward {len(backward)}; ∂W GEMMs "
