@@ -81,7 +81,8 @@ def test_every_column_reaches_the_reward_in_a_run(tmp_path):
                                         "source": "sums"}) + "\n" for r in ROWS))
     run(tmp_path / "o", steps=1, dataset=str(path), eval_size=4, prompts_per_step=4, warmup_batch=8,
         reward=["test_trainer_data:difficulty_reward"])
-    assert SEEN and all(kw == ["source"] for _, _, kw in SEEN)
+    assert SEEN and all(kw == ["completion_ids", "log_extra", "log_metric", "source", "trainer_state"]  # TRL's too
+                        for _, _, kw in SEEN)
     assert any(n == 4 * TINY["num_generations"] for n, _, _ in SEEN)  # a rollout batch, the groups' rows
 
 

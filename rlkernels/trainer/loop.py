@@ -140,8 +140,9 @@ def collect(run: Run, step: int) -> dict:
         chosen = run.rng.sample(run.train_set, cfg.prompts_per_step * world)
         prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
         first_group = (len(parts) * world + rank) * cfg.prompts_per_step
+        run.reward_context.state.global_step = step
         parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, cfg, run.rng,
-                                       run.reward_fn, first_group, run.place))
+                                       run.reward_fn, first_group, run.place, run.reward_context))
         if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
             break
         n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
@@ -279,6 +280,8 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
            "updates": updates["updates"], "skipped": updates["skipped"], "kl_coef": run.beta, "rollout_kl": kl_obs}
     if cfg.dynamic_sampling:
         row["gen_batches"] = b["gen_batches"]
+    for name, value in run.reward_context.log.take_metrics().items():  # log_metric: this rank's mean
+        row[name if name not in row else f"reward_fn/{name}"] = value
     for j, name in enumerate(run.reward_fn.names):  # over the rows each function scored (TRL's nanmean, nanstd)
         row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = nan_mean_std(b["reward_parts"][:, j])
     for k in sorted({k for m in collected for k in m}):
@@ -297,7 +300,7 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
 def evaluate_policy(run: Run) -> tuple:
     """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root)."""
     return sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set, run.reward_fn, run.cfg,
-                             run.place)
+                             run.place, context=run.reward_context)
 
 
 def log_completions(run: Run, step: int, samples: list) -> None:

@@ -67,6 +67,10 @@ def load_task(run: Run, reward_fns) -> None:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
     fns, weights = reward_fns
+    columns = [k for k in run.train_set[0] if k != "prompt"]
+    for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
+        rewards_lib.check_signature(f, what, columns, flag)
+    run.reward_context = rewards_lib.RewardContext(cfg.steps)
     for _, name, _, spec in fns:
         if name in ("exact", "regex") and spec.startswith(name) and not has_answers(run):
             raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
@@ -141,7 +145,8 @@ def warm_up(run: Run) -> None:
         opt.step()
         bar.update(1)
         if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
-            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place)[0]
+            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place,
+                                          context=run.reward_context)[0]
             bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
             in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
             if in_a_row == 2:

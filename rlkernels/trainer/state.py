@@ -27,6 +27,7 @@ class Run:
     eval_set: list = None
     held_out: str = ""  # what the eval set is, for the log
     reward_fn: Any = None
+    reward_context: Any = None  # rewards.RewardContext: TRL's trainer_state, log_metric, log_extra
     rng: Any = None  # prompt order, mini-batch order, tree cut depths
     policy: Any = None
     head_args: dict = None

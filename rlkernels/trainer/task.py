@@ -149,6 +149,10 @@ def _load_function(spec: str) -> Callable:
         f = getattr(module, name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
+    except SyntaxError as e:
+        raise ValueError(f"--reward {spec}: {e.filename}, line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the module raised while it was imported
+        raise ValueError(f"--reward {spec}: importing {where} raised {type(e).__name__} ({e})") from None
     if not callable(f):
         raise ValueError(f"--reward: {spec!r} is not callable")
     return f
