@@ -472,3 +472,17 @@ def test_a_reward_file_that_fails_to_import_is_one_line(tmp_path, source, messag
     (tmp_path / "bad.py").write_text(source)
     with pytest.raises(ValueError, match=message):
         train(Config(**{**TINY, "out": str(tmp_path / "o"), "reward": [f"{tmp_path / 'bad.py'}:f"]}))
+
+
+def test_resume_names_the_reward_module_before_importing_it(tmp_path, capsys):
+    """Issue 33: --resume imported the reward module its checkpoint records (a file in the current folder, say)
+    before saying so."""
+    (tmp_path / "noisy_reward.py").write_text("print('IMPORTED noisy_reward')\n"
+                                              "def score(prompt, completion, answer):\n    return 0.0\n")
+    spec = f"{tmp_path / 'noisy_reward.py'}:score"
+    train(Config(**{**TINY, "steps": 1, "out": str(tmp_path / "o"), "reward": [spec]}))
+    capsys.readouterr()
+    train(Config(resume=str(tmp_path / "o"), steps=2, progress=False))
+    out = capsys.readouterr().out
+    named = out.index(f"--resume: the reward functions of {tmp_path / 'o'}'s checkpoint, imported now: {spec}")
+    assert named < out.index("IMPORTED noisy_reward")
