@@ -375,3 +375,26 @@ def test_threads_beyond_the_machine_are_refused():
     with pytest.raises(ValueError, match=r"^--threads: expected at most 4 × the \d+ CPUs"):
         from_args(["--threads", "100000"])
     assert from_args(["--threads", str(os.cpu_count())])[0].threads == os.cpu_count()
+
+
+def test_a_hub_name_resolves_through_the_local_cache_or_says_how_to_fetch_it(tmp_path, monkeypatch):
+    """Issue 33 item 5: `--model Qwen/Qwen2.5-0.5B-Instruct` was "no such folder" even when cached."""
+    from test_readme_quickstart import _stand_in
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "1+2="}\n')
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    argv = ["--model", "someone/tiny-model", "--dataset", str(tmp_path / "d.jsonl")]
+    with pytest.raises(ValueError, match=r"^--model: .*got 'someone/tiny-model': no such folder; as a Hugging Face "
+                                         r"Hub name it is not in the local cache either: fetch it first \(`hf download "
+                                         r"someone/tiny-model`\)"):
+        from_args(argv)
+    _stand_in(tmp_path / "hub", "someone/tiny-model")
+    assert from_args(argv)[0].model == "someone/tiny-model"
+    import os
+    import subprocess
+    import sys
+
+    load = "from rlkernels.trainer import task; print(task.load_model('someone/tiny-model')[0].config.hidden_size)"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}  # read when HF is imported
+    out = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "32", out.stderr[-2000:]

@@ -631,10 +631,12 @@ def validate(cfg: Config) -> None:
         raise ValueError("--scale-rewards: the GRPO family's option; --algo ppo's advantages come from GAE")
     for name in ("model", "reward_model"):
         path = getattr(cfg, name)
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
+        if path and not os.path.isfile(os.path.join(path, "config.json")) and not _in_hub_cache(path):
             what = "no such folder" if not os.path.isdir(path) else "a folder without config.json"
+            hub = (f"; as a Hugging Face Hub name it is not in the local cache either: fetch it first (`hf download "
+                   f"{path}`), then run again (offline)" if _HUB_NAME.match(path) and not os.path.isdir(path) else "")
             raise ValueError(f"{_flag(name)}: expected a local Hugging Face model folder (save_pretrained's, with "
-                             f"config.json), got {path!r}: {what}")
+                             f"config.json) or a Hub name in the local cache, got {path!r}: {what}{hub}")
     for name in ("dataset", "eval_dataset"):
         path = getattr(cfg, name)
         if path and not os.path.exists(path):
@@ -644,6 +646,22 @@ def validate(cfg: Config) -> None:
     if cfg.resume and not (os.path.isdir(cfg.resume) or os.path.isfile(cfg.resume)):
         raise ValueError(f"--resume: no such run folder or checkpoint {cfg.resume!r}")
     _validate_preset_and_device(cfg)
+
+
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether `name` is a Hub model whose config.json the local Hugging Face cache holds (from_pretrained with
+    local_files_only loads it from there, offline)."""
+    if not _HUB_NAME.match(name) or os.path.isdir(name):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    found = try_to_load_from_cache(name, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    return isinstance(found, str)
 
 
 def _validate_preset_and_device(cfg: Config) -> None:
