@@ -95,6 +95,7 @@ class LinearHead:
         self.targets = targets.contiguous()
         self.buffer: Optional[Tensor] = None  # flat, allocated at first use, dropped by `drop_buffer`
         self.held = None  # which piece's logits the buffer holds, unchanged (the backward starts with it)
+        self.padded = None  # (row width, logits per row) of the −inf padding the buffer holds, if any
 
     def piece_buffer(self, rows: int, width: int) -> Tensor:
         """A contiguous `(rows, width)` view of the buffer, whose size is the largest piece's."""
@@ -106,7 +107,18 @@ class LinearHead:
         return min(self.spec.design.size, self.n) * buffer_width(self.vocab, self.sharded)
 
     def drop_buffer(self) -> None:
-        self.buffer = self.held = None
+        self.buffer = self.held = self.padded = None
+
+    def pad(self, buf: Tensor, columns: int) -> None:
+        """−inf in the columns of `buf` past its first `columns`, unless they hold it already (a forward's
+        pieces of one width fill them once; a backward kernel writes over them)."""
+        if buf.shape[1] > columns and self.padded != (buf.shape[1], columns):
+            buf[:, columns:] = float("-inf")
+            self.padded = (buf.shape[1], columns)
+
+    def overwritten(self) -> None:
+        """The buffer's logits, padding included, were overwritten (by a backward kernel)."""
+        self.held = self.padded = None
 
     def chunks(self):
         return [(start, min(start + self.spec.design.size, self.n)) for start in range(0, self.n, self.spec.design.size)]
@@ -119,8 +131,7 @@ class LinearHead:
         if self.held == (s, e):
             return buf
         logits_into(buf[:, : self.vocab], self.hidden[s:e], self.weight, self.bias)
-        if width > self.vocab:
-            buf[:, self.vocab:] = float("-inf")
+        self.pad(buf, self.vocab)
         self.held = (s, e)
         return buf
 
@@ -178,7 +189,7 @@ class LinearHead:
         g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse_parts, entropy, grad_logp.contiguous(),
                                             None if grad_entropy is None else grad_entropy.contiguous(),
                                             self.spec.temperature, out=buf)
-        self.held = None
+        self.overwritten()
         g = g[:, : self.vocab]  # the −inf columns (sharded) hold the target term of other ranks' tokens
         if grads.hidden is not None:
             torch.mm(g, self.weight, out=grads.hidden[s:e])

@@ -43,7 +43,7 @@ class VocabBlockedHead(LinearHead):
         if self.held == k:
             return buf
         logits_into(buf[:, : v1 - v0], self.hidden, self.weight[v0:v1], None if self.bias is None else self.bias[v0:v1])
-        buf[:, v1 - v0:] = float("-inf")
+        self.pad(buf, v1 - v0)
         self.held = k
         return buf
 
@@ -77,7 +77,7 @@ class VocabBlockedHead(LinearHead):
             buf = self.block_logits(k)
             g = self.kernels.token_logprobs_bwd(buf, self.block_targets[k], lse_parts, entropy, grad_logp,
                                                 grad_entropy, self.spec.temperature, out=buf)
-            self.held = None
+            self.overwritten()
             g = g[:, : v1 - v0]  # the −inf columns hold the target term of other blocks' tokens
             if grads.hidden is not None:
                 accumulate(grads.hidden, g, self.weight[v0:v1], first=i == 0)
