@@ -95,3 +95,20 @@ def test_answer_is_optional_with_a_reward_that_needs_none(tmp_path):
     with pytest.raises(ValueError, match="^--warmup-steps: the demo's supervised warm-up trains on the answer column"):
         run(tmp_path / "p", steps=1, dataset=str(path), eval_size=4, prompts_per_step=4,
             reward=["test_trainer_rewards:length_reward"])
+
+
+def test_prompts_beyond_the_context_are_refused_or_cut_as_trl(tmp_path, capsys):
+    """Issue 33: a 204-token prompt trained silently on a 16-position model; max_prompt_length was unknown."""
+    from test_trainer import _local_checkpoint  # max_position_embeddings 32
+
+    _local_checkpoint(tmp_path / "m")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "1+" * n + "1=", "answer": str(n + 1)}) + "\n" for n in (1, 2, 30, 3)))
+    common = dict(model=str(tmp_path / "m"), dataset=str(path), eval_size=1, prompts_per_step=2, steps=1,
+                  max_new_tokens=4, reward=[r"regex:(\d+)"])
+    with pytest.raises(ValueError, match=r"^--max-new-tokens: the longest prompt is 62 tokens, and 62 \+ 4 is more than "
+                                         r"the 32 positions of the model .*give --max-prompt-length"):
+        run(tmp_path / "o", **common)
+    summary, rows = run(tmp_path / "p", **common, max_prompt_length=16)
+    assert summary["steps"] == 1
+    assert "1 of 4 prompts are longer than --max-prompt-length 16 tokens: they keep their last 16" in capsys.readouterr().out

@@ -123,6 +123,9 @@ class Config:
     prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
     num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)")
     max_new_tokens: Optional[int] = _mode_field("max_new_tokens", "completion length at most")
+    max_prompt_length: Optional[int] = _field(None, "with --model: a prompt longer than this many tokens keeps its last "
+                                                    "ones (TRL's max_prompt_length), said in the log; none = whole "
+                                                    "prompts (one beyond the model's context is an error)")
     temperature: Optional[float] = _mode_field("temperature", "sampling temperature")
     lr: Optional[float] = _mode_field("lr", "RL learning rate, in (0, 1]")
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
@@ -551,6 +554,8 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
+    if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
+        raise ValueError(f"--max-prompt-length: expected an int >= 1 or none, got {cfg.max_prompt_length}")
     for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
                  "eval_completions"):
         if getattr(cfg, name) < 0:

@@ -96,11 +96,32 @@ def warms_up(run: Run) -> bool:
     return bool(not run.saved and not run.cfg.model and run.cfg.warmup_steps)
 
 
+def check_prompt_lengths(run: Run) -> None:
+    """Prompts and completions within the model's context: a longer prompt is cut to its last
+    --max-prompt-length tokens (TRL's), said in the log; without that flag, a prompt too long is an error."""
+    cfg, tok = run.cfg, run.tok
+    tok.max_prompt_length = cfg.max_prompt_length
+    lengths = [len(tok._encode(ex["prompt"])) for ex in run.train_set + run.eval_set]
+    if cfg.max_prompt_length:
+        cut = sum(n > cfg.max_prompt_length for n in lengths)
+        if cut:
+            run.log(f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {cfg.max_prompt_length} "
+                    f"tokens: they keep their last {cfg.max_prompt_length} (as TRL's max_prompt_length)")
+    longest = min(max(lengths), cfg.max_prompt_length or max(lengths))
+    context = getattr(run.policy.config, "max_position_embeddings", None)
+    if context and longest + cfg.max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(cfg.max_prompt_length)}"
+                         f" is {longest} tokens, and {longest} + {cfg.max_new_tokens} is more than the "
+                         f"{context} positions of the model (max_position_embeddings); give --max-prompt-length "
+                         f"(a longer prompt keeps its last tokens) or a smaller --max-new-tokens")
+
+
 def load_policy(run: Run) -> None:
     """The tokenizer and the policy, on the run's device, its output head checked."""
     cfg, source = run.cfg, f" in {run.cfg.dataset}" if run.cfg.dataset else ""
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model)
+        check_prompt_lengths(run)
     else:
         run.tok = task.CharTokenizer()
         for ex in run.train_set[:1] + run.eval_set[:1]:

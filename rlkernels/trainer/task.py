@@ -76,11 +76,16 @@ class HFTokenizer:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.bos_id = tok.bos_token_id
         self.vocab_size = len(tok)
+        self.max_prompt_length = None  # TRL's max_prompt_length: a longer prompt keeps its last tokens
+
+    def encode(self, prompt) -> List[int]:
+        ids = self._encode(prompt)
+        return ids[-self.max_prompt_length:] if self.max_prompt_length else ids
 
     def hf(self):
         return self.tok
 
-    def encode(self, prompt) -> List[int]:
+    def _encode(self, prompt) -> List[int]:
         """A plain prompt with the tokenizer's special tokens, unless it already starts with its BOS (a
         pre-templated prompt); a conversation (a list of {"role", "content"}) through the chat template
         with the assistant's turn opened, whose text holds its own special tokens."""

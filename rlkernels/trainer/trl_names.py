@@ -265,6 +265,8 @@ def resolve(values: dict, defaults, flags=(), world: int = 1, trl_recipe: bool =
                              "warmup_steps)")
         set_field("train_epochs", epochs, "num_train_epochs")
     steps = values.get("steps", defaults("steps"))
+    if trl.get("warmup_ratio") is not None and not 0 <= trl["warmup_ratio"] <= 1:
+        raise ValueError(f"warmup_ratio: expected a number in [0, 1] (a fraction of max_steps), got {trl['warmup_ratio']}")
     if trl.get("warmup_ratio") is not None:
         set_field("lr_warmup_steps", round(trl["warmup_ratio"] * steps), "warmup_ratio")
     if trl.get("eval_strategy") not in (None, "steps", "no"):
