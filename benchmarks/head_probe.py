@@ -7,16 +7,16 @@ hidden-state path ran, with its extra memory and time.
    half-precision operands (the ∂W / ∂hidden GEMMs' fp32 accumulation without an fp32 copy of a chunk):
    accepted or refused (the exception), and its largest error against the product of the fp32 images.
 2. `fused_linear_policy_loss` (GRPO, forward + backward) by default and with `memory_budget=None` (speed
-   first): the design each ran, read from its GEMMs (recorded by a TorchDispatchMode; the first GEMM of the
-   forward computes logits: its output is (rows, ≥ V) for row chunks, (N, columns < V) for vocabulary
-   blocks), the dtype of the ∂W GEMMs' output, the extra peak (`max_memory_allocated` above the inputs,
-   less the gradients) as a fraction of the N·V logits the path avoids, and the median time of 5 calls.
+   first): the design each ran, read from its GEMMs (recorded by a TorchDispatchMode; the first GEMM of a
+   call computes logits: its output is (rows, ≥ V) for row chunks, (N, columns < V) for vocabulary
+   blocks), the dtypes of the ∂W GEMMs, the extra peak above the inputs and their gradients as a fraction
+   of the N·V logits the path avoids, and the time (`benchmarks.measure`: do_bench on CUDA).
+Runs on CPU too (`--device cpu`, small sizes), where the GPU's choices are not taken.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 
 import torch
@@ -70,90 +70,75 @@ class GemmLog(TorchDispatchMode):
         return out
 
 
-def design(forward, backward, n, vocab, hidden) -> str:
-    """The design, read from the GEMMs of the forward and of the backward."""
-    if not forward:
-        return "no GEMM in the forward (not the hidden-state path?)"
-    rows, cols = forward[0][1][-2:]
+def design(gemms, n, vocab, hidden) -> str:
+    """The design of one call, read from its GEMMs (the first computes logits)."""
+    if not gemms:
+        return "no GEMM (not the hidden-state path?)"
+    rows, cols = gemms[0][1][-2:]
     if cols >= vocab:
         kind = f"row chunks: {rows} rows × {cols} columns, {-(-n // rows)} chunk(s)"
     else:
-        kind = f"vocabulary blocks: {rows} rows × {cols} columns, {sum(1 for g in forward if g[1][-1] < vocab)} GEMMs"
-    # ∂W: outputs shaped like W (row chunks; its width may be padded) or like a block of its rows (blocks).
-    # Forward and backward both: the forward may compute the gradients.
-    dw = [g for g in forward + backward if g[1][-1] == hidden and len(g[1]) == 2
+        kind = f"vocabulary blocks: {rows} rows × {cols} columns"
+    # ∂W: outputs shaped like W (row chunks; its width may be padded) or like a block of its rows (blocks)
+    dw = [g for g in gemms if g[1][-1] == hidden and len(g[1]) == 2
           and (g[1][0] >= vocab if cols >= vocab else g[1][0] <= cols and g[1][0] != n)]
     dw_types = collections.Counter(f"{str(g[2]).replace('torch.', '')}→{str(g[3]).replace('torch.', '')}"
                                    for g in dw)
-    return (f"{kind}; forward {len(forward)} GEMMs, backward {len(backward)}; ∂W GEMMs "
-            f"(operands→output) {dict(dw_types) or 'none seen'}")
+    return f"{kind}; {len(gemms)} GEMMs per call; ∂W GEMMs (operands→output) {dict(dw_types) or 'none seen'}"
 
 
 def run_variant(n, vocab, hidden, dtype, device, **kw) -> str:
+    """One line: the design `fused_linear_policy_loss(..., **kw)` ran (GRPO, forward + backward, 8 rows of n / 8
+    tokens), its extra peak above the inputs and their gradients over the n·V logits, and its time."""
     import rlkernels
     from rlkernels import presets
 
-    B = max(1, n // 512)
-    T = n // B
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(B, T, hidden, device=device, generator=g).to(dtype).requires_grad_(True)
-    w = (torch.randn(vocab, hidden, device=device, generator=g) / hidden ** 0.5).to(dtype).requires_grad_(True)
-    targets = torch.randint(0, vocab, (B, T), device=device, generator=g)
-    adv, mask = torch.randn(B, device=device, generator=g), torch.ones(B, T, dtype=torch.bool, device=device)
-    old = -torch.rand(B, T, device=device, generator=g)
+    from . import measure
 
-    def forward():
-        return rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.grpo(), old_logp=old,
-                                                  ref_logp=old, **kw).loss
+    b, t = 8, n // 8
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(b, t, hidden, generator=g).to(device, dtype).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(device, dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (b, t), generator=g).to(device)
+    adv, old = torch.randn(b, generator=g).to(device), (-torch.rand(b, t, generator=g)).to(device)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
 
-    loss = forward()  # compiles, and warms the allocator
-    loss.backward()
+    def step():
+        rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.grpo(), old_logp=old, ref_logp=old,
+                                           **kw).loss.backward()
+
+    step()  # compiles, registers, warms the allocator
     h.grad = w.grad = None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    with GemmLog() as fwd_log:
-        loss = forward()
-    with GemmLog() as bwd_log:
-        loss.backward()
-    torch.cuda.synchronize(device)
-    grads = sum(x.grad.numel() * x.grad.element_size() for x in (h, w))
-    extra = (torch.cuda.max_memory_allocated(device) - base - grads) / (n * vocab * dtype.itemsize)
-    times = []
-    for _ in range(5):
-        h.grad = w.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward().backward()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end))
-    return (f"{design(fwd_log.gemms, bwd_log.gemms, n, vocab, hidden)}; extra peak {extra:.1%} of the logits; "
-            f"{statistics.median(times):.2f} ms forward + backward (median of 5)")
+    with GemmLog() as log:
+        step()
+    grads = (h.numel() + w.numel()) * h.element_size()
+    extra = (measure.extra_peak_bytes(step, [h, w], device) - grads) / (n * vocab * h.element_size())
+    ms = measure.time_ms(step, [h, w], device, reps=5)
+    return f"{design(log.gemms, n, vocab, hidden)}; extra peak {extra:.1%} of the logits; {ms:.2f} ms fwd+bwd"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--n", type=int, default=8192, help="tokens, a multiple of 8")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("head_probe: no CUDA device: nothing to probe")
-        return 1
-    device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
     status = 0
     for line in probe_out_dtype(dtype, device):
-        print(f"out_dtype GEMM, {args.dtype}: {line}")
-    print(f"hidden-state path, N = {args.n}, V = {args.vocab}, H = {args.hidden}, {args.dtype}, GRPO fwd+bwd:")
+        print(f"out_dtype GEMM, {args.dtype} on {device}: {line}")
+    print(f"hidden-state path, N = {args.n}, V = {args.vocab}, H = {args.hidden}, {args.dtype} on {device}, "
+          "GRPO forward + backward:")
     for label, kw in (("default", {}), ("memory_budget=None (speed)", {"memory_budget": None})):
         try:
             print(f"  {label}: {run_variant(args.n, args.vocab, args.hidden, dtype, device, **kw)}")
         except Exception as e:  # report and go on: the other variant still answers
             print(f"  {label}: failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             status = 1
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return status
 
 

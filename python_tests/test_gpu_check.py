@@ -165,3 +165,18 @@ def test_the_torch_backend_is_not_timed_on_cuda():
     torch_provider = next(p for p in providers.all_providers() if p.name == "rlkernels-torch")
     assert "not timed on CUDA" in torch_provider.unavailable(torch.device("cuda"), "grpo")
     assert torch_provider.unavailable(torch.device("cpu"), "grpo") is None
+
+
+def test_head_probe_reads_the_design_from_the_gemms():
+    """On CPU (the GPU's choices aside): row chunks forced by chunk_size show as such, with their ∂W GEMMs."""
+    from benchmarks import head_probe
+
+    line = head_probe.run_variant(256, 1000, 64, torch.float32, torch.device("cpu"), chunk_size=64)
+    assert line.startswith("row chunks: 64 rows × 1000 columns, 4 chunk(s); ")
+    assert "∂W GEMMs (operands→output) {'float32→float32': 4}" in line and re.search(r"extra peak -?\d", line)
+    # a vocabulary-blocked call: logits (N, c < V) first, ∂W rows (c, H) per block, ∂hidden (N, H)
+    blocks = [("mm", (256, 400), torch.bfloat16, torch.bfloat16), ("mm", (256, 400), torch.bfloat16, torch.bfloat16),
+              ("mm", (400, 64), torch.bfloat16, torch.bfloat16), ("addmm", (256, 64), torch.bfloat16, torch.float32),
+              ("mm", (256, 200), torch.bfloat16, torch.bfloat16), ("mm", (200, 64), torch.bfloat16, torch.bfloat16)]
+    assert head_probe.design(blocks, 256, 600, 64).startswith("vocabulary blocks: 256 rows × 400 columns; 6 GEMMs")
+    assert "{'bfloat16→bfloat16': 2}" in head_probe.design(blocks, 256, 600, 64)
