@@ -67,7 +67,8 @@ def _triton_op_body(func):
     from torch._library import custom_ops, triton
 
     qualname = func._schema.name
-    if qualname not in triton.triton_ops_to_kernels:
+    # every triton_op's name (torch 2.6 on); without it a Triton op counts as one op beside its kernels
+    if qualname not in getattr(triton, "triton_ops_to_kernels", {}):
         return None
     return custom_ops.OPDEFS[qualname]._init_fn
 
