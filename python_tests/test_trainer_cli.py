@@ -398,3 +398,27 @@ def test_a_hub_name_resolves_through_the_local_cache_or_says_how_to_fetch_it(tmp
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}  # read when HF is imported
     out = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split()[-1] == "32", out.stderr[-2000:]
+
+
+def test_trl_grpo_runs_with_the_threads_accelerate_launch_gives(monkeypatch, tmp_path):
+    """Issue 33 item 4: `trl grpo` goes through `accelerate launch` (OMP_NUM_THREADS, 1 unless set); `rlkernels trl
+    grpo` ran in-process with torch's default threads (11.25 s against 0.37 s of train_runtime on a busy machine)."""
+    import os
+
+    import torch
+    from trl.scripts import grpo
+
+    from rlkernels import cli
+    from rlkernels.integrations import trl as integration
+
+    seen = {}
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    monkeypatch.setattr(integration, "apply", lambda: None)  # no patching of TRL in this process
+    monkeypatch.setattr(grpo, "main", lambda *args: seen.update(threads=torch.get_num_threads(),
+                                                                env=os.environ["OMP_NUM_THREADS"]))
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["trl", "grpo", "--output_dir", str(tmp_path), "--bf16", "false"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"threads": 1, "env": "1"}

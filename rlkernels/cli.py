@@ -18,7 +18,9 @@ It takes the flags of `rlkernels train` below but --model (train yours with `rlk
 """
 TRL_DOC = """`rlkernels trl grpo [ARGS]`: TRL's own GRPO script (what `trl grpo ARGS` runs) with rlkernels' log-probs
 and loss (rlkernels.integrations.trl.apply()); ARGS are TRL's, `--config recipe.yaml` included
-(`rlkernels trl grpo --help` lists them). Several processes: `accelerate launch -m rlkernels trl grpo ARGS`.
+(`rlkernels trl grpo --help` lists them). It runs in this process with OMP_NUM_THREADS threads, 1 unless set, as
+`trl grpo`'s `accelerate launch` gives one process (accelerate's config file is not read). Several processes:
+`accelerate launch -m rlkernels trl grpo ARGS`.
 """
 
 
@@ -58,6 +60,11 @@ def _trl(argv):
         print("rlkernels trl: error: expected `rlkernels trl grpo [ARGS]` (TRL's GRPO script; its ARGS, "
               "--config recipe.yaml included)", file=sys.stderr)
         return 2
+    # `trl grpo` runs its script under `accelerate launch`, which gives each process OMP_NUM_THREADS threads, 1 unless
+    # set (its config file, if any, is not read here); the same here, before torch is imported
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # called from Python with torch loaded: the variable comes too late for OpenMP
+        sys.modules["torch"].set_num_threads(int(threads))
     from .integrations.trl import apply
     from trl.scripts import grpo
 
