@@ -149,7 +149,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--preset", default="grpo")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--memory-budget", default=None, help="a fraction, or 'none' for speed first (default: the op's)")
+    parser.add_argument("--memory-budget", default=None,
+                        help="a fraction, or 'none' for speed first (default: the op's)")
     parser.add_argument("--chunk-size", type=int, default=None)
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

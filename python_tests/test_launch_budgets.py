@@ -129,7 +129,8 @@ def _vocab_blocked_count(monkeypatch, preset: str, cols: int, bias: bool):
     b = torch.zeros(1000, requires_grad=True) if bias else None
 
     def call():
-        rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, config, bias=b, backend="cpu", **kw).loss.backward()
+        out = rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, config, bias=b, backend="cpu", **kw)
+        out.loss.backward()
 
     call()
     return launches.count(call)

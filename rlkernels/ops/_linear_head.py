@@ -1,6 +1,6 @@
 """The hidden-state head, shared by `linear_token_logprobs` and `fused_linear_policy_loss`
 (docs/design.md §4): `head_spec` validates the inputs and chooses the design (`_head_design`),
-`make_head` builds it: `LinearHead` runs the row-chunk loop over logits = hidden @ weightᵀ (+ bias)
+`_heads.make_head` builds it: `LinearHead` runs the row-chunk loop over logits = hidden @ weightᵀ (+ bias)
 with the backend's kernels, forward and backward, and merges the per-row results of vocabulary
 shards (`merge_slices`, which also merges vocabulary blocks: `_vocab_blocks`); `HeadGrads` carries
 ∂hidden, ∂weight and ∂bias. A GPU's choices are taken where `_gpu_like.gpu_like` says.
@@ -121,7 +121,8 @@ class LinearHead:
         self.held = self.padded = None
 
     def chunks(self):
-        return [(start, min(start + self.spec.design.size, self.n)) for start in range(0, self.n, self.spec.design.size)]
+        rows = self.spec.design.size
+        return [(start, min(start + rows, self.n)) for start in range(0, self.n, rows)]
 
     def logits(self, s: int, e: int) -> Tensor:
         """The logits of rows s:e in the buffer (a contiguous `(e − s, width)` view of it), computed unless it
@@ -262,15 +263,6 @@ class HeadGrads:
         return HeadGrads(*(None if g is None else g.to(dtype) for g in (self.hidden, self.weight, self.bias)))
 
 
-def make_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, spec: HeadSpec) -> LinearHead:
-    """The head of `spec.design`: row chunks (`LinearHead`) or vocabulary blocks."""
-    if spec.design.kind == "rows":
-        return LinearHead(hidden, weight, bias, targets, spec)
-    from ._vocab_blocks import VocabBlockedHead  # it builds on LinearHead
-
-    return VocabBlockedHead(hidden, weight, bias, targets, spec)
-
-
 def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group,
               memory_budget) -> HeadSpec:
     """Validate the inputs of the hidden-state path; the spec both passes share."""
@@ -300,7 +292,8 @@ def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chun
         chunk_size = check_int("chunk_size", chunk_size, 1)
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
                                       or not memory_budget >= 0):
-        raise ValueError(f"memory_budget: expected a number >= 0 (a fraction of the logits) or None, got {memory_budget!r}")
+        raise ValueError(f"memory_budget: expected a number >= 0 (a fraction of the logits) or None, "
+                         f"got {memory_budget!r}")
     n = hidden.numel() // hidden.shape[-1]
     design = _head_design.choose(n, weight.shape[0], hidden.shape[-1], hidden.dtype, sharded=process_group is not None,
                                  gpu=gpu_like(hidden), fp32_out=hidden.element_size() >= 4 or fp32_out_gemm(hidden),

@@ -29,7 +29,8 @@ from ..kernels.token_loss_params import NUM_STATS
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.spec import LossInputs, takes_loss_args
 from ._head_design import MEMORY_BUDGET
-from ._linear_head import HeadGrads, LinearHead, head_spec, make_head
+from ._heads import make_head
+from ._linear_head import HeadGrads, LinearHead, head_spec
 from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
 from ._precomputed_grad import _known_one, attach_grads, refuse_create_graph

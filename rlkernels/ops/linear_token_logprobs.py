@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ._head_design import MEMORY_BUDGET
-from ._linear_head import HeadSpec, head_spec, make_head
+from ._heads import make_head
+from ._linear_head import HeadSpec, head_spec
 from ._precomputed_grad import refuse_create_graph
 
 
