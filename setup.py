@@ -56,9 +56,9 @@ ISA_FLAGS = {
                ["-DCPU_CAPABILITY_AVX512"]),
     "default": ([], []),
 }
-# core-seconds to compile one source file: .cpp measured (3 files in 30 s on a 2-core x86 with torch 2.13),
-# .cu a rough guess (nvcc, one pass per GPU architecture)
-COMPILE_SECONDS = {".cpp": 12, ".cu": 60}
+# core-seconds to compile one source file: .cpp measured (the 4 files: 114 s on an idle 2-core x86 with torch 2.13,
+# 207 s at load 8; issue 33), .cu a rough guess (nvcc, one pass per GPU architecture)
+COMPILE_SECONDS = {".cpp": 55, ".cu": 60}
 
 
 def _cpu_isa(torch) -> str:
