@@ -13,7 +13,7 @@
 #             (rlkernels-torch is not timed on CUDA: benchmarks/providers.py)
 #   sliced64  grpo_sliced at B = 64 × T = 128 (the slice path's launches per sequence)
 #   sass      the SASS of the Triton kernels this machine compiled for the benchmark (benchmarks/device_sass.py)
-#   counts    launches and host syncs per call on the device; the traffic model with launches and host time
+#   counts    the traffic model with launches and host time per call; every preset's launches and syncs
 #   rest      grpo and token_logprobs from contiguous logits, in whatever time is left
 # Without a CUDA device it prints one line (the plan) and exits 0: a dry run. `--plan` prints the stages and
 # their limits. Other arguments go to every benchmarks.report call (e.g. --reps 5).
@@ -33,6 +33,7 @@
 #   pip install --no-index --no-deps --target /tmp/rlk_wheels .whl/*.whl   (then on PYTHONPATH)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+export PYTHONUNBUFFERED=1  # a stage cut at its limit keeps what it printed
 
 ORDER=(setup build tests probe head sliced64 sass counts rest)
 declare -A LIMIT=([setup]=20 [build]=140 [tests]=90 [probe]=35 [head]=150 [sliced64]=45 [sass]=20 [counts]=60
@@ -164,13 +165,18 @@ if begin sass; then
 fi
 
 if begin counts; then
+  # the traffic model's table first (launches and host time per call of the cuda and triton backends at the
+  # benchmark's size beside the bytes), then every preset's launch counts, the backends sharing what is left
+  end=$((SECONDS + lim))
+  timeout $((lim * 3 / 5)) "$PY" -m benchmarks.traffic 2>&1 | tee "$out/traffic.txt" || status=1
   : > "$out/launches.txt"
-  for backend in cuda triton; do  # 20 s each (the first calls compile), the traffic model the rest
-    echo "--- launches and syncs per call, backend $backend" | tee -a "$out/launches.txt"
-    timeout 20 "$PY" -m benchmarks.launches --device cuda --backend "$backend" 2>&1 | tee -a "$out/launches.txt" \
-      || status=1
+  n=2
+  for backend in cuda triton; do
+    share=$(( (end - SECONDS) / n )); n=$((n - 1))
+    echo "--- launches and syncs per call, backend $backend (limit ${share}s)" | tee -a "$out/launches.txt"
+    timeout $((share > 5 ? share : 5)) "$PY" -m benchmarks.launches --device cuda --backend "$backend" 2>&1 \
+      | tee -a "$out/launches.txt" || status=1
   done
-  timeout $((lim > 45 ? lim - 40 : 5)) "$PY" -m benchmarks.traffic 2>&1 | tee "$out/traffic.txt" || status=1
 fi
 
 if begin rest; then
