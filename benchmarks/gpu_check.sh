@@ -21,7 +21,7 @@
 #   RLK_TAR=file    also pack the output folder into this tarball after every stage (a machine that returns
 #                   few files: the tarball of the stages done survives a kill)
 #   RLK_WHEELS=dir  wheels to install first (default .whl)
-#   RLK_STAGES="a b" only these stages (a second run with the device time left: RLK_STAGES="build head")
+#   RLK_STAGES="a b" only these stages (a second run with the device time left: RLK_STAGES="setup build head")
 #
 # Liger-Kernel, brought as a wheel (the machine has no network). liger-kernel 0.8.5 ran on the lent H200
 # (torch 2.11, Triton 3.6: benchmarks/RESULTS.md); it is pure Python (py3-none-any) and needs only torch and
@@ -80,8 +80,8 @@ report() {
     --vocab 151936 --hidden 4096 --dtype bf16 --modes fwd+bwd fwd --out "$out" "$@" "${EXTRA[@]}" || status=1
 }
 EXTRA=("$@")
-export TRITON_CACHE_DIR=/tmp/rlk_triton_bench  # what the benchmark stages compile, read by the sass stage
-rm -rf "$TRITON_CACHE_DIR"
+# what the benchmark stages compile (kept for a second run on the same machine), read by the sass stage
+export TRITON_CACHE_DIR=/tmp/rlk_triton_bench
 machine=$("$PY" -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')
 
 if begin setup; then
