@@ -70,8 +70,8 @@ def fused_linear_policy_loss(
                      memory_budget)
     grad_on = torch.is_grad_enabled()
     need = [grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias)]
-    one_pass = process_group is None and spec.design.kind == "rows"  # sharded, vocabulary blocks: ℓ first
-    decided = plan(config, _backend.kernels(spec.backend), forward=one_pass)
+    fusable = process_group is None and spec.design.kind == "rows"  # sharded, vocabulary blocks: ℓ first
+    decided = plan(config, _backend.kernels(spec.backend), forward=fusable)
     warn_general_path(decided, spec.backend)
     # As `fused_policy_loss`: without a gradient, the forward kernel where it has the loss, else the definition;
     # under torch.compile the definition too (the gradients computed in the forward do not trace).
