@@ -184,3 +184,25 @@ def test_a_second_signal_interrupts_at_once_without_a_traceback(tmp_path):
     log = (tmp_path / "log").read_text()
     assert os.waitstatus_to_exitcode(status) == 130, log
     assert "rlkernels.train: interrupted;" in log and "Traceback" not in log
+
+
+def test_resume_re_exports_a_model_older_than_its_checkpoint(tmp_path, capsys):
+    """Issue 33: a SIGKILL after the last step's checkpoint.pt and before the model export left the run folder's
+    model one checkpoint behind for good (--resume found no step left and exported nothing)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    train(Config(**{**TINY, "steps": 2}, out=str(out)))
+    weights = out / "model.safetensors"
+    before = load_file(weights)
+    train(Config(resume=str(out), steps=3, progress=False))
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    stale = os.path.getmtime(out / "checkpoint.pt") - 60
+    from safetensors.torch import save_file
+    save_file(before, weights)  # the export of step 2, as a kill before step 3's export would leave it
+    os.utime(weights, (stale, stale))
+    capsys.readouterr()
+    train(Config(resume=str(out), progress=False))
+    assert "exported the model of step 3" in capsys.readouterr().out
+    after = load_file(weights)
+    assert all(torch.equal(after[k], saved[k]) for k in after) and any(not torch.equal(after[k], before[k]) for k in after)

@@ -15,11 +15,11 @@ import torch
 from tqdm.auto import tqdm
 
 from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
-from .checkpoint import load_checkpoint, unfit
+from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
 from .run_config import Config, describe, merge_resume, run_dir
-from .distributed import dist_info
+from .distributed import all_sum, dist_info
 from .model import Critic, enable_checkpointing, output_head_of, parts
-from .run_folder import prepare_out_dir, write_file
+from .run_folder import CHECKPOINT, prepare_out_dir, write_file
 from .state import Run
 from .update import UpdateForward, loss_config, update_engine
 
@@ -237,6 +237,11 @@ def restore(run: Run) -> None:
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise unfit(cfg.resume, e) from None
     run.log(f"resumed at step {run.start} from {cfg.resume}")
+    checkpoint = cfg.resume if os.path.isfile(cfg.resume) else os.path.join(cfg.resume, CHECKPOINT)
+    stale = run.master and export_is_stale(cfg.out, checkpoint)
+    if all_sum(float(stale)) > 0:  # killed after its checkpoint, before the model export: the export catches up
+        export_model(run)
+        run.log(f"exported the model of step {run.start} to {cfg.out} (the run stopped before writing it)")
 
 
 def open_logs(run: Run) -> None:
