@@ -8,7 +8,7 @@ from test_trainer import TINY, run
 
 datasets = pytest.importorskip("datasets")
 
-from rlkernels.trainer import data  # noqa: E402
+from rlkernels.trainer import Config, data  # noqa: E402
 
 ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b), "difficulty": a} for a in range(4) for b in range(5)]
 
@@ -112,3 +112,12 @@ def test_prompts_beyond_the_context_are_refused_or_cut_as_trl(tmp_path, capsys):
     summary, rows = run(tmp_path / "p", **common, max_prompt_length=16)
     assert summary["steps"] == 1
     assert "1 of 4 prompts are longer than --max-prompt-length 16 tokens: they keep their last 16" in capsys.readouterr().out
+
+
+def test_a_dataset_that_does_not_parse_names_the_cause(tmp_path):
+    """Issue 33: "DatasetGenerationError: An error occurred while generating the dataset", without the cause."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError) as err:
+        data.load(Config(dataset=str(path)))
+    assert str(err.value).startswith(f"--dataset: cannot read {str(path)!r}") and "An error occurred" not in str(err.value)

@@ -28,10 +28,13 @@ def save_checkpoint(path, state):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint (else a crash can leave it empty)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # e.g. a full disk, which torch reports as "basic_ios::clear"
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "basic_ios::clear" or "unexpected pos"
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise ValueError(f"--out: cannot write {path} ({e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else \
+            "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else \
+            " ".join(str(e).split())[:200]
+        raise ValueError(f"--out: cannot write {path} ({why})") from None
 
 
 def save(run: Run, step: int) -> None:

@@ -41,6 +41,8 @@ def _load(path: str, split: str, flag: str, split_flag: str) -> List[dict]:
             raise
         raise ValueError(f"{flag}: cannot read {path!r} ({' '.join(str(e).split())[:300]})") from None
     except Exception as e:  # pyarrow's parse errors, a folder without data files, ...
+        while e.__cause__ is not None and str(e).startswith("An error occurred"):  # datasets' generic wrapper
+            e = e.__cause__
         raise ValueError(f"{flag}: cannot read {path!r} as {FORMS} ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]})") from None
     finally:

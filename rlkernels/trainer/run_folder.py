@@ -29,6 +29,10 @@ def writing(out_dir: str):
     except OSError as e:
         file = f"{e.filename}: " if e.filename else ""
         raise ValueError(f"--out: cannot write in {out_dir!r} ({file}{e.strerror or e})") from None
+    except Exception as e:  # safetensors' own error class for the same failures (a full disk, a read-only folder)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"--out: cannot write in {out_dir!r} (safetensors: {' '.join(str(e).split())[:200]})") from None
 
 
 def write_file(path: str, text: str, mode: str) -> None:
