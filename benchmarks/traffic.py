@@ -33,8 +33,9 @@ modelled ms).
 
 The inputs are fake CPU tensors and the backend is `cpu`, whose op sequence is the `cuda` backend's: both
 call the extension's same ops (`rlkernels_C::*`, with fake implementations), chosen by the tensors' device.
-The hidden-state path takes a GPU's choices on them (chunk rows, the ∂W GEMM with an fp32 result:
-`rlkernels/ops/_gpu_like.py`).
+The hidden-state path takes a GPU's choices on them (its design and their sizes, the GEMMs with an fp32
+result: `rlkernels/ops/_gpu_like.py`); its rows are printed again with the design each took and its time over
+the 3-GEMM floor (`designs_table`: the default, `memory_budget=None`, `chunk_size=2048`).
 (Fake CUDA tensors would need a CUDA build of torch: its custom-op dispatch takes a CUDA device guard.)
 """
 from __future__ import annotations
