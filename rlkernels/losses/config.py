@@ -5,19 +5,21 @@ import dataclasses
 from typing import Optional, Tuple
 
 from .._checks import check_choice, check_int, check_real
+from .._token_loss_table import PARAMS, REAL
 from .kl import BASE_ESTIMATORS, STRAIGHT_THROUGH
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
-OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo", "topr")
+OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo", "topr",
+              "gppo")
 # Schulman's k1, k2, k3 of a clamped Δ; verl's kl_penalty options under verl's names (docs/math.md §6)
 KL_ESTIMATORS = (None,) + BASE_ESTIMATORS + STRAIGHT_THROUGH
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # Which surrogate each ratio can feed (docs/math.md, "Surrogates").
 _VALID_OBJECTIVES = {
-    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "topr"),
+    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "topr", "gppo"),
     "sequence": ("clip", "sapo", "cispo"),
     "sequence_token": ("clip", "sapo"),
     "sequence_sum": ("clip", "vespo", "topr"),
@@ -28,9 +30,9 @@ _VALID_OBJECTIVES = {
 # delta / dual_clip act on a ratio clipped in ratio space, not on the log-space clips.
 _RATIO_SPACE_CLIP = ("token", "sequence", "sequence_token", "group_expectation")
 # Objectives whose clip_low / clip_high bound the ratio in ratio space (1 - ε_low, 1 + ε_high).
-_RATIO_SPACE_OBJECTIVES = ("clip", "cispo", "clip_cov")
+_RATIO_SPACE_OBJECTIVES = ("clip", "cispo", "clip_cov", "gppo")
 # Objectives that read clip_low / clip_high at all (dppo_*: as divergence thresholds, docs/math.md §5).
-_CLIPPED_OBJECTIVES = ("clip", "clip_cov", "dppo_tv", "dppo_kl")
+_CLIPPED_OBJECTIVES = ("clip", "clip_cov", "dppo_tv", "dppo_kl", "gppo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,9 @@ class PolicyLossConfig:
     kl_cov_coef: float = 0.1
     # DRO's quadratic penalty (verl's policy_loss.dro_beta); required (> 0) with objective="dro"
     dro_beta: Optional[float] = None
+    # GPPO's β₁ / β₂ (Klear-Reasoner's; 1 in its runs): the gradient a token clipped below / above keeps
+    gppo_beta_low: float = 1.0
+    gppo_beta_high: float = 1.0
     # VESPO's gamma weight φ(w) = e^λ·w^k·e^{-λw}, (k, λ) for A ≥ 0 / A < 0 (TRL's vespo_*)
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
@@ -116,35 +121,35 @@ class PolicyLossConfig:
                 f"objective: {self.objective!r} cannot be used with ratio={self.ratio!r}; "
                 f"expected one of {_VALID_OBJECTIVES[self.ratio]}"
             )
+        # the ranges of the fields the kernels take too, declared once (rlkernels/_token_loss_table.py); the rules below
+        # narrow some for some objectives
+        for param in PARAMS:
+            if param.kind == REAL:
+                check_real(param.field, getattr(self, param.field), param.low, lo_open=param.strict,
+                           optional=_FIELD_TYPES[param.field].startswith("Optional"))
         needs_clip = self.objective in _CLIPPED_OBJECTIVES
-        check_real("clip_low", self.clip_low, 0.0, optional=not needs_clip)
-        # CISPO's clip_high may be negative: TRL caps its weight at ε_high, which may be below 1.
-        high_lo = -1.0 if self.objective == "cispo" else 0.0
-        check_real("clip_high", self.clip_high, high_lo, lo_open=self.objective == "cispo", optional=not needs_clip)
+        check_real("clip_low", self.clip_low, optional=not needs_clip)
+        # CISPO's clip_high may be negative (the table's > −1): TRL caps its weight at ε_high, which may be below 1.
+        check_real("clip_high", self.clip_high, None if self.objective == "cispo" else 0.0, optional=not needs_clip)
         if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
                 and self.clip_low is not None and self.clip_low >= 1):
             raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
-        # delta caps the unclipped branch at min(w, δ): any δ > 0, as TRL takes; the dual clip's c·|A| needs c > 1
-        for name, lo in (("delta", 0.0), ("dual_clip", 1.0)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            check_real(name, value, lo, lo_open=True)
-            if self.objective != "clip" or self.ratio not in _RATIO_SPACE_CLIP:
+        # delta caps the unclipped branch at min(w, δ) (PPO's; GPPO's keeps w): any δ > 0, as TRL takes; the dual
+        # clip's c·|A| needs c > 1
+        for name, objectives in (("delta", ("clip",)), ("dual_clip", ("clip", "gppo"))):
+            if getattr(self, name) is not None and (self.objective not in objectives
+                                                    or self.ratio not in _RATIO_SPACE_CLIP):
                 raise ValueError(
-                    f"{name}: only valid with objective='clip' and ratio in {_RATIO_SPACE_CLIP}, "
+                    f"{name}: only valid with objective in {objectives} and ratio in {_RATIO_SPACE_CLIP}, "
                     f"got objective={self.objective!r}, ratio={self.ratio!r}"
                 )
         check_real("fspo_c_low", self.fspo_c_low, 0.0)
         check_real("fspo_c_high", self.fspo_c_high, 0.0)
-        check_real("kl_coef", self.kl_coef, 0.0)
         if self.kl_coef > 0 and self.kl_estimator is None:
             raise ValueError(f"kl_estimator: kl_coef > 0 needs an estimator, one of {KL_ESTIMATORS[1:]}, got None")
-        check_real("kl_clamp", self.kl_clamp, 0.0, lo_open=True, optional=True)
         if not isinstance(self.kl_bias_correction, bool):
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
         check_choice("kl_bias_ratio", self.kl_bias_ratio, ("token", "sequence"))
-        check_real("entropy_coef", self.entropy_coef)
         if self.entropy_agg is not None:
             check_choice("entropy_agg", self.entropy_agg, ("token_mean",))
         check_int("norm_length", self.norm_length, 1, optional=True)
@@ -153,11 +158,7 @@ class PolicyLossConfig:
                 "norm_length: agg='constant' (Dr. GRPO) divides by a constant length, got None; pass the maximum "
                 "completion length (with the padded T the loss would change with the padding)"
             )
-        check_real("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True)
         check_int("group_size", self.group_size, 1, optional=True)
-        check_real("sapo_tau_pos", self.sapo_tau_pos, 0.0, lo_open=True)
-        check_real("sapo_tau_neg", self.sapo_tau_neg, 0.0, lo_open=True)
-        check_real("ratio_cap", self.ratio_cap, 0.0, lo_open=True, optional=True)
         if self.ratio_cap is not None and self.objective not in ("dppo_tv", "dppo_kl"):
             raise ValueError(f"ratio_cap: only valid with objective 'dppo_tv' or 'dppo_kl', got {self.objective!r}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
@@ -199,6 +200,7 @@ class PolicyLossConfig:
         return dataclasses.replace(self, **overrides)
 
 
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(PolicyLossConfig)}
 _RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 
