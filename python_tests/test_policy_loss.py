@@ -483,6 +483,11 @@ def test_sequence_ratio_rejects_varying_token_advantages():
     (dict(objective="dro"), "dro_beta"),
     (dict(objective="dro", dro_beta=0.0), "dro_beta"),
     (dict(objective="sapo", dual_clip=2.0), "dual_clip"),
+    (dict(objective="gppo", delta=2.0), "delta"),  # GPPO's unheld branch is −A·w
+    (dict(objective="gppo", clip_high=None), "clip_high"),
+    (dict(objective="gppo", gppo_beta_low=0.0), "gppo_beta_low"),
+    (dict(objective="gppo", gppo_beta_high=float("inf")), "gppo_beta_high"),
+    (dict(objective="gppo", ratio="sequence"), "objective"),
     (dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=-1.0), "vespo_k_pos"),
     (dict(ratio="sequence_sum", objective="vespo", vespo_lambda_neg=float("nan")), "vespo_lambda_neg"),
     (dict(log_ratio_clamp=float("inf")), "log_ratio_clamp"),

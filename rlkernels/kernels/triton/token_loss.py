@@ -75,9 +75,13 @@ def clip_family(w, r_passes, adv, params, PRESERVE: tl.constexpr):
     −β·bound·A·w/sg(w), −β·bound·A too, where PPO's has none (β₁ below, β₂ above)."""
     ratio_low = 1.0 - params[CLIP_LOW]
     ratio_high = 1.0 + params[CLIP_HIGH]
-    delta = float("inf") if PRESERVE else params[DELTA]
-    unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
-    d_unclipped = tl.where(w <= delta, -adv, 0.0)  # ∂/∂w
+    if PRESERVE:  # GPPO's unclipped branch is −A·w
+        unclipped = -adv * w
+        d_unclipped = -adv  # ∂/∂w
+    else:
+        delta = params[DELTA]
+        unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
+        d_unclipped = tl.where(w <= delta, -adv, 0.0)
     w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
     clipped = -adv * w_clipped
     d_clipped = tl.where(passes, -adv, 0.0)
