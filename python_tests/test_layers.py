@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rlkernels"
 
 # each layer of design.md §1 by the modules (or packages) it is made of
 LAYERS = {
-    "helpers": ("_checks", "_groups", "_dtypes"),
+    "helpers": ("_checks", "_groups", "_dtypes", "_token_loss_table"),
     "reference": ("reference",),
     "kernels": ("kernels", "_C"),
     "losses": ("losses",),

@@ -120,8 +120,8 @@ def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkey
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "/nonexistent.jsonl"], "--dataset: no such file or folder"),
     (["--prompts", "/nonexistent.jsonl"], "--dataset: no such file or folder"),  # the flag's old name
-    (["--model", "{tmp}"], "--model: expected a local Hugging Face model folder (save_pretrained's, with config.json), "
-                           "got '{tmp}': a folder without config.json"),
+    (["--model", "{tmp}"], "--model: expected a local Hugging Face model folder (save_pretrained's, with config.json) "
+                           "or a Hub name in the local cache, got '{tmp}': a folder without config.json"),
     (["--model", "{tmp}/m"], "--dataset: required with --model"),
     (["--reward-model", "{tmp}", "--reward", "exact"], "--reward-model: expected a local Hugging Face model folder"),
     (["--reward", "myrewards"], "--reward: expected exact | regex:PATTERN | package.module:function | "

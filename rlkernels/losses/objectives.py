@@ -93,6 +93,9 @@ _declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, fields=("
 _declare(Objective("dro", {"token": s.at(s.token_ratio, s.dro)}, fields=("dro_beta",), required=("dro_beta",)))
 _declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True,
                    fields=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")))
+# GPPO: PPO's clip whose held tokens keep the gradient β·bound·A·∇ℓ (`surrogates.clip_objective`)
+_declare(Objective("gppo", {"token": s.at(s.token_ratio, s.clip)}, clip="ratio",
+                   fields=("dual_clip", "gppo_beta_low", "gppo_beta_high")))
 _declare(Objective("topr", {"token": s.at(s.token_ratio, s.topr), "sequence_sum": s.at(s.trajectory_ratio, s.topr)}))
 
 

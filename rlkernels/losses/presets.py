@@ -34,6 +34,9 @@ _PRESETS = {
     "vespo": dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                   vespo_lambda_neg=2.0, agg="token_mean"),
     "topr": dict(ratio="token", objective="topr", clip_low=None, clip_high=None, agg="token_mean"),
+    # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
+    "gppo": dict(ratio="token", objective="gppo", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
+                 gppo_beta_high=1.0, agg="token_mean"),
 }
 
 NAMES = tuple(_PRESETS)
@@ -115,3 +118,4 @@ dro = _preset("dro")
 luspo = _preset("luspo")
 vespo = _preset("vespo")
 topr = _preset("topr")
+gppo = _preset("gppo")

@@ -26,13 +26,21 @@ class Surrogate:
 
 
 def clip_objective(w, adv, cfg):
-    """PPO's clipped surrogate max(−A·w', −A·clip(w)) with optional delta and dual clip."""
-    unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
-    loss = torch.maximum(unclipped, -adv * w.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
+    """PPO's clipped surrogate max(−A·w', −A·clip(w)) with optional delta and dual clip; GPPO's (`cfg.objective`
+    "gppo") where the clip holds a token (w below the band with A < 0, above it with A > 0) is −β·bound·A·w/sg(w):
+    PPO's value for β = 1, and the gradient −β·bound·A·∇ℓ where PPO's is 0 (docs/math.md §5)."""
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    held_low, held_high = (w.detach() < lo) & (adv < 0), (w.detach() > hi) & (adv > 0)
+    if cfg.objective == "gppo":
+        bound = torch.where(held_low, w.new_tensor(cfg.gppo_beta_low * lo), cfg.gppo_beta_high * hi)  # w's dtype
+        kept = bound * (w / w.detach())
+        loss = -adv * torch.where(held_low | held_high, kept, w)
+    else:
+        unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
+        loss = torch.maximum(unclipped, -adv * w.clamp(lo, hi))
     if cfg.dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
-    w = w.detach()
-    return Surrogate(loss, w, (w < 1 - cfg.clip_low) & (adv < 0), (w > 1 + cfg.clip_high) & (adv > 0))
+    return Surrogate(loss, w.detach(), held_low, held_high)
 
 
 def _token_log_ratio(b: Batch, cfg) -> torch.Tensor:
