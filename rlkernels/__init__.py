@@ -46,8 +46,13 @@ def _public(name: str):
 
 
 def __getattr__(name: str):
-    if name not in __all__:
-        raise AttributeError(f"module 'rlkernels' has no attribute {name!r}")
+    if name not in __all__:  # a submodule (`rlkernels.ops`), as after the eager imports this package once made
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'rlkernels' has no attribute {name!r}") from None
     value = _public(name)
     globals()[name] = value  # once: later lookups do not come here
     return value
