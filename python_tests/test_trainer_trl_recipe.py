@@ -81,13 +81,37 @@ def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):
     path.write_text(yaml.safe_dump({**base, "activation_checkpointing": None, "epsilon_high": None, "beta": None}))
     cfg, _ = from_args(["--config", str(path)])
     assert (cfg.gradient_checkpointing, cfg.clip_high, cfg.kl_coef) == (True, 0.2, 0.0)
-    path.write_text(yaml.safe_dump({**base, "mask_truncated_completions": True, "top_entropy_quantile": 0.2,
+    path.write_text(yaml.safe_dump({**base, "mask_truncated_completions": True, "off_policy_mask_threshold": 0.5,
                                     "optim": "sgd"}))
     with pytest.raises(ValueError) as err:
         from_args(["--config", str(path)])
     for text in ("mask_truncated_completions=True (truncated completions are trained like the others)",
-                 "top_entropy_quantile=0.2 (every completion token is trained", "optim='sgd' (the optimizer is"):
+                 "off_policy_mask_threshold=0.5 (no off-policy", "optim='sgd' (the optimizer is"):
         assert text in str(err.value)
+
+
+def test_trls_loss_settings_reach_the_loss(tmp_path):
+    """delta, top_entropy_quantile, use_bias_correction_kl, sapo_temperature_* and vespo_* are PolicyLossConfig's
+    fields, as rlkernels.integrations.trl maps them for TRL's own trainer."""
+    from rlkernels.trainer.update import loss_config
+
+    _local_checkpoint(tmp_path / "m")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')
+    base = {"model_name_or_path": str(tmp_path / "m"), "dataset_name": str(tmp_path / "d.jsonl"), "max_steps": 2}
+    for settings, expected in (
+            ({"loss_type": "grpo", "delta": 1.5, "top_entropy_quantile": 0.2, "beta": 0.04,
+              "use_bias_correction_kl": True}, dict(delta=1.5, top_entropy_quantile=0.2, kl_bias_correction=True)),
+            ({"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+             dict(sapo_tau_pos=0.5, sapo_tau_neg=2.0)),
+            ({"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_neg": 4.0}, dict(vespo_k_pos=1.0, vespo_lambda_neg=4.0))):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({**base, **settings}))
+        cfg, _ = from_args(["--config", str(path)])
+        got = loss_config(cfg, cfg.num_generations)
+        assert {k: getattr(got, k) for k in expected} == expected, settings
+    path.write_text(yaml.safe_dump({**base, "loss_type": "grpo", "delta": -1.0}))
+    with pytest.raises(ValueError, match="^the loss of --algo grpo: delta"):
+        from_args(["--config", str(path)])
 
 
 def test_a_recipe_asking_for_evaluation_holds_prompts_out(tmp_path):

@@ -144,6 +144,19 @@ class Config:
     kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL (> 0); none = fixed β")
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
     clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
+    # TRL's loss settings, as PolicyLossConfig's fields of these names (rlkernels.integrations.trl maps them alike)
+    delta: Optional[float] = _field(None, "the clip objectives: cap the unclipped ratio at δ (TRL's two-sided GRPO); "
+                                          "none = no cap")
+    top_entropy_quantile: float = _field(1.0, "train only the tokens in this top fraction of entropy (TRL's, the "
+                                              "80/20 rule); 1 = every token")
+    kl_bias_correction: bool = _field(False, "the KL term weighted by the importance ratio (TRL's "
+                                             "use_bias_correction_kl)")
+    sapo_tau_pos: Optional[float] = _field(None, "sapo: τ+ (TRL's sapo_temperature_pos); none = the preset's")
+    sapo_tau_neg: Optional[float] = _field(None, "sapo: τ- (TRL's sapo_temperature_neg); none = the preset's")
+    vespo_k_pos: Optional[float] = _field(None, "vespo: k+; none = the preset's")
+    vespo_lambda_pos: Optional[float] = _field(None, "vespo: λ+; none = the preset's")
+    vespo_k_neg: Optional[float] = _field(None, "vespo: k-; none = the preset's")
+    vespo_lambda_neg: Optional[float] = _field(None, "vespo: λ-; none = the preset's")
     entropy_coef: float = _field(0.0, "entropy bonus coefficient")
     scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
                                                 "none; none given = none for dr_grpo, else group")
@@ -678,6 +691,11 @@ def _validate_preset_and_device(cfg: Config) -> None:
     if cfg.algo not in presets.NAMES:
         raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r}")
     device.check(cfg.device, cfg.dtype)
+    from .update import loss_config  # the loss settings as PolicyLossConfig checks them (delta > 0, ...)
+    try:
+        loss_config(cfg, cfg.num_generations)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the loss of --algo {cfg.algo}: {e}") from None
     if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO forms GRPO-style advantages from rewards
         own = ("--algo ppo (GAE on a critic)" if cfg.algo == "ppo" else "--tree (Tree-GRPO)" if cfg.tree else
                f"--algo {cfg.algo} (a baseline of its own)" if presets.fields(cfg.algo).get("ratio") == "snis" else None)

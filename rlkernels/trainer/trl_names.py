@@ -28,6 +28,8 @@ RENAMED = {
     "dataset_test_split": "eval_split", "reward_funcs": "reward", "reward_model_name_or_path": "reward_model",
     "torch_dtype": "dtype", "activation_checkpointing": "gradient_checkpointing",
     "prompts": "dataset",  # this trainer's name before --dataset read more than JSONL
+    "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
+    "use_bias_correction_kl": "kl_bias_correction",
 }
 # (type, help); list types take several values
 OPTIONS = {
@@ -84,19 +86,9 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "chat_template_kwargs": (str, (None,), "conversations go through the tokenizer's chat template as is"),
     "max_tool_calling_iterations": (int, (None,), "completions are sampled without tools"),
     "sync_ref_model": (bool, (False,), "the reference model stays the initial policy"),
-    "top_entropy_quantile": (float, (1.0,), "every completion token is trained (no entropy masking)"),
     "use_adaptive_entropy": (bool, (False,), "--entropy-coef is fixed"),
     "off_policy_mask_threshold": (float, (None,), "no off-policy sequence masking"),
     "mask_truncated_completions": (bool, (False,), "truncated completions are trained like the others"),
-    "delta": (float, (None,), "the ratio is clipped by --clip-low/--clip-high only (no two-sided δ)"),
-    "sapo_temperature_pos": (float, (1.0,), "the sapo preset's τ+ is 1.0"),
-    "sapo_temperature_neg": (float, (1.05,), "the sapo preset's τ- is 1.05"),
-    "vespo_k_pos": (float, (2.0,), "the vespo preset's k+ is 2.0"),
-    "vespo_lambda_pos": (float, (3.0,), "the vespo preset's λ+ is 3.0"),
-    "vespo_k_neg": (float, (3.0,), "the vespo preset's k- is 3.0"),
-    "vespo_lambda_neg": (float, (2.0,), "the vespo preset's λ- is 2.0"),
-    "use_bias_correction_kl": (bool, (False, True), "the KL term is the k3 estimate without the importance "
-                                                    "weight (the same when beta is 0)"),
     "average_tokens_across_devices": (bool, (True,), "token means are over every process's tokens"),
     "load_best_model_at_end": (bool, (False,), "the run folder keeps the last model"),
     "resume_from_checkpoint": (str, (None,), "a run continues with --resume RUN_FOLDER (a folder of this trainer)"),
@@ -142,12 +134,13 @@ IGNORED = {  # why each group has no effect here
 # GRPOConfig's settings that are this trainer's fields under the same name (a null in a recipe: TRL's default)
 SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
              "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
-             "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon")
+             "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
+             "delta", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
 # GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
 TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
                 "lr": 1e-6, "lr_scheduler_type": "linear", "lr_warmup_steps": 0, "seed": 42, "logging_steps": 10,
-                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999}
+                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999, "kl_bias_correction": True}
 # where a TRL recipe still trains or reports otherwise than `trl grpo`, for its log line
 DIFFERENCES = ("a step is one rollout batch (TRL's max_steps counts optimizer steps: the same with steps_per_generation "
                "= gradient_accumulation_steps and num_iterations 1)", "evaluation is the greedy reward of --eval-size "
@@ -281,10 +274,7 @@ def resolve(values: dict, defaults, flags=(), world: int = 1, trl_recipe: bool =
         for name, value in TRL_DEFAULTS.items():
             values.setdefault(name, value)
         if notes is not None:
-            kl = values.get("kl_coef") != 0 and trl.get("use_bias_correction_kl", True)
-            notes.append("TRL recipe: trains as trl grpo does but " + "; ".join(
-                [*DIFFERENCES, *(["the KL term is k3 without TRL's importance-sampling correction "
-                                  "(use_bias_correction_kl)"] if kl else [])]))
+            notes.append("TRL recipe: trains as trl grpo does but " + "; ".join(DIFFERENCES))
     return values
 
 

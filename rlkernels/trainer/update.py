@@ -116,7 +116,17 @@ def loss_config(cfg: Config, group_size: int):
             over["kl_estimator"] = "k3"
     if base.ratio in ("group_expectation", "snis"):
         over["group_size"] = group_size
+    over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
+    if cfg.top_entropy_quantile < 1.0:
+        over["top_entropy_quantile"] = cfg.top_entropy_quantile
+    if cfg.kl_bias_correction:
+        over["kl_bias_correction"] = True
     return base.replace(**over)
+
+
+# the Config fields that are PolicyLossConfig's of the same name, none = the preset's
+LOSS_FIELDS = ("delta", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+               "vespo_lambda_neg")
 
 
 def lr_factor(cfg: Config, step: int) -> float:
