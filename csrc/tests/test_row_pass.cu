@@ -129,7 +129,8 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau),
+                          static_cast<int>(target)};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -233,7 +234,7 @@ void batch_stride_rows(std::mt19937& rng) {
       fail("batch stride: forward", dt, kThreads, V, 0, n, r.logp, rc.logp);
     }
     const GradOf<false> grad{rc.m, rc.log_s, head, rlk::grad_coeffs<float>(0.8f, -0.6f, rc.entropy, head.inv_tau),
-                             target};
+                             static_cast<int>(target)};
     for (int lane = 0; lane < kThreads; ++lane) {
       grad_row<T, kThreads, true>(z, out_parent.data() + view(n), V, grad, lane);
       grad_row<T, kThreads, false>(z, out_t.data() + transposed(n), V, grad, lane);
