@@ -137,7 +137,8 @@ cudaError_t with_threads(int64_t V, const Head& head, F&& launch) {
 }
 
 // launch(grid, b, t, rows) over every row of `at`'s n: blocks of kRows rows of a sequence along x (`rows` of them
-// from row t), a sequence along y (from b); one launch unless T > 2^28 · kRows or B > 65535.
+// from row t), a sequence along y (from b); one launch unless T > 2^28 · kRows or B > 65535. Where T is not a
+// multiple of kRows (8 for V ≤ 2048) a sequence's last block leaves some warps idle.
 template <int kRows, typename F>
 void over_rows(const rlk::RowIndex& at, int64_t n, F&& launch) {
   const int64_t seqs = n / at.seq_len;
