@@ -5,8 +5,9 @@ entropy terms plus a surrogate that couples the tokens of a row (docs/math.md §
 evaluated by the backend's `policy_token_loss` (the same per-token formula as the fused forward
 kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
 
-* the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate), except that
-  SNIS's surrogate, REINFORCE like that call, comes in it as the advantage (`_snis`);
+* the KL and entropy terms: once over the tokens, without advantages (A = 0 in the clip objective, whose
+  −A·w is 0 whatever ℓ: `token_terms_params`), except that SNIS's surrogate, REINFORCE, comes in it as the
+  advantage (`_snis`);
 * the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
   objective, or SAPO's gate, of the mean log-ratio; FSPO: the clip objective of the summed log-ratio
   at its band's edge), its derivative passed to the row's tokens through the row's mean or sum of ℓ;
@@ -59,7 +60,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
     adv, snis_ratio = _snis(rows, omega, inputs, config) if config.ratio == "snis" else (None, None)
     tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
         logp, entropy, flat_mask, weights.view(-1), adv, inputs.flat("old_logp"), inputs.flat("ref_logp"),
-        token_terms_params(config))
+        token_terms_params(config, reinforce=adv is not None))
     grad_h = tok_grad_h if config.entropy_coef != 0 else None
     if snis_ratio is not None:  # its ratio statistic is the row's ρ_i on each token, not the token's own ratio
         torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, 3].view(B, T))
@@ -196,9 +197,10 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
     c = config.log_ratio_clamp
     if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
         log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)
-        x = log_s[:, None].expand(B, T).reshape(-1)
+        # the kernels take contiguous vectors: at B = 1 the reshape of an expand (here and A's) is a stride-0 view
+        x = log_s[:, None].expand(B, T).reshape(-1).contiguous()
         grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
-                                                   adv.reshape(-1), torch.zeros_like(x), None,
+                                                   adv.reshape(-1).contiguous(), torch.zeros_like(x), None,
                                                    surrogate_params(config, config.objective))
         return grad, stats.sum(0)[:4], _max(stats[:, 3])
     if config.ratio == "geometric":
