@@ -39,8 +39,8 @@ Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/
 by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
 The signature, the constexprs and the `tt.divisibility` attributes are made by Triton's own launch-time
 specialisation (the binder and `_pack_args` of `JITFunction.run`, private: as in Triton 3.9) from stand-in
-arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16 (an
-elementwise kernel's n: 32768 tokens). Their types follow the launchers: logits and out in the logits'
+arguments of a typical launch: 16-byte-aligned tensors and V = row stride = a multiple of 16, as are T and
+the batch stride (an elementwise kernel's n: 32768 tokens). Their types follow the launchers: logits and out in the logits'
 dtype, targets int64, mask bool, every other row or token vector fp32, V, n and strides int, the other
 scalars float. The row kernels align their tiles to 16 bytes themselves, so a row of odd length keeps
 its 128-bit loads: each row kernel is compiled at the streaming configuration with V = 151937 too (V and
@@ -486,8 +486,10 @@ def _stand_in(name, logits_dtype, size):
     import torch
     if name.endswith("_ptr"):
         return _Rows(logits_dtype if name in _LOGITS_DTYPE else getattr(torch, _POINTEES.get(name, "float32")))
-    if name in ("V", "n") or name.startswith("stride"):
-        return size  # contiguous rows; n: the tokens of an elementwise kernel
+    if name == "first_batch":
+        return 0  # the first launch of a grid (the grid's y holds 65535 sequences)
+    if name in ("V", "n", "seq_len") or name.startswith("stride"):
+        return size  # contiguous rows (T = V rows per sequence); n: the tokens of an elementwise kernel
     if name == "loss_params":  # the token loss's packed scalars, as TokenLossParams.packed() gives them
         from rlkernels.kernels.token_loss_params import NUM_PARAMS
         return (1.0,) * NUM_PARAMS

@@ -7,6 +7,7 @@ these counts are the launch overhead of the loss head, measured deterministicall
     python -m benchmarks.launches --backend torch  # another backend
     python -m benchmarks.launches --device cuda --backend triton   # on a GPU: the same counts there
     python -m benchmarks.launches --preset gepo --group-ids        # one call's ops, groups as group_ids
+    python -m benchmarks.launches --preset grpo --sliced 256       # on logits[:, :-1] of a (256, 9, V) parent
 
 Counted: every aten op that is not a view (views, `detach` and `empty*` allocate nothing and
 launch nothing) and every custom op (one launch each; what runs inside it is not seen), except the
@@ -144,14 +145,17 @@ def count(fn) -> Count:
 
 
 def fused_policy_loss_count(preset: str, backend: Optional[str] = None, vocab: int = 1000, device="cpu",
-                            group_ids: bool = False) -> Count:
+                            group_ids: bool = False, B: int = 8, T: int = 256, sliced: bool = False) -> Count:
+    """Ops and syncs of one call on (B, T, V) logits; `sliced`: on `parent[:, :-1]` of a (B, T + 1, V) parent,
+    as a causal LM's logits are aligned with their targets."""
     import rlkernels
 
-    config, targets, advantages, mask, kwargs = loss_inputs(preset, device=device, group_ids=group_ids)
-    logits = torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(1))
-    logits = logits.to(device).requires_grad_(True)
+    config, targets, advantages, mask, kwargs = loss_inputs(preset, B=B, T=T, device=device, group_ids=group_ids)
+    parent = torch.randn(B, T + sliced, vocab, generator=torch.Generator().manual_seed(1))
+    parent = parent.to(device).requires_grad_(True)
 
     def call():
+        logits = parent[:, :-1] if sliced else parent
         out = rlkernels.fused_policy_loss(logits, targets, advantages, mask, config, backend=backend, **kwargs)
         out.loss.backward()
 
@@ -204,9 +208,12 @@ def main(argv=None):
     parser.add_argument("--preset", default=None, help="print the op names of one preset's fused_policy_loss call")
     parser.add_argument("--group-ids", action="store_true",
                         help="with --preset: a grouped ratio's groups as group_ids, not config.group_size")
+    parser.add_argument("--sliced", type=int, default=0, metavar="B",
+                        help="with --preset: the call on logits[:, :-1] of a (B, 9, V) parent")
     args = parser.parse_args(argv)
     if args.preset:
-        c = fused_policy_loss_count(args.preset, args.backend, device=args.device, group_ids=args.group_ids)
+        shape = dict(B=args.sliced, T=8, sliced=True) if args.sliced else {}
+        c = fused_policy_loss_count(args.preset, args.backend, device=args.device, group_ids=args.group_ids, **shape)
         for name, n in sorted(c.names.items(), key=lambda kv: -kv[1]):
             print(f"{n:5d}  {name}")
         print(f"{c.ops} ops, {c.syncs} syncs")

@@ -203,7 +203,7 @@ class BadArgs(NamedTuple):
 # before need_entropy (fwd) or after them the temperature 1.0 (bwd)).
 BAD_INPUTS = {
     "logits-int64": ("logits", "fwd", lambda a: (a.logits.long(), a.targets, 1.0)),
-    "logits-3d": ("logits", "fwd", lambda a: (a.logits[None], a.targets, 1.0)),
+    "logits-4d": ("logits", "fwd", lambda a: (a.logits[None, None], a.targets, 1.0)),  # (N, V) or (B, T, V) only
     "logits-transposed": ("logits", "fwd", lambda a: (a.logits.t(), torch.zeros(10, dtype=torch.long, device=a.device),
                                                       1.0)),
     "logits-fp64": ("logits", "fwd", lambda a: (a.logits.double(), a.targets, 1.0)),

@@ -266,3 +266,28 @@ def test_opcheck_of_the_extensions_other_ops():
     _define("cpu")  # registers the fakes
     for op, args in _loss_op_args("cpu"):
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled extension")
+def test_opcheck_on_a_sliced_view():
+    """The logits ops read `logits[:, :-1]` of a (B, T + 1, V) parent where it lies, as (B, T, V) (issue 30): their
+    fakes give the real outputs' shapes and strides there too (the gradient in the view's shape)."""
+    _define("cpu")
+    g = torch.Generator().manual_seed(9)
+    parent = torch.randn(2, 5, 33, generator=g)
+    n, view = 8, parent[:, :-1]
+    targets = torch.randint(0, 33, (n,), generator=g)
+    torch.library.opcheck(torch.ops.rlkernels_C.token_logprobs_fwd.default,
+                          (parent.clone().requires_grad_(True)[:, :-1], targets, 0.8, 0.0, True))
+    logp, entropy, lse_parts = torch.ops.rlkernels_C.token_logprobs_fwd(view, targets, 0.8, 0.0, True)
+    grad_logp, grad_entropy = torch.randn_like(logp), torch.randn_like(entropy)
+    bwd_args = (view, targets, lse_parts, entropy, grad_logp, grad_entropy, 0.8, 0.0)
+    torch.library.opcheck(torch.ops.rlkernels_C.token_logprobs_bwd.default, bwd_args)
+    torch.library.opcheck(torch.ops.rlkernels_C.token_logprobs_bwd_out.default,
+                          (*bwd_args, torch.empty(2, 5, 33)[:, 1:]))
+    from rlkernels.ops.kernel_params import token_loss_params
+    mask = torch.rand(n, generator=g) > 0.2
+    weight, adv, old, ref = (torch.randn(n, generator=g) for _ in range(4))
+    torch.library.opcheck(torch.ops.rlkernels_C.policy_token_fwd.default,
+                          (view, targets, mask, weight, adv, old, ref, None, 0.8, 0.0,
+                           token_loss_params(presets.grpo()).packed()))

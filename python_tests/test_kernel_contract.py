@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 from rlkernels.kernels import OPS, Kernels, cpu, cuda, torch_chunked  # noqa: E402
 
 from kernel_cases import (  # noqa: E402
-    BAD_INPUTS, BAD_OUT, CUDA_SHAPES, DTYPE_IDS, DTYPES, NAN_ROWS, SHAPES, TOL_REL, TRITON_SHAPES, VALID_ROWS,
+    BAD_INPUTS, BAD_OUT, CUDA_SHAPES, DTYPE_IDS, DTYPES, NAN_ROWS, SHAPES, TOL_REL, TRITON_SHAPES, ULP, VALID_ROWS,
     BadArgs, ExactBounds, RelativeBounds, _close_grad, _inputs, _reference, assert_close_rel, assert_grad_close,
     assert_rounded, bad_out_case, bwd_fp32, case_inputs, contract_case, grid_logits, minus_inf_case, misaligned,
     nan_rows_case,
@@ -113,7 +113,7 @@ BACKENDS = [
             # V = 1000: two interpreter tiles of 512, the first one all −inf in the −inf case.
             edge_vocab=1000, edge_lead=600, edge_dtypes=(torch.float32, torch.bfloat16), nan_dtypes=(torch.float32,),
             no_entropy_vocabs=(1000,),
-            refuses=frozenset({"logits-int64", "logits-3d", "logits-transposed", "logits-fp64", "targets-short",
+            refuses=frozenset({"logits-int64", "logits-4d", "logits-transposed", "logits-fp64", "targets-short",
                                "lse_parts-short", "lse_parts-logsumexp", "grad_logp-short", "grad_entropy-short",
                                "entropy-empty", "logits-half-transposed"}),
             refuses_out=("shape", "stride"), errors=ValueError,
@@ -416,6 +416,41 @@ def test_strided_rows_int32_targets_and_in_place(backend):
     assert torch.equal(wide[:, 1000:], tail)  # the padding past V is untouched
 
 
+@pytest.mark.parametrize("backend,dtype", _params(lambda b: [(d,) for d in (torch.float32, torch.bfloat16)], _dt))
+def test_batch_strided_view_in_one_call(backend, dtype):
+    """logits[:, :-1] of a (B, T + 1, V) parent, read where it lies in one call (a batch stride beside the row
+    stride, issue 30): the forward gives the reference's values of its rows, and the backward gives the gradient of
+    the same rows copied contiguous, into a new buffer of the view's shape, into the same box of a parent-shaped
+    buffer (each sequence's last position left as it was) and into a (T, B, V) buffer seen as (B, T, V). V odd:
+    the rows are aligned differently in turn."""
+    B, T, V = 3, 4, 37
+    parent, _ = _inputs(B * (T + 1), V, dtype)
+    targets = torch.randint(0, V, (B * T,), generator=torch.Generator().manual_seed(3))
+    g, h = torch.randn(B * T), torch.randn(B * T)
+    z, y, gd, hd = backend.to(parent.view(B, T + 1, V), targets, g, h)
+    view = z[:, :-1]
+    logp, entropy, lse_parts = backend.kernels.token_logprobs_fwd(view, y, 0.8, True)
+    ref = _reference(parent.view(B, T + 1, V)[:, :-1].reshape(-1, V), targets, 0.8)
+    for actual, expected in ((logp, ref.logp), (entropy, ref.entropy), (lse_parts, ref.lse_parts)):
+        assert actual.shape == expected.shape
+        backend.bounds.outputs(actual, expected, dtype)
+
+    bwd = backend.kernels.token_logprobs_bwd
+    copy = view.reshape(-1, V).contiguous()
+    expected = bwd(copy, y, lse_parts, entropy, gd, hd, 0.8).view(B, T, V).cpu().double()
+    tol = dict(rtol=2 * ULP[dtype], atol=1e-6 * expected.abs().max().item())
+    grad = bwd(view, y, lse_parts, entropy, gd, hd, 0.8)
+    assert grad.shape == (B, T, V)
+    torch.testing.assert_close(grad.cpu().double(), expected, **tol)
+    boxed = torch.full((B, T + 1, V), 7.0, dtype=dtype, device=backend.device)
+    assert bwd(view, y, lse_parts, entropy, gd, hd, 0.8, out=boxed[:, :-1]).data_ptr() == boxed.data_ptr()
+    torch.testing.assert_close(boxed[:, :-1].cpu().double(), expected, **tol)
+    assert (boxed[:, -1] == 7).all()
+    transposed = torch.empty(T, B, V, dtype=dtype, device=backend.device).transpose(0, 1)
+    bwd(view, y, lse_parts, entropy, gd, hd, 0.8, out=transposed)
+    torch.testing.assert_close(transposed.cpu().double(), expected, **tol)
+
+
 # fp64 logits, where the backend takes them.
 _FP64 = [b for b in BACKENDS if FP64 in b.dtypes]
 
@@ -464,6 +499,29 @@ def test_fp64_matches_reference_tightly(backend):
 TRITON = _BY_NAME["triton"]
 _needs_triton = pytest.mark.skipif(tk is None, reason=_TRITON_REASON)
 _needs_cuda = pytest.mark.skipif(not (ON_CUDA and _TRITON_OK), reason="needs a CUDA device")
+
+
+@_needs_triton
+def test_triton_row_grids_cover_every_sequence_once(monkeypatch):
+    """A (B, T, V) launch is a program per row on a (T, B) grid; past 65535 sequences (the grid's y) it is cut into
+    launches that start at `first_batch`, which the kernels add (checked with 2 sequences per launch). (N, V) is one
+    sequence of N rows."""
+    from rlkernels.kernels.triton import launch
+    assert list(launch.row_grids(7 * 3, 7)) == [((7, 3), 0)]
+    assert list(launch.row_grids(1000, 1000)) == [((1000, 1), 0)]
+    grids = list(launch.row_grids(3 * 140000, 3))
+    assert [first for _, first in grids] == [0, 65535, 131070]
+    assert sum(y for (x, y), _ in grids) == 140000 and all(x == 3 and y <= 65535 for (x, y), _ in grids)
+
+    parent, _ = _inputs(5 * 4, 37, torch.float32)
+    z, y, g = TRITON.to(parent.view(5, 4, 37), torch.randint(0, 37, (15,)), torch.randn(15))
+    whole = tk.token_logprobs_fwd(z[:, :-1], y, 1.0, True)
+    grad = tk.token_logprobs_bwd(z[:, :-1], y, whole[2], whole[1], g, None, 1.0)
+    monkeypatch.setattr(launch, "MAX_BATCHES", 2)
+    for got, expected in zip(tk.token_logprobs_fwd(z[:, :-1], y, 1.0, True), whole):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(tk.token_logprobs_bwd(z[:, :-1], y, whole[2], whole[1], g, None, 1.0), grad, rtol=0,
+                               atol=0)
 
 
 @_needs_triton

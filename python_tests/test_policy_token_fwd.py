@@ -124,6 +124,25 @@ def test_all_masked(backend):
 
 
 @pytest.mark.parametrize("backend", params())
+def test_batch_strided_view_in_one_call(backend):
+    """logits[:, :-1] of a (B, T + 1, V) parent, read where it lies in one call (a batch stride beside the row
+    stride, issue 30), gives what its rows copied contiguous give. V odd: rows aligned differently in turn."""
+    B, T, V, n = 2, 5, 37, 10
+    acc, device = backend.acc, backend.device
+    gen = torch.Generator().manual_seed(5)
+    parent = torch.randn(B, T + 1, V, generator=gen, dtype=acc).to(device)
+    r = lambda: torch.randn(n, generator=gen, dtype=acc).to(device)  # noqa: E731
+    args = (torch.randint(0, V, (n,), generator=gen).to(device), (torch.rand(n, generator=gen) < 0.8).to(device),
+            r().abs(), r(), r() - 3, r() - 3, r().abs())
+    params = token_loss_params(PolicyLossConfig(clip_low=0.2, clip_high=0.2, kl_estimator="k3", kl_coef=0.1,
+                                                entropy_coef=0.01))
+    view = backend.kernels.policy_token_fwd(parent[:, :-1], *args, 0.8, params)
+    copy = backend.kernels.policy_token_fwd(parent[:, :-1].reshape(-1, V).contiguous(), *args, 0.8, params)
+    for actual, expected in zip(view, copy):
+        torch.testing.assert_close(actual, expected, rtol=backend.fwd_tol[0], atol=backend.fwd_tol[1])
+
+
+@pytest.mark.parametrize("backend", params())
 def test_k3_and_expm1_near_zero(backend):
     """k3(Δ) ≈ Δ²/2 and ∂k3/∂ℓ = −expm1(Δ) ≈ −Δ for small Δ, where e^Δ − 1 − Δ and e^Δ − 1 lose most
     bits in fp32 (and even expm1(Δ) − Δ loses log2(2/|Δ|): 2e-3 relative at |Δ| = 1e-5, as the compiled
@@ -209,7 +228,7 @@ def test_cpu_bad_tensors_name_the_argument(backend):
     n = a["logits"].shape[0]
     cases = [  # a dtype is a TypeError, a shape, layout or value a ValueError (docs/design.md §8)
         ("logits", TypeError, dict(logits=a["logits"].long())),
-        ("logits", ValueError, dict(logits=a["logits"][None])),
+        ("logits", ValueError, dict(logits=a["logits"][None, None])),  # (N, V) or (B, T, V) only
         ("logits", ValueError, dict(logits=torch.randn(10, n).t())),  # not contiguous
         ("targets", TypeError, dict(targets=a["targets"].float())),
         ("targets", ValueError, dict(targets=a["targets"][:3])),
@@ -261,7 +280,7 @@ def test_triton_bad_tensors_name_the_argument(backend):
     a = _valid_args(device=backend.device)
     cases = [
         ("logits", TypeError, dict(logits=a["logits"].double())),
-        ("logits", ValueError, dict(logits=a["logits"][None])),
+        ("logits", ValueError, dict(logits=a["logits"][None, None])),  # (N, V) or (B, T, V) only
         ("logits", ValueError, dict(logits=a["logits"].t())),  # strided over V
         ("targets", ValueError, dict(targets=a["targets"][:3])),
         ("mask", ValueError, dict(mask=a["mask"][:3])),

@@ -86,6 +86,35 @@ def test_empty_and_leading_shapes(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_views_are_read_in_one_launch_where_their_strides_allow(backend):
+    """A view whose leading dims collapse into a batch stride and a row stride (`[:, :, :-1]` of a 4-D parent, as
+    `logits[:, :-1]` of a 3-D one) is read by one launch of each kernel (issue 30); one whose dims do not
+    (`[:, :-1, :-1]`) by one per index of its first dim. Either gives the reference's values and the gradient
+    reaches the parent's box, zero elsewhere."""
+    from benchmarks.launches import OpCounter
+
+    parent, targets = _inputs((3, 4, 6), 50, torch.float32)
+    for index, launches in (((slice(None), slice(None), slice(0, 5)), 1), ((slice(None), slice(0, 3), slice(0, 5)), 3)):
+        leaf = parent.clone().requires_grad_(True)
+        y = targets[index]
+        with OpCounter() as counter:
+            logp, ent = rlkernels.token_logprobs(leaf[index], y, return_entropy=True, backend=backend)
+            (logp.sum() - 0.5 * ent.sum()).backward()
+        x_ref = parent[index].double().requires_grad_(True)
+        ref_logp, ref_ent = reference.token_logprobs(x_ref, y, 1.0)
+        (ref_logp.sum() - 0.5 * ref_ent.sum()).backward()
+        torch.testing.assert_close(logp.double(), ref_logp, **TOL[torch.float32])
+        torch.testing.assert_close(ent.double(), ref_ent, **TOL[torch.float32])
+        torch.testing.assert_close(leaf.grad[index].double(), x_ref.grad, **GRAD_TOL[torch.float32])
+        outside = torch.ones_like(leaf.grad, dtype=torch.bool)
+        outside[index] = False
+        assert (leaf.grad[outside] == 0).all()
+        if backend == "cpu":
+            assert counter.names["rlkernels_C::token_logprobs_fwd"] == launches, counter.names
+            assert counter.names["rlkernels_C::token_logprobs_bwd_out"] == launches, counter.names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sliced_logits_without_gradient_are_read_in_place(backend):
     """`logits[:, :-1]` for old/reference log-probs (no gradient): the same numbers as its
     contiguous copy, without making one (peak memory well under the copy's size)."""

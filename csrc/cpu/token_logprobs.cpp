@@ -7,6 +7,8 @@
 // sums are rescaled once; a second sweep, served from L1, adds e^d and e^d·d, d = (z − m)/τ, per
 // lane. Memory traffic is one read of the logits; exp is evaluated once per element.
 // Backward, per row: one read of the logits, one write of the gradient.
+// Logits (N, V) or (B, T, V), each row where rlk::RowIndex says: a view such as logits[:, :-1] is read
+// where it lies, all its rows in one call.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -312,17 +314,16 @@ int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, (int64_t(1) << 15) /
 
 void check_logits(const at::Tensor& logits) {
   RLK_CHECK_VALUE(logits.device().is_cpu(), "logits: expected a CPU tensor, got ", logits.device());
-  RLK_CHECK_VALUE(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  rlk::check_logits_layout(logits);
   RLK_CHECK_TYPE(is_supported_float(logits.scalar_type()),
                  "logits: expected dtype float32, bfloat16, float16 or float64, got ", logits.scalar_type());
-  RLK_CHECK_VALUE(logits.is_contiguous(), "logits: expected a contiguous tensor");
 }
 
 // targets (N,) int64 (int32 accepted) on the CPU, every value in [0, V) (read here: no device to
 // synchronise with); returns an int64 contiguous copy or view.
 at::Tensor check_targets(const at::Tensor& targets, const at::Tensor& logits) {
   const at::Tensor t = rlk::check_targets_shape(targets, logits);
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t N = rlk::row_count(logits), V = logits.size(-1);
   const int64_t* p = t.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
     RLK_CHECK_VALUE(p[n] >= 0 && p[n] < V, "targets: expected values in [0, ", V, "), got ", p[n], " at row ", n);
@@ -346,7 +347,7 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row_as(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const at::Tensor& logits, const at::Tensor& targets, double temperature, double softcap, bool need_entropy) {
   check_logits(logits);
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t N = rlk::row_count(logits), V = logits.size(-1);
   RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
@@ -361,6 +362,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     using scalar_t = decltype(zero);
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
+    const rlk::RowIndex row = rlk::row_index(logits);
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     acc_t* logp_p = logp.mutable_data_ptr<acc_t>();
     acc_t* lse_p = lse_parts.mutable_data_ptr<acc_t>();
@@ -369,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const auto cap = rlk::soft_cap<acc_t>(softcap);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const auto r = forward_row_as<scalar_t>(need_entropy, z + n * V, V, y[n], inv_tau, cap);
+        const auto r = forward_row_as<scalar_t>(need_entropy, z + row(n), V, y[n], inv_tau, cap);
         logp_p[n] = r.logp;
         lse_p[2 * n] = r.m;
         lse_p[2 * n + 1] = r.log_s;
@@ -380,12 +382,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   return {logp, entropy, lse_parts};
 }
 
-// Writes ∂logits into `grad`: (N, V), the dtype of logits, unit stride over V; it may be `logits`.
+// Writes ∂logits into `grad`: the shape and dtype of logits, unit stride over V, rows apart; it may be `logits`.
 void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse_parts,
                              const at::Tensor& entropy, const at::Tensor& grad_logp,
                              const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap,
                              at::Tensor& grad) {
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t N = rlk::row_count(logits), V = logits.size(-1);
   RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
@@ -406,7 +408,7 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
     using acc_t = typename Io<scalar_t>::acc_t;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
     scalar_t* gz = grad.mutable_data_ptr<scalar_t>();
-    const int64_t out_stride = grad.stride(0);
+    const rlk::RowIndex row = rlk::row_index(logits), out_row = rlk::row_index(grad);
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     const acc_t* lse_p = lse_c.const_data_ptr<acc_t>();
     const acc_t* g_p = g_c.const_data_ptr<acc_t>();
@@ -418,14 +420,14 @@ void token_logprobs_bwd_into(const at::Tensor& logits, const at::Tensor& targets
       for (int64_t n = begin; n < end; ++n) {
         const auto c = has_h ? rlk::grad_coeffs<acc_t>(g_p[n], h_p[n], ent_p[n], inv_tau)
                              : rlk::grad_coeffs<acc_t>(g_p[n], acc_t(0), acc_t(0), inv_tau);
-        const auto row = [&](auto kCap) {
-          backward_row<scalar_t, decltype(kCap)::value>(z + n * V, gz + n * out_stride, V, y[n], lse_p[2 * n],
+        const auto pass = [&](auto kCap) {
+          backward_row<scalar_t, decltype(kCap)::value>(z + row(n), gz + out_row(n), V, y[n], lse_p[2 * n],
                                                         lse_p[2 * n + 1], c, inv_tau, cap);
         };
         if (cap.on()) {
-          row(std::true_type());
+          pass(std::true_type());
         } else {
-          row(std::false_type());
+          pass(std::false_type());
         }
       }
     });
@@ -461,14 +463,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
     const std::optional<at::Tensor>& is_weights, double temperature, double softcap, at::ArrayRef<double> params) {
   check_logits(logits);
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t N = rlk::row_count(logits), V = logits.size(-1);
   RLK_CHECK_VALUE(N == 0 || V > 0, "logits: expected V > 0, got shape ", logits.sizes());
   const at::Tensor tgt = check_targets(targets, logits);
   rlk::check_temperature(temperature);
   rlk::check_softcap(softcap);
   const at::ScalarType acc = acc_type(logits.scalar_type());
-  rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, acc);
-  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "logits (N, V)", acc);
+  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, acc);
+  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", acc);
   const auto opts = logits.options().dtype(acc);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -481,6 +483,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const rlk::TokenLossParams<acc_t> loss = rlk::token_loss_params<acc_t>(params);
     if (N == 0) return;
     const scalar_t* z = logits.const_data_ptr<scalar_t>();
+    const rlk::RowIndex row = rlk::row_index(logits);
     const int64_t* y = tgt.const_data_ptr<int64_t>();
     const rlk::TokenArrays<acc_t> in{mask.const_data_ptr<bool>(), weight.const_data_ptr<acc_t>(),
                                      adv.const_data_ptr<acc_t>(), rlk::optional_ptr<acc_t>(old_logp),
@@ -496,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const auto cap = rlk::soft_cap<acc_t>(softcap);
     at::parallel_for(0, N, grain_rows(V), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const auto r = forward_row_as<scalar_t>(true, z + n * V, V, y[n], inv_tau, cap);
+        const auto r = forward_row_as<scalar_t>(true, z + row(n), V, y[n], inv_tau, cap);
         logp_p[n] = r.logp;
         ent_p[n] = r.entropy;
         lse_p[2 * n] = r.m;

@@ -33,17 +33,19 @@ Dtype dtype_of(const at::Tensor& t, const char* name) {
   }
 }
 
+// logits or out (N, V) or (B, T, V), unit stride over V (rlk::check_logits_layout), as the launchers take them.
 Rows rows_of(const at::Tensor& t, const char* name) {
-  return Rows{const_cast<void*>(t.const_data_ptr()), t.size(0), t.size(1), t.size(0) > 1 ? t.stride(0) : t.size(1),
+  return Rows{const_cast<void*>(t.const_data_ptr()), rlk::row_count(t), t.size(-1), rlk::row_index(t),
               dtype_of(t, name)};
 }
 
 void check_logits(const at::Tensor& logits) {
   RLK_CHECK_VALUE(logits.is_cuda(), "logits: expected a CUDA tensor, got ", logits.device());
-  RLK_CHECK_VALUE(logits.dim() == 2, "logits: expected shape (N, V), got ", logits.sizes());
+  rlk::check_logits_layout(logits);
   dtype_of(logits, "logits");
-  RLK_CHECK_VALUE(logits.is_contiguous(), "logits: expected a contiguous tensor");
-  RLK_CHECK_VALUE(logits.size(0) == 0 || logits.size(1) > 0, "logits: expected V > 0, got shape ", logits.sizes());
+  RLK_CHECK_VALUE(rlk::row_count(logits) == 0 || logits.size(-1) > 0, "logits: expected V > 0, got shape ",
+                  logits.sizes());
+  RLK_CHECK_VALUE(logits.size(-1) < (int64_t(1) << 31), "logits: expected V < 2^31, got shape ", logits.sizes());
 }
 
 Head head_of(double temperature, double softcap) {
@@ -58,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(const at:
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
-  const int64_t N = logits.size(0);
+  const int64_t N = rlk::row_count(logits);
   const auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor entropy = at::empty({need_entropy ? N : 0}, opts);
@@ -122,10 +124,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
-  rlk::check_token_inputs(logits, "logits (N, V)", mask, weight, adv, old_logp, ref_logp, at::kFloat);
-  if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "logits (N, V)", at::kFloat);
+  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  if (is_weights.has_value()) {
+    rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", at::kFloat);
+  }
   const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
-  const int64_t N = logits.size(0);
+  const int64_t N = rlk::row_count(logits);
   const auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "rlkernels/covariance_choice.h"
+#include "rlkernels/row_index.h"
 #include "rlkernels/row_math.h"
 #include "rlkernels/token_loss.h"
 
@@ -16,13 +17,14 @@ namespace rlk_cuda {
 
 enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-// An (n, v) matrix with unit stride over v, rows `row_stride` elements apart. `data` is aligned
-// to its element size (any torch tensor is); 16-byte alignment is not needed.
+// n rows of v elements with unit stride, row r at at(r) elements past `data` (rlk::RowIndex: logits
+// (N, V), or a (B, T, V) view such as logits[:, :-1] of a (B, T + 1, V) parent, in one launch). `data`
+// is aligned to its element size (any torch tensor is); 16-byte alignment is not needed.
 struct Rows {
   void* data;
   int64_t n;
   int64_t v;
-  int64_t row_stride;
+  rlk::RowIndex at;
   Dtype dtype;
 };
 
@@ -49,8 +51,8 @@ struct RowGrads {
   const float* grad_entropy;
 };
 
-// Backward: out[n, v] = ∂L/∂logits in the dtype of the logits. `out` may be `logits` itself (the
-// same data and row stride; every element is read before it is written) or disjoint from it.
+// Backward: out[n, v] = ∂L/∂logits in the dtype of the logits, its rows where out.at says. `out` may be
+// `logits` itself (the same data and strides; every element is read before it is written) or disjoint from it.
 cudaError_t token_logprobs_bwd(const Rows& logits, const int64_t* targets, const RowGrads& grads, const Head& head,
                                const Rows& out, cudaStream_t stream);
 

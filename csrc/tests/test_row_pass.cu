@@ -4,7 +4,8 @@
 // a row among the lanes (head elements, 16-byte packs in full and partial steps, tail), for every
 // dtype and group size the kernels use, rows aligned or not, large logits (where the saved (m, log s)
 // must not be rounded to m + log s), and the backward in place, into another buffer, and into one
-// aligned differently (the element-by-element path). Also the
+// aligned differently (the element-by-element path), and the rows of a (B, T, V) view found by the batch stride
+// (rlk::RowIndex). Also the
 // per-token policy loss (rlkernels/token_loss.h): its derivatives against central differences of
 // its value, for random parameters and inputs, and the epilogue that stores it for a row.
 //
@@ -128,7 +129,8 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau),
+                          static_cast<int>(target)};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -195,6 +197,68 @@ void nan_rows() {
     for (int lane = 0; lane < 32; ++lane) st = rlk::softmax_merge(st, thread_state<T, 32, true, false>(buf.row, 300, Head{1.0f, rlk::soft_cap<float>(0.0)}, lane), 1.0f);
     const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(buf.row[0]), 1.0f);
     if (!std::isnan(r.logp) || !std::isnan(r.entropy)) fail("NaN row", name<T>(), 32, 300, 1, which, r.logp, NAN);
+  }
+}
+
+// Rows of a (B, T, V) view of a (B, T + 1, V) parent (logits[:, :-1]), found by the kernels' rlk::RowIndex
+// (a batch stride beside the row stride), against the same rows copied contiguous: the forward's results,
+// and the backward written into a parent-shaped buffer (the last position of each sequence untouched) and
+// into a (T, B, V) buffer seen as (B, T, V) (its rows' order transposed).
+template <typename T, int kThreads>
+void batch_stride_rows(std::mt19937& rng) {
+  const long B = 3, Tn = 5, V = 37;  // V odd: the rows are aligned differently in turn
+  const Head head{1.0f / 0.7f, rlk::soft_cap<float>(0.0)};
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<T> parent(B * (Tn + 1) * V), flat(B * Tn * V);
+  for (auto& x : parent) x = Pack<T>::from_float(normal(rng));
+  const rlk::RowIndex view{Tn, (Tn + 1) * V, V}, transposed{Tn, V, B * V};
+  for (long n = 0; n < B * Tn; ++n) {
+    std::memcpy(&flat[n * V], &parent[(n / Tn) * (Tn + 1) * V + (n % Tn) * V], V * sizeof(T));
+  }
+  const T sentinel = Pack<T>::from_float(12345.0f);
+  std::vector<T> out_parent(parent.size(), sentinel), out_t(flat.size(), sentinel), out_flat(flat.size());
+  const char* dt = name<T>();
+  for (long n = 0; n < B * Tn; ++n) {
+    const T* z = parent.data() + view(n);
+    const T* zc = flat.data() + n * V;
+    const long target = static_cast<long>(rng() % V);
+    State st = rlk::softmax_init<float>(), stc = rlk::softmax_init<float>();
+    for (int lane = 0; lane < kThreads; ++lane) {
+      st = rlk::softmax_merge(st, thread_state<T, kThreads, true, false>(z, V, head, lane), head.inv_tau);
+      stc = rlk::softmax_merge(stc, thread_state<T, kThreads, true, false>(zc, V, head, lane), head.inv_tau);
+    }
+    const rlk::RowResult<float> r = rlk::softmax_finalize(st, Pack<T>::to_float(z[target]), head.inv_tau);
+    const rlk::RowResult<float> rc = rlk::softmax_finalize(stc, Pack<T>::to_float(zc[target]), head.inv_tau);
+    auto close = [](double got, double want) { return std::fabs(got - want) <= 1e-6 * std::fmax(1.0, std::fabs(want)); };
+    if (!close(r.logp, rc.logp) || !close(r.entropy, rc.entropy) || !close(r.m, rc.m) || !close(r.log_s, rc.log_s)) {
+      fail("batch stride: forward", dt, kThreads, V, 0, n, r.logp, rc.logp);
+    }
+    const GradOf<false> grad{rc.m, rc.log_s, head, rlk::grad_coeffs<float>(0.8f, -0.6f, rc.entropy, head.inv_tau),
+                             static_cast<int>(target)};
+    for (int lane = 0; lane < kThreads; ++lane) {
+      grad_row<T, kThreads, true>(z, out_parent.data() + view(n), V, grad, lane);
+      grad_row<T, kThreads, false>(z, out_t.data() + transposed(n), V, grad, lane);
+      grad_row<T, kThreads, true>(zc, out_flat.data() + n * V, V, grad, lane);
+    }
+  }
+  double scale = 0;
+  for (const T& x : out_flat) scale = std::fmax(scale, std::fabs(Pack<T>::to_float(x)));
+  for (long n = 0; n < B * Tn; ++n) {
+    for (long v = 0; v < V; ++v) {
+      const double want = Pack<T>::to_float(out_flat[n * V + v]);
+      for (const double got : {double(Pack<T>::to_float(out_parent[view(n) + v])),
+                               double(Pack<T>::to_float(out_t[transposed(n) + v]))}) {
+        if (!(std::fabs(got - want) <= 2 * ulp<T>() * std::fabs(want) + 1e-6 * scale)) {
+          fail("batch stride: grad", dt, kThreads, V, 0, n * V + v, got, want);
+        }
+      }
+    }
+  }
+  for (long b = 0; b < B; ++b) {  // the parent's last position of each sequence is not the view's
+    for (long v = 0; v < V; ++v) {
+      const T x = out_parent[(b * (Tn + 1) + Tn) * V + v];
+      if (std::memcmp(&x, &sentinel, sizeof(T)) != 0) fail("batch stride: write outside the view", dt, kThreads, V, 0, v, 0, 0);
+    }
   }
 }
 
@@ -423,6 +487,10 @@ int main() {
   sweep<__half, 32>(rng);
   sweep<__half, 256>(rng);
   sweep<__half, 512>(rng);
+  batch_stride_rows<float, 32>(rng);
+  batch_stride_rows<float, 256>(rng);
+  batch_stride_rows<__nv_bfloat16, 32>(rng);
+  batch_stride_rows<__half, 512>(rng);
   nan_rows<float>();
   nan_rows<__nv_bfloat16>();
   nan_rows<__half>();

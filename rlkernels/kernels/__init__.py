@@ -2,8 +2,11 @@
 
 `Kernels` is the contract every backend module meets (docs/design.md §3): `torch_chunked`, `cpu` and
 `cuda` (the extension's ops, `_extension.py`), and `triton`. Each also has `available() -> (ok, reason)`.
-The ops take inputs that `ops/` has already validated, over flattened rows: ``N`` rows of a contiguous
-``(N, V)`` logits tensor.
+The ops take inputs that `ops/` has already validated, over flattened rows: the ``N`` rows of logits
+``(N, V)`` or ``(B, T, V)`` with unit stride over V and any other strides, row ``n = b·T + t`` at
+``b·stride(0) + t·stride(1)`` (a batch stride beside the row stride: a view such as ``logits[:, :-1]``
+of a ``(B, T + 1, V)`` parent is read where it lies, in one launch); every per-row tensor is ``(N,)``
+in that order.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ class Kernels(Protocol):
                            softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
         """(logp, entropy, lse_parts) of N rows of logits.
 
-        logits ``(N, V)`` fp16/bf16/fp32 (fp64 where the backend supports it), targets ``(N,)``
-        int64 in ``[0, V)``. With ``m = max_v logits_v`` (raw, not divided by τ),
+        logits ``(N, V)`` or ``(B, T, V)`` (the rows of the module docstring) fp16/bf16/fp32 (fp64
+        where the backend supports it), targets ``(N,)`` int64 in ``[0, V)``. With ``m = max_v logits_v`` (raw, not divided by τ),
         ``d_v = (logits_v - m) / temperature`` and ``s = sum_v e^{d_v}``, returns in the accumulation
         dtype (fp32; fp64 for fp64 logits): ``logp (N,) = d_y - log s``, the entropy
         ``H (N,) = log s - sum_v p_v d_v`` (an empty tensor when ``need_entropy`` is False) and
@@ -50,9 +53,10 @@ class Kernels(Protocol):
 
         ``grad_logits[n, v] = (1/τ)·[g·(1[v=y] − p_v) − h·p_v·(log p_v + H)]`` with
         ``log p_v = (logits_v − m)/τ − log s`` from the forward's ``lse_parts``, ``g = grad_logp`` and
-        ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype of
-        ``logits``, shape ``(N, V)``. ``out``: an ``(N, V)`` tensor with unit stride over V to
-        write into instead of a new one; it may be ``logits`` itself (every element is read before
+        ``h = grad_entropy`` (``None`` means 0; ``entropy`` may then be empty), in the dtype and
+        shape of ``logits``. ``out``: a tensor of that shape with unit stride over V and its own
+        strides (rows apart: the box of a parent-shaped buffer) to write into instead of a new one;
+        it may be ``logits`` itself (every element is read before
         it is overwritten), which is how ``fused_policy_loss(inplace=True)`` saves an N×V buffer.
         """
 
@@ -63,8 +67,8 @@ class Kernels(Protocol):
         """(logp, entropy, lse_parts, grad_logp, grad_entropy, stats): the forward plus the per-token loss. cpu, cuda
         and triton have it, torch does not (`supports`).
 
-        The forward above plus the token-level policy loss of docs/math.md, in the same program
-        that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each
+        The forward above (logits ``(N, V)`` or ``(B, T, V)``) plus the token-level policy loss of
+        docs/math.md, in the same program that reads the row. ``mask (N,)`` bool; ``weight (N,)`` the aggregation weight w_agg of each
         token (0 where masked); ``adv (N,)`` the advantage A; ``old_logp (N,)`` ℓ_old or ``None``
         (on-policy: ℓ_old = ℓ, no gradient through it); ``ref_logp (N,)`` ℓ_ref or ``None``;
         ``is_weights (N,)`` the surrogate's importance weights ω ≥ 0 or ``None`` (ω = 1); all

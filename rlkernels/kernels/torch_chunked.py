@@ -25,10 +25,27 @@ supports = supports_all_but(dict.fromkeys(
     "the torch backend has no fused policy kernels"))
 
 
-def _chunks(n_rows: int, vocab: int):
+def _chunks(logits):
+    """(start, end, index): the rows start:end of logits (N, V) or (B, T, V) as `logits[index]`, about
+    CHUNK_ELEMENTS logits each: of a (B, T, V) view, whole sequences, or part of one when T rows are more."""
+    vocab = logits.shape[-1]
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for start in range(0, n_rows, step):
-        yield start, min(start + step, n_rows)
+    if logits.dim() == 2:
+        for start in range(0, logits.shape[0], step):
+            yield start, min(start + step, logits.shape[0]), (slice(start, start + step),)
+        return
+    batch, seq = logits.shape[:2]
+    if seq == 0:
+        return
+    if seq <= step:
+        for b in range(0, batch, step // seq):
+            stop = min(b + step // seq, batch)
+            yield b * seq, stop * seq, (slice(b, stop),)
+        return
+    for b in range(batch):
+        for t in range(0, seq, step):
+            stop = min(t + step, seq)
+            yield b * seq + t, b * seq + stop, (b, slice(t, stop))
 
 
 def _p_times(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -46,13 +63,14 @@ def _capped(z, softcap):
 
 
 def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
-    n, vocab = logits.shape
+    n = logits.shape[:-1].numel()
     acc = acc_dtype(logits)
     logp = torch.empty(n, dtype=acc, device=logits.device)
     lse_parts = torch.empty(n, 2, dtype=acc, device=logits.device)
     entropy = torch.empty(n if need_entropy else 0, dtype=acc, device=logits.device)
-    for s, e in _chunks(n, vocab):
-        z, _ = _capped(logits[s:e].to(acc), softcap)
+    for s, e, index in _chunks(logits):
+        z, _ = _capped(logits[index].to(acc), softcap)  # (rows, V) or (sequences, T, V): read where it lies
+        rows = z.shape[:-1]
         # Relative to the row max, as log_softmax: log p = d − log s with d = (z − m)/τ, never
         # z/τ − (m/τ + log s), which rounds to ulp(m/τ); τ scales differences only (z/τ overflows
         # near 3e38 at τ < 1). A row of −inf (m = −inf) gives z − m = NaN, so NaN results.
@@ -61,32 +79,33 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0):
         e_d = torch.exp(d)
         total = e_d.sum(-1)
         log_s = total.log()
-        lse_parts[s:e] = torch.stack((m[:, 0], log_s), 1)
-        logp[s:e] = d.gather(1, targets[s:e, None]).squeeze(1) - log_s
+        lse_parts[s:e] = torch.stack((m[..., 0], log_s), -1).view(-1, 2)
+        logp[s:e] = (d.gather(-1, targets[s:e].reshape(*rows, 1)).squeeze(-1) - log_s).view(-1)
         if need_entropy:
             # H = log s − Σ e^d·d / s: terms relative to m, no cancellation of large numbers.
-            entropy[s:e] = log_s - _p_times(e_d, d).sum(-1) / total
+            entropy[s:e] = (log_s - _p_times(e_d, d).sum(-1) / total).view(-1)
     return logp, entropy, lse_parts
 
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, out=None,
                        softcap=0.0):
-    n, vocab = logits.shape
     acc = acc_dtype(logits)
     grad = torch.empty_like(logits) if out is None else out
-    for s, e in _chunks(n, vocab):
-        y, t = _capped(logits[s:e].to(acc), softcap)
-        log_p = (y - lse_parts[s:e, :1]).div_(temperature) - lse_parts[s:e, 1:]
+    for s, e, index in _chunks(logits):
+        y, t = _capped(logits[index].to(acc), softcap)  # (rows, V) or (sequences, T, V): read where it lies
+        per_row = lambda x: x[s:e].reshape(*y.shape[:-1], -1)  # noqa: E731  per-row values shaped as the chunk
+        lse = per_row(lse_parts)
+        log_p = (y - lse[..., :1]).div_(temperature) - lse[..., 1:]
         p = torch.exp(log_p)
-        g = grad_logp[s:e, None].to(acc)
+        g = per_row(grad_logp).to(acc)
         chunk = -g * p
-        chunk.scatter_add_(1, targets[s:e, None], g)
+        chunk.scatter_add_(-1, per_row(targets), g)
         if grad_entropy is not None:
             # ∂H/∂x_v = −p_v (log p_v + H)
-            h = grad_entropy[s:e, None].to(acc)
-            chunk -= h * _p_times(p, log_p + entropy[s:e, None])
+            h = per_row(grad_entropy).to(acc)
+            chunk -= h * _p_times(p, log_p + per_row(entropy))
         chunk /= temperature
         if t is not None:  # dy/dz = (1 − t)(1 + t)
             chunk *= (1 - t) * (1 + t)
-        grad[s:e] = chunk
+        grad[index] = chunk
     return grad

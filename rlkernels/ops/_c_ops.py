@@ -15,8 +15,13 @@ from ._precomputed_grad import refuse_create_graph
 _LIB = "rlkernels_C"
 
 
+def _rows(logits) -> int:
+    """N: the rows of logits (N, V) or (B, T, V)."""
+    return logits.shape[:-1].numel()
+
+
 def logprobs_fwd_fake(logits, targets, temperature, softcap, need_entropy):
-    n, dtype = logits.shape[0], acc_dtype(logits)
+    n, dtype = _rows(logits), acc_dtype(logits)
     return (logits.new_empty(n, dtype=dtype), logits.new_empty(n if need_entropy else 0, dtype=dtype),
             logits.new_empty(n, 2, dtype=dtype))
 
@@ -30,7 +35,7 @@ def _bwd_out_fake(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, 
 
 
 def _policy_fwd_fake(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap, params):
-    n, dtype = logits.shape[0], acc_dtype(logits)
+    n, dtype = _rows(logits), acc_dtype(logits)
     vec = lambda: logits.new_empty(n, dtype=dtype)  # noqa: E731
     return vec(), vec(), logits.new_empty(n, 2, dtype=dtype), vec(), vec(), logits.new_empty(n, NUM_STATS, dtype=dtype)
 

@@ -1,5 +1,6 @@
 """The backward over logits shared by the ops on logits: `logits_grad` writes ∂logits with the backend's
-kernel, block by block, into a new buffer (of the parent's shape for a box view, `_rows.LogitsRows`) or
+kernel, one launch per block of `_rows.LogitsRows` (one for any view that the kernels' batch stride
+expresses), into a new buffer (of the parent's shape for a box view, `_rows.LogitsRows`) or
 over the logits themselves; `deferred_logits_grad` is the loss of the fused logits path, whose backward
 is that one kernel pass.
 
@@ -22,8 +23,9 @@ def logits_grad(rows: LogitsRows, kernels, targets: Tensor, lse_parts: Tensor, e
                 h: Optional[Tensor], temperature: float, inplace: bool = False) -> Tensor:
     """∂ of `rows.grad_input` from the per-row derivatives `g` (w.r.t. logp) and `h` (w.r.t. H, or None)
     of the rows of `rows.blocks`. `inplace`: written over the (contiguous) logits."""
-    if not inplace and rows.box is None and len(rows.blocks) == 1:  # the backend allocates (the CPU one asks for huge pages)
-        block = rows.blocks[0][2]
+    block = rows.blocks[0][2]
+    if not inplace and rows.box is None and len(rows.blocks) == 1 and block.is_contiguous():
+        # the backend allocates (the CPU one asks for huge pages)
         return kernels.token_logprobs_bwd(block, targets, lse_parts, entropy, g, h,
                                           temperature).view(rows.grad_input.shape)
     if inplace:

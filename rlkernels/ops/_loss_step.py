@@ -1,5 +1,5 @@
 """The loss around the kernels, one interface for both fused ops: `run_step` evaluates the step `plan`
-chose over a `LogitsPass`, the op's pass over the logits (one tensor block by block, or the
+chose over a `LogitsPass`, the op's pass over the logits (one tensor in one launch per kernel, or the
 hidden-state head's chunk loop). The ops differ only in that pass.
 
 * FORWARD (`TokenForward`): the pass runs `policy_token_fwd`, which gives each token's loss, its

@@ -1,4 +1,4 @@
-"""The logits arguments shared by the ops on logits: their checks, and their rows as kernel blocks."""
+"""The logits arguments shared by the ops on logits: their checks, and their rows as the kernels read them."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +33,9 @@ def check_logits_args(logits: Tensor, targets: Tensor, temperature, backend: str
 class LogitsRows:
     """A logits argument `(..., V)` as the kernels read it, and where its gradient goes.
 
-    `blocks`: `(start, end, block)`, 2-D contiguous `(end − start, V)` views holding the flattened rows
-    start:end, read where they lie. `grad_input`: the tensor autograd is handed ∂ of: the logits, or the
+    `blocks`: `(start, end, block)`, views holding the flattened rows start:end as the kernels take them
+    (`(N, V)` or `(B, T, V)`, unit stride over V: kernels/__init__.py), read where they lie, each in one
+    launch; one block unless the view's leading dims do not collapse into two strides. `grad_input`: the tensor autograd is handed ∂ of: the logits, or the
     parent they are a box of (`model(x).logits[:, :-1]`: the (B, T + 1, V) output), so that autograd does
     not zero-fill a parent-sized gradient and copy ours into it (2 passes over N × V, and a second
     parent-sized buffer). `box`: the logits' place in `grad_input` (None: the logits themselves)."""
@@ -51,7 +52,7 @@ class LogitsRows:
         grad = torch.empty(self.grad_input.shape, dtype=logits.dtype, device=logits.device)
         if self.box is None:
             flat = grad.view(-1, logits.shape[-1])
-            return grad, [flat[s:e] for s, e, _ in self.blocks]
+            return grad, [flat[s:e].view(block.shape) for s, e, block in self.blocks]
         for k in range(len(self.box) - 1):  # outside the box along dim k, inside it along the dims before
             inner, (start, stop), size = self.box[:k], (self.box[k].start, self.box[k].stop), grad.shape[k]
             for outside in (slice(0, start), slice(stop, size)):
@@ -61,11 +62,12 @@ class LogitsRows:
 
 
 def logits_rows(logits: Tensor, in_place: bool = True, to_parent: bool = False) -> LogitsRows:
-    """The rows of `logits (..., V)`. With `in_place`, a view whose rows lie in contiguous runs
-    (`logits[:, :-1]`, `logits[:, -C - 1:-1]`, `logits[a:b]`) is read block by block where it lies;
-    otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the parent of a box
-    view that autograd would give it to anyway (`LogitsRows.grad_input`): a view by one plain view op
-    with no hook or retain_grad on it; any other view leaves its gradient to autograd (one copy)."""
+    """The rows of `logits (..., V)`. With `in_place`, a view with unit stride over V (`logits[:, :-1]`,
+    `logits[:, -C - 1:-1]`, `logits[a:b]`) is read where it lies, in one launch per kernel when its
+    leading dims collapse into at most two strides (a batch stride and a row stride; else one per index
+    of its first dim); otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the
+    parent of a box view that autograd would give it to anyway (`LogitsRows.grad_input`): a view by one
+    plain view op with no hook or retain_grad on it; any other view leaves its gradient to autograd (one copy)."""
     vocab, detached = logits.shape[-1], logits.detach()
     pieces = _pieces(detached) if in_place else None
     if pieces is None:
@@ -100,18 +102,31 @@ def _autograd_hands_on(view: Tensor, base: Tensor) -> bool:
 def _blocks(pieces: List[Tensor]) -> List[Tuple[int, int, Tensor]]:
     out, start = [], 0
     for piece in pieces:
-        out.append((start, start + piece.shape[0], piece))
-        start += piece.shape[0]
+        rows = piece.shape[:-1].numel()
+        out.append((start, start + rows, piece))
+        start += rows
     return out
 
 
 def _pieces(x: Tensor) -> Optional[List[Tensor]]:
-    """`x (..., V)` as 2-D contiguous `(rows, V)` views in row order (one per index of the leading dims
-    before the largest contiguous tail), or None when its rows do not lie in contiguous runs."""
-    if x.is_contiguous():
-        return [x.view(-1, x.shape[-1])]
-    if x.dim() <= 2:
+    """`x (..., V)` as views the kernels read in one launch each, in row order: `x` itself as `(N, V)` or
+    `(B, T, V)` when its leading dims collapse into at most two strides, else the pieces of each index of
+    its first dim; None when V's stride is not 1."""
+    if x.numel() == 0:
+        return [x.reshape(-1, x.shape[-1])]
+    if x.stride(-1) != 1:
         return None
+    merged = []  # (size, stride) of the leading dims, adjacent ones merged where their strides allow
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if len(merged) <= 2:
+        sizes = [size for size, _ in merged] or [1]
+        return [x.view(*sizes, x.shape[-1])]
     out = []
     for sub in x.unbind(0):
         part = _pieces(sub)

@@ -91,7 +91,8 @@ def fused_policy_loss(
 
 
 class _OneTensor:
-    """The pass over one logits tensor, block by block (`_loss_step.LogitsPass`). Its gradient is deferred to
+    """The pass over one logits tensor, one launch per kernel (`_loss_step.LogitsPass`; per block only for a
+    view whose dims do not collapse into two strides, `_rows.logits_rows`). Its gradient is deferred to
     the backward, one kernel pass over the logits from `per_row` = (lse_parts, H, ∂loss/∂ℓ, ∂loss/∂H or None)."""
 
     def __init__(self, kernels, blocks, targets: Tensor, temperature: float):

@@ -110,7 +110,7 @@ def token_logprobs(
         # one op over the rows, with its registered autograd (under torch.compile: one op keeps the graph simple)
         logp, entropy, _ = op(logits.reshape(-1, logits.shape[-1]).contiguous(), flat_targets, temperature, softcap,
                               return_entropy)
-    elif not needs_grad:  # old / reference log-probs: a slice is read block by block where it lies
+    elif not needs_grad:  # old / reference log-probs: a slice is read where it lies, one launch
         logp, entropy, _ = run_blocks(op, logits_rows(logits).blocks, [flat_targets], temperature, softcap,
                                       return_entropy)
     else:  # a view with autograd: read in place, the gradient written once into the parent's shape

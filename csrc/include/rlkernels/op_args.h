@@ -5,22 +5,42 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "rlkernels/checks.h"
+#include "rlkernels/row_index.h"
 
 namespace rlk {
 
+// logits (N, V) or (B, T, V) with unit stride over V; their rows may lie anywhere (a view such as
+// logits[:, :-1] is read where it lies).
+inline void check_logits_layout(const at::Tensor& logits) {
+  RLK_CHECK_VALUE(logits.dim() == 2 || logits.dim() == 3, "logits: expected shape (N, V) or (B, T, V), got ",
+                  logits.sizes());
+  RLK_CHECK_VALUE(logits.size(-1) <= 1 || logits.stride(-1) == 1, "logits: expected unit stride over V, got strides ",
+                  logits.strides());
+}
+
+// The rows of logits (N, V) or (B, T, V), N = B·T; of per-token values (N,), N.
+inline int64_t row_count(const at::Tensor& t) { return t.dim() == 3 ? t.size(0) * t.size(1) : t.size(0); }
+
+// Where the rows of logits (N, V) or (B, T, V) lie (rlkernels/row_index.h).
+inline RowIndex row_index(const at::Tensor& t) {
+  if (t.dim() == 3) return RowIndex{std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
+  return RowIndex{std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
+}
+
 // targets (N,) int64 (int32 accepted) on the logits' device; returns an int64 contiguous copy or view.
 inline at::Tensor check_targets_shape(const at::Tensor& targets, const at::Tensor& logits) {
-  const int64_t N = logits.size(0);
+  const int64_t N = row_count(logits);
   RLK_CHECK_VALUE(targets.device() == logits.device(), "targets: expected a tensor on ", logits.device(),
                   " (that of logits), got ", targets.device());
   RLK_CHECK_TYPE(targets.scalar_type() == at::kLong || targets.scalar_type() == at::kInt,
                  "targets: expected dtype int64, got ", targets.scalar_type());
   RLK_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == N, "targets: expected shape (", N,
-                  ",) matching logits (N, V), got ", targets.sizes());
+                  ",) matching the rows of logits, got ", targets.sizes());
   return targets.to(at::kLong).contiguous();
 }
 
@@ -40,12 +60,12 @@ inline double check_softcap(double softcap) {
 // the accumulation dtype `acc`, contiguous.
 inline at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType acc,
                                    bool pair = false) {
-  const int64_t N = logits.size(0);
+  const int64_t N = row_count(logits);
   RLK_CHECK_VALUE(t.device() == logits.device(), name, ": expected a tensor on ", logits.device(),
                   " (that of logits), got ", t.device());
   RLK_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ": expected a floating dtype, got ", t.scalar_type());
   const bool shape_ok = pair ? t.dim() == 2 && t.size(0) == N && t.size(1) == 2 : t.dim() == 1 && t.size(0) == N;
-  RLK_CHECK_VALUE(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching logits (N, V), got ",
+  RLK_CHECK_VALUE(shape_ok, name, ": expected shape (", N, pair ? ", 2)" : ",)", " matching the rows of logits, got ",
                   t.sizes());
   return t.to(acc).contiguous();
 }

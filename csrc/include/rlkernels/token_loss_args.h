@@ -12,11 +12,12 @@
 
 #include "rlkernels/checks.h"
 #include "rlkernels/covariance_choice.h"
+#include "rlkernels/op_args.h"
 #include "rlkernels/token_loss.h"
 
 namespace rlk {
 
-// A per-token input (N,): on the device of `rows` (the logits (N, V) or the log-probs (N,), named
+// A per-token input (N,): on the device of `rows` (the logits (N, V) or (B, T, V), or the log-probs (N,), named
 // `rows_name`), of exactly `dtype`, contiguous. Never converted: a copy per call would hide a
 // caller that keeps these in the wrong dtype.
 inline void check_token_tensor(const at::Tensor& t, const char* name, const at::Tensor& rows, const char* rows_name,
@@ -25,7 +26,7 @@ inline void check_token_tensor(const at::Tensor& t, const char* name, const at::
                   "), got ", t.device());
   RLK_CHECK_TYPE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, " for ", rows.scalar_type(), " ",
                  rows_name, ", got ", t.scalar_type());
-  RLK_CHECK_VALUE(t.dim() == 1 && t.size(0) == rows.size(0), name, ": expected shape (", rows.size(0), ",) matching ",
+  RLK_CHECK_VALUE(t.dim() == 1 && t.size(0) == row_count(rows), name, ": expected shape (", row_count(rows), ",) matching ",
                   rows_name, ", got ", t.sizes());
   RLK_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
 }

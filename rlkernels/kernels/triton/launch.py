@@ -58,19 +58,38 @@ def check_logits(logits, targets):
             f"logits: the triton backend takes float16, bfloat16 or float32, got {logits.dtype}"
             " (use backend='torch' or 'cpu' for float64)"
         )
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected (N, V) with unit stride over V, got shape "
+    if logits.dim() not in (2, 3) or logits.stride(-1) != 1:
+        raise ValueError(f"logits: expected (N, V) or (B, T, V) with unit stride over V, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
-    if logits.shape[1] == 0:
+    if logits.shape[-1] == 0:
         raise ValueError("logits: V must be at least 1")
-    if targets.shape != logits.shape[:1]:
-        raise ValueError(f"targets: expected shape ({logits.shape[0]},), "
-                         f"got {tuple(targets.shape)}")
+    n = logits.shape[:-1].numel()
+    if targets.shape != (n,):
+        raise ValueError(f"targets: expected shape ({n},) matching the rows of logits, got {tuple(targets.shape)}")
     if logits.device.type != "cuda" and not INTERPRET:
         raise ValueError(
             f"logits: the triton backend needs CUDA tensors, got {logits.device}; CPU tensors "
             "work only with TRITON_INTERPRET=1 set before rlkernels.kernels.triton is imported"
         )
+
+
+def row_layout(x):
+    """(N, T, batch stride, row stride) of logits (N, V) or (B, T, V): row n = b·T + t lies at
+    b·(batch stride) + t·(row stride) (a 2-D tensor is B = 1, T = N)."""
+    if x.dim() == 2:
+        return x.shape[0], max(x.shape[0], 1), 0, x.stride(0)
+    return x.shape[0] * x.shape[1], max(x.shape[1], 1), x.stride(0), x.stride(1)
+
+
+MAX_BATCHES = 65535  # the largest grid y
+
+
+def row_grids(n, seq_len):
+    """(grid, first_batch) of each launch over the N rows of `row_layout`: T programs along the grid's x, one
+    per row of a sequence, and a sequence per program along its y; one launch unless B > 65535."""
+    batches = n // seq_len
+    for first in range(0, batches, MAX_BATCHES):
+        yield (seq_len, min(MAX_BATCHES, batches - first)), first
 
 
 def row_vector(x, n, device, name, shape=()):

@@ -11,6 +11,10 @@ Tiles are aligned to 16 bytes, whatever V and the row stride: the first starts a
 rounded down to 16 bytes, and it and the last are loaded with a mask (to the row); every tile
 between them is whole, loaded without a mask in 16-byte vectors (`row_span`).
 
+Logits (N, V) or (B, T, V) with unit stride over V: row n = b·T + t lies at b·(batch stride) +
+t·(row stride) (`row_start`), a program per row on a 2-D grid (t, b), so a view such as ``logits[:, :-1]``
+is read in one launch; ``out`` has its own strides.
+
 I/O per row (b = bytes per logit): forward reads V·b, backward reads V·b and writes V·b.
 """
 
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cap_args, check_logits, launch_config, on_device, plain, row_vector
+from .launch import cap_args, check_logits, launch_config, on_device, plain, row_grids, row_layout, row_vector
 
 # Imported by name: torch.compile re-emits a user kernel with the jit functions it calls, found
 # by their global names (a module attribute such as row_math.f is not followed).
@@ -60,6 +64,22 @@ def load_tile(ptr, offs, lo, hi, MASKED: tl.constexpr):
 
 
 @triton.jit
+def program_row(seq_len, first_batch):
+    """(row, b, t) of this program (launch.row_grids): t along the grid's x, b = first_batch + its y, row
+    = b·T + t (int64: row * stride may exceed 2^31). No division: with one (row // T on a 1-D grid) the
+    backward spilled at its 32 registers (`python -m benchmarks.gpu_static`)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1) + first_batch
+    return b.to(tl.int64) * seq_len + t, b, t
+
+
+@triton.jit
+def row_start(ptr, b, t, stride_batch, stride_row):
+    """Where row t of sequence b starts in logits (B, T, V) of these strides (launch.row_layout)."""
+    return ptr + b.to(tl.int64) * stride_batch + t.to(tl.int64) * stride_row
+
+
+@triton.jit
 def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr,
                 BLOCK_V: tl.constexpr):
     """(logp, entropy, m, log s) of the row at ``row_ptr``, streamed once; entropy is 0 unless
@@ -98,13 +118,13 @@ def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.con
 @triton.jit
 def _token_logprobs_fwd_kernel(
     logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_parts_ptr,
-    V, stride_row, inv_temp, cap, inv_cap,
+    V, seq_len, first_batch, stride_batch, stride_row, inv_temp, cap, inv_cap,
     NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
+    row, b, t = program_row(seq_len, first_batch)
     target = tl.load(targets_ptr + row)
-    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp, cap, inv_cap,
-                                          NEED_ENTROPY, HAS_CAP, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(row_start(logits_ptr, b, t, stride_batch, stride_row), target, V,
+                                          inv_temp, cap, inv_cap, NEED_ENTROPY, HAS_CAP, BLOCK_V)
     tl.store(logp_ptr + row, logp)
     tl.store(lse_parts_ptr + 2 * row, m)
     tl.store(lse_parts_ptr + 2 * row + 1, log_s)
@@ -140,13 +160,13 @@ def _grad_span(z_ptr, out_ptr, lo, hi, m, log2_s, c, coef_a, coef_b, cap, inv_ca
 @triton.jit
 def _token_logprobs_bwd_kernel(
     logits_ptr, targets_ptr, lse_parts_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr, out_ptr,
-    V, stride_row, stride_out_row, inv_temp, cap, inv_cap,
+    V, seq_len, first_batch, stride_batch, stride_row, stride_out_batch, stride_out_row, inv_temp, cap, inv_cap,
     HAS_H: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    row, b, t = program_row(seq_len, first_batch)
+    row_ptr = row_start(logits_ptr, b, t, stride_batch, stride_row)
     base, lead, end, full_end = row_span(row_ptr, V, BLOCK_V)
-    out_row_ptr = out_ptr + row * stride_out_row
+    out_row_ptr = row_start(out_ptr, b, t, stride_out_batch, stride_out_row)
     out_base, out_lead = align_down(out_row_ptr)
 
     target = tl.load(targets_ptr + row)
@@ -198,7 +218,7 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, 
     ``triton_op`` lets torch.compile see the launch (the default launches it directly).
     """
     check_logits(logits, targets)
-    n, vocab = logits.shape
+    (n, seq_len, *strides), vocab = row_layout(logits), logits.shape[-1]
     targets = targets.to(torch.int64).contiguous()
     dev = logits.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -209,30 +229,31 @@ def token_logprobs_fwd(logits, targets, temperature, need_entropy, softcap=0.0, 
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
     with on_device(dev):
-        wrap(_token_logprobs_fwd_kernel)[(n,)](
-            logits, targets, logp, entropy if need_entropy else logp, lse_parts,
-            vocab, logits.stride(0), 1.0 / float(temperature), *cap,
-            NEED_ENTROPY=bool(need_entropy), HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
-        )
+        for grid, first_batch in row_grids(n, seq_len):
+            wrap(_token_logprobs_fwd_kernel)[grid](
+                logits, targets, logp, entropy if need_entropy else logp, lse_parts,
+                vocab, seq_len, first_batch, *strides, 1.0 / float(temperature), *cap,
+                NEED_ENTROPY=bool(need_entropy), HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
+            )
     return logp, entropy, lse_parts
 
 
 def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature,
                        out=None, softcap=0.0, *, wrap=plain):
-    """∂L/∂logits, (N, V) in the logits' dtype.
+    """∂L/∂logits, the shape of the logits ((N, V) or (B, T, V)) in their dtype.
 
-    ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): an
-    (N, V) float tensor with unit stride over V to write into, of any float dtype; it may be
+    ``grad_entropy=None`` means 0 (``entropy`` is then not read). ``out`` (optional): a float
+    tensor of the logits' shape with unit stride over V (any other strides) to write into, of any float dtype; it may be
     ``logits`` itself (each tile is read before it is overwritten). ``wrap``: as in
     ``token_logprobs_fwd``.
     """
     check_logits(logits, targets)
-    n, vocab = logits.shape
+    (n, seq_len, *strides), vocab = row_layout(logits), logits.shape[-1]
     dev = logits.device
     if out is None:
         out = torch.empty_like(logits)
-    elif out.shape != logits.shape or out.stride(1) != 1 or out.device != dev:
-        raise ValueError(f"out: expected ({n}, {vocab}) on {dev} with unit stride over V")
+    elif out.shape != logits.shape or out.stride(-1) != 1 or out.device != dev:
+        raise ValueError(f"out: expected shape {tuple(logits.shape)} (that of logits) on {dev} with unit stride over V")
     if n == 0:
         return out
     targets = targets.to(torch.int64).contiguous()
@@ -249,9 +270,10 @@ def token_logprobs_bwd(logits, targets, lse_parts, entropy, grad_logp, grad_entr
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
     with on_device(dev):
-        wrap(_token_logprobs_bwd_kernel)[(n,)](
-            logits, targets, lse_parts, entropy, grad_logp, grad_entropy, out,
-            vocab, logits.stride(0), out.stride(0), 1.0 / float(temperature), *cap,
-            HAS_H=has_h, HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
-        )
+        for grid, first_batch in row_grids(n, seq_len):
+            wrap(_token_logprobs_bwd_kernel)[grid](
+                logits, targets, lse_parts, entropy, grad_logp, grad_entropy, out,
+                vocab, seq_len, first_batch, *strides, *row_layout(out)[2:], 1.0 / float(temperature), *cap,
+                HAS_H=has_h, HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
+            )
     return out

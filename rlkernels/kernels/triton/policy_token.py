@@ -11,8 +11,10 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
-from .launch import INTERPRET, cap_args, check_logits, launch_config, on_device, plain, row_vector
-from .logprobs import row_forward
+from .launch import (
+    INTERPRET, cap_args, check_logits, launch_config, on_device, plain, row_grids, row_layout, row_vector,
+)
+from .logprobs import program_row, row_forward, row_start
 from .token_loss import ENTROPY_COEF, token_loss  # by name, as logprobs.py says
 
 
@@ -22,15 +24,15 @@ def _policy_token_fwd_kernel(
     logp_ptr, entropy_ptr, lse_parts_ptr, grad_logp_ptr, grad_entropy_ptr, stats_ptr,
     # loss_params: TokenLossParams.packed(), a tuple (not named `params`: Triton's argument binder has a local of
     # that name, which would shadow it)
-    V, stride_row, inv_temp, cap, inv_cap, loss_params,
+    V, seq_len, first_batch, stride_batch, stride_row, inv_temp, cap, inv_cap, loss_params,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr, BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2^31
+    row, b, t = program_row(seq_len, first_batch)
     target = tl.load(targets_ptr + row)
-    logp, entropy, m, log_s = row_forward(logits_ptr + row * stride_row, target, V, inv_temp, cap, inv_cap,
-                                          True, HAS_CAP, BLOCK_V)
+    logp, entropy, m, log_s = row_forward(row_start(logits_ptr, b, t, stride_batch, stride_row), target, V,
+                                          inv_temp, cap, inv_cap, True, HAS_CAP, BLOCK_V)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_parts_ptr + 2 * row, m)
@@ -76,7 +78,7 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     ``params``: a ``TokenLossParams``. ``wrap``: as in ``token_logprobs_fwd``.
     """
     check_logits(logits, targets)
-    n, vocab = logits.shape
+    (n, seq_len, *strides), vocab = row_layout(logits), logits.shape[-1]
     dev = logits.device
     if mask.shape != (n,):
         raise ValueError(f"mask: expected shape ({n},), got {tuple(mask.shape)}")
@@ -99,15 +101,17 @@ def policy_token_fwd(logits, targets, mask, weight, adv, old_logp, ref_logp, is_
     kl = p.kl_estimator if p.kl_coef > 0 else P.KL_NONE
     block, warps = launch_config(vocab, logits.dtype)
     cap, has_cap = cap_args(softcap)
+    targets, packed = targets.to(torch.int64).contiguous(), p.packed()
     with on_device(dev):
-        wrap(_policy_token_fwd_kernel)[(n,)](
-            logits, targets.to(torch.int64).contiguous(), mask, weight, adv, old_logp, ref_logp, is_weights,
-            logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
-            vocab, logits.stride(0), 1.0 / float(temperature), *cap, p.packed(),
-            OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref, HAS_IS_WEIGHTS=has_is_weights,
-            BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
-            BLOCK_V=block, num_warps=warps,
-        )
+        for grid, first_batch in row_grids(n, seq_len):
+            wrap(_policy_token_fwd_kernel)[grid](
+                logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights,
+                logp, entropy, lse_parts, grad_logp, grad_entropy, stats,
+                vocab, seq_len, first_batch, *strides, 1.0 / float(temperature), *cap, packed,
+                OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=has_old, HAS_REF=has_ref,
+                HAS_IS_WEIGHTS=has_is_weights, BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS,
+                HAS_CAP=has_cap, BLOCK_V=block, num_warps=warps,
+            )
     return logp, entropy, lse_parts, grad_logp, grad_entropy, stats
 
 
