@@ -12,6 +12,8 @@ into these numbers once per call (each `Param.field` names the config field a va
 """
 from __future__ import annotations
 
+import enum
+
 import dataclasses
 from typing import Dict, Tuple
 
@@ -21,6 +23,10 @@ from .._token_loss_table import (  # noqa: F401 (the table's names, as the kerne
     OBJECTIVE_ID, OBJECTIVES, PARAMS, REAL, REINFORCE, SAPO, STATS, TOPR, Entry, Param)
 
 NUM_STATS = len(STATS)
+# the columns of `stats` by name (C++: kStatRatio, ...), and the surrogate's four (loss, clip flags, ratio)
+Stat = enum.IntEnum("Stat", {name.upper(): i for i, name in enumerate(STATS)})
+SURROGATE_STATS = slice(Stat.LOSS, Stat.RATIO + 1)
+CLIP_FLAGS = slice(Stat.CLIP_LOW, Stat.CLIP_HIGH + 1)
 OFFSET = {p.name: i for i, p in enumerate(PARAMS)}
 NUM_PARAMS = len(PARAMS)
 

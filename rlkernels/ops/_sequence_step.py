@@ -34,6 +34,7 @@ from torch import Tensor
 from ..losses import LossOutput, PolicyLossConfig
 from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation,
                            metrics_from_sums, snis_advantage, surrogate_weights, vespo_weight)
+from ..kernels.token_loss_params import CLIP_FLAGS, SURROGATE_STATS, Stat
 from ._token_stats import loss_from_stats
 from .kernel_params import log_band_params, surrogate_params, token_terms_params
 
@@ -63,7 +64,7 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         token_terms_params(config, reinforce=adv is not None))
     grad_h = tok_grad_h if config.entropy_coef != 0 else None
     if snis_ratio is not None:  # its ratio statistic is the row's ρ_i on each token, not the token's own ratio
-        torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, 3].view(B, T))
+        torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, Stat.RATIO].view(B, T))
         return loss_from_stats(tok_stats, inputs), tok_grad, grad_h
 
     if (config.ratio, config.objective) in _PER_TOKEN or config.ratio == "token":
@@ -72,9 +73,11 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         sur_grad, sums, ratio_max = _row_surrogate(kernels, rows, weights, omega, inputs, config)
 
     tok_sums = tok_stats.sum(0)
-    sums = torch.cat([tok_sums[:1] + sums[:1], sums[1:4], tok_sums[4:]])
-    metrics = metrics_from_sums(sums[1:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
-    return LossOutput(sums[0], metrics), tok_grad + sur_grad, grad_h
+    # the loss of both calls, the surrogate's clip flags and ratio, the token call's KL and entropy
+    sums = torch.cat([tok_sums[:Stat.CLIP_LOW] + sums[:Stat.CLIP_LOW], sums[Stat.CLIP_LOW:Stat.APPROX_KL],
+                      tok_sums[Stat.APPROX_KL:]])
+    metrics = metrics_from_sums(sums[Stat.CLIP_LOW:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[Stat.LOSS], metrics), tok_grad + sur_grad, grad_h
 
 
 class _Rows:
@@ -168,18 +171,18 @@ def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, con
                                                    params or surrogate_params(config, objective))
     grad = rows.to_tokens(row_grad if grad_scale is None else row_grad * grad_scale)
     if config.ratio == "sequence_sum":
-        stats[:, 3].mul_(ratio_scale)  # the ratio e^s, in place of the op's
+        stats[:, Stat.RATIO].mul_(ratio_scale)  # the ratio e^s, in place of the op's
     # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
     counted = None if omega is None else (omega > 0).sum(-1).to(stats.dtype)
-    return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, 3])
+    return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, Stat.RATIO])
 
 
 def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tensor:
     """(loss, clip_low, clip_high, ratio) summed over tokens from the per-row stats of rows weighted W_i / L_i:
     each counts on the row's L_i tokens, except the clip flags on `counted` of them when given (ω > 0)."""
     if counted is None:
-        return torch.mv(stats[:, :4].T, lengths)
-    return (stats[:, :4] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
+        return torch.mv(stats[:, SURROGATE_STATS].T, lengths)
+    return (stats[:, SURROGATE_STATS] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
 
 
 def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
@@ -190,7 +193,7 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
         grad, _, stats = kernels.policy_token_loss(
             logp, None, rows.mask.reshape(-1), weights.reshape(-1), inputs.flat("adv"), inputs.flat("old_logp"),
             None, surrogate_params(config, config.objective), is_weights=None if omega is None else omega.reshape(-1))
-        return grad, stats[:, :4].sum(0), _max(stats[:, 3])
+        return grad, stats[:, SURROGATE_STATS].sum(0), _max(stats[:, Stat.RATIO])
     # ω folded into A: exact for these surrogates (the clip objective, SAPO's gate, REINFORCE scale with A for
     # ω ≥ 0, and their clip flags, by A's sign, then count only where ω > 0, docs/math.md §10)
     adv = inputs.adv if omega is None else inputs.adv * omega
@@ -202,7 +205,7 @@ def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInp
         grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
                                                    adv.reshape(-1).contiguous(), torch.zeros_like(x), None,
                                                    surrogate_params(config, config.objective))
-        return grad, stats.sum(0)[:4], _max(stats[:, 3])
+        return grad, stats.sum(0)[SURROGATE_STATS], _max(stats[:, Stat.RATIO])
     if config.ratio == "geometric":
         return _geometric(kernels, logp, rows, weights, omega, inputs, config)
     if config.ratio == "sequence":  # TRL's sequence-level CISPO: −sg(clamp(s_i))·A·ℓ
@@ -229,12 +232,12 @@ def _geometric(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, c
         inputs.flat("old_logp"), None, log_band_params(config, config.clip_low, config.clip_high, c))
     # log e^clip_t and log e^δ_t (the kernel's ratio statistic), averaged over each row: log of the geometric
     # means of the clipped ratio and of the ratio (a row with A = 0 gets e^−inf = 0: its loss is 0 anyway).
-    logs = torch.stack([stats[:, 0].abs(), stats[:, 3]]).log().view(2, B, T)
+    logs = torch.stack([stats[:, Stat.LOSS].abs(), stats[:, Stat.RATIO]]).log().view(2, B, T)
     geo = torch.exp(torch.where(rows.mask, logs, rows.zero).sum(-1) / rows.divisor)
     row_weight = (weights if omega is None else weights * omega).sum(-1)  # W_i
     row_loss = row_weight * (-inputs.adv_row * geo[0])  # W_i times the row's loss
     grad = torch.where(passed.view(B, T) != 0, (row_loss / rows.divisor)[:, None], rows.zero).reshape(-1)
-    flags = stats[:, 1:3] if omega is None else stats[:, 1:3] * (omega > 0).reshape(-1, 1)
+    flags = stats[:, CLIP_FLAGS] if omega is None else stats[:, CLIP_FLAGS] * (omega > 0).reshape(-1, 1)
     ratio = torch.where(rows.lengths > 0, geo[1], rows.zero)
     sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), (ratio * rows.lengths).sum().reshape(1)])
     return grad, sums, _max(ratio)
@@ -252,7 +255,7 @@ def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, rat
     else:  # each row's flag counts on its tokens with ω > 0 (docs/math.md §10)
         counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(ratio.dtype)
         clipped = (torch.stack(flags, 1).to(ratio.dtype) * counted[:, None]).sum(0)
-    sums = torch.cat([stats[:, 0].sum().reshape(1), clipped, (ratio * rows.lengths).sum().reshape(1)])
+    sums = torch.cat([stats[:, Stat.LOSS].sum().reshape(1), clipped, (ratio * rows.lengths).sum().reshape(1)])
     return grad, sums, _max(ratio)
 
 
