@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..losses import LossOutput, PolicyLossConfig
-from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation,
+from ..losses.spec import (LossInputs, objectives, aggregation_weights, cispo_weight, gepo_log_expectation,
                            metrics_from_sums, snis_advantage, surrogate_weights, vespo_weight)
 from ..kernels.token_loss_params import CLIP_FLAGS, SURROGATE_STATS, Stat
 from ._token_stats import loss_from_stats
@@ -116,7 +116,7 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
     """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked.
     (VESPO's importance weights are in its ratio, not here: `losses.policy_loss.surrogate_weights`.)"""
     if config.off_policy_mask is None and config.top_entropy_quantile is None:
-        if inputs.is_weights is None or config.objective == "vespo":
+        if inputs.is_weights is None or objectives.get(config.objective).weights_in_ratio:
             return None
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
