@@ -31,10 +31,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..losses import LossOutput, PolicyLossConfig
-from ..losses.spec import (LossInputs, objectives, aggregation_weights, cispo_weight, gepo_log_expectation,
-                           metrics_from_sums, snis_advantage, surrogate_weights, vespo_weight)
 from ..kernels.token_loss_params import CLIP_FLAGS, SURROGATE_STATS, Stat
+from ..losses import LossOutput, PolicyLossConfig
+from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation, metrics_from_sums,
+                           objectives, snis_advantage, surrogate_weights, vespo_weight)
 from ._token_stats import loss_from_stats
 from .kernel_params import log_band_params, surrogate_params, token_terms_params
 
