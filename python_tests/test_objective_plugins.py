@@ -122,3 +122,38 @@ def test_a_wrong_output_names_the_objective():
                                   rlkernels.PolicyLossConfig(objective="bad_shape", clip_low=None, clip_high=None))
     finally:
         rlkernels.unregister_objective("bad_shape")
+
+
+def test_plugin_trains_the_demo(plugin, tmp_path):
+    """The bundled trainer takes a registered preset as --algo: a short run of the demo's task trains with it."""
+    import json
+    import math
+    import os
+
+    from rlkernels.trainer import Config, train
+
+    summary = train(Config(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
+                           prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=2, eval_every=5,
+                           progress=False, algo="my_dapo", out=str(tmp_path)))
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert summary["algo"] == "my_dapo" and [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_plugin_is_a_verl_loss(plugin):
+    """`rlkernels_my_dapo` under verl: the same loss and gradient as `rlkernels_dapo`, verl's settings mapped alike."""
+    verl = pytest.importorskip("rlkernels.integrations.verl")
+    pytest.importorskip("verl")
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(4, 9, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(4, 9, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 9, generator=g) > 0.2
+    config = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3}
+    out = {}
+    for name in ("my_dapo", "dapo"):
+        loss, _ = verl.policy_loss_fn(name)(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
+                                            loss_agg_mode="token-mean", config=config)
+        out[name] = (loss, *torch.autograd.grad(loss, logp))
+    _close(out["my_dapo"][0], out["dapo"][0])
+    _close(out["my_dapo"][1], out["dapo"][1])
