@@ -633,6 +633,25 @@ def _triton_missing():
     return None
 
 
+def toolchain(argv: Optional[list]) -> str:
+    """One line naming what compiled the table (a table is only comparable to one from the same toolchain)."""
+    import triton
+
+    nvcc = "no nvcc"
+    if shutil.which("nvcc"):
+        version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        nvcc = next((line.strip() for line in version if "release" in line), "nvcc (version unknown)")
+    command = " ".join(["python -m benchmarks.gpu_static", *(sys.argv[1:] if argv is None else argv)])
+    return (f"Compiled {time.strftime('%Y-%m-%d')} by `{command}`: Triton {triton.__version__} (its bundled ptxas, "
+            f"the Triton rows), {nvcc} (the CUDA rows), torch {_torch_version()}.")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_static", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS))
@@ -678,7 +697,7 @@ def main(argv: Optional[list] = None) -> int:
     if any(r.elementwise for r in rows):
         notes.append("Elementwise: per-token fp32 scalars (no logits, dtype -), one token per lane; compiled for "
                      "registers and local memory, without a 128-bit load requirement.")
-    text = markdown(rows) + "".join(f"\n\n{n}" for n in notes)
+    text = toolchain(argv) + "\n\n" + markdown(rows) + "".join(f"\n\n{n}" for n in notes)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
