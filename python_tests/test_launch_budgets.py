@@ -112,15 +112,7 @@ def test_no_host_sync_with_options_that_leave_the_kernel(preset, options, backen
         assert c.ops <= 64, c.names
 
 
-def _sliced_budget_params():
-    for preset in presets.NAMES:
-        # gmpo's contiguous call is at 48 already: the fill of the parent's last positions makes its sliced call 49
-        marks = [pytest.mark.xfail(strict=True, reason="gmpo: 48 contiguous + the parent's fill")] \
-            if preset == "gmpo" else []
-        yield pytest.param(preset, marks=marks, id=preset)
-
-
-@pytest.mark.parametrize("preset", _sliced_budget_params())
+@pytest.mark.parametrize("preset", presets.NAMES)
 def test_sliced_logits_keep_the_contiguous_budget(preset):
     """`logits[:, :-1]` of a (B, T + 1, V) parent at B = 256 (issue 30): every kernel reads the slice where it lies
     in one launch, so the call keeps the contiguous budgets (token-level 24 ops, sequence-level 48)."""

@@ -283,7 +283,7 @@ def _geometric(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, c
     grad = torch.where(passed.view(B, T) != 0, (row_loss / rows.divisor)[:, None], rows.zero).reshape(-1)
     flags = stats[:, CLIP_FLAGS] if omega is None else stats[:, CLIP_FLAGS] * (omega > 0).reshape(-1, 1)
     ratio = torch.where(rows.valid, geo[1], rows.zero)
-    sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), (ratio * rows.lengths).sum().reshape(1)])
+    sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), torch.dot(ratio, rows.lengths).reshape(1)])
     return grad, sums, _max(ratio)
 
 
@@ -299,7 +299,7 @@ def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, rat
     else:  # each row's flag counts on its tokens with ω > 0 (docs/math.md §10)
         counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(ratio.dtype)
         clipped = (torch.stack(flags, 1).to(ratio.dtype) * counted[:, None]).sum(0)
-    sums = torch.cat([stats[:, Stat.LOSS].sum().reshape(1), clipped, (ratio * rows.lengths).sum().reshape(1)])
+    sums = torch.cat([stats[:, Stat.LOSS].sum().reshape(1), clipped, torch.dot(ratio, rows.lengths).reshape(1)])
     return grad, sums, _max(ratio)
 
 
