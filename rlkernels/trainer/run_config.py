@@ -691,8 +691,7 @@ def _validate_preset_and_device(cfg: Config) -> None:
     if cfg.algo not in presets.NAMES:
         raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r}")
     device.check(cfg.device, cfg.dtype)
-    from .update import loss_config  # the loss settings as PolicyLossConfig checks them (delta > 0, ...)
-    try:
+    try:  # the loss settings as PolicyLossConfig checks them (delta > 0, ...)
         loss_config(cfg, cfg.num_generations)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the loss of --algo {cfg.algo}: {e}") from None
@@ -702,6 +701,38 @@ def _validate_preset_and_device(cfg: Config) -> None:
         if own:
             raise ValueError(f"--multi-objective-aggregation normalize_then_sum: GDPO's advantages replace the group "
                              f"normalisation of the GRPO family; {own} forms its advantages otherwise")
+
+
+def loss_config(cfg: Config, group_size: int):
+    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
+    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
+    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
+    from ..losses import presets
+
+    constant = presets.fields(cfg.algo).get("agg") == "constant"
+    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
+    over = {"entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:
+        over["kl_coef"] = cfg.kl_coef
+        if cfg.kl_coef > 0 and base.kl_estimator is None:
+            over["kl_estimator"] = "k3"
+    if base.ratio in ("group_expectation", "snis"):
+        over["group_size"] = group_size
+    over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
+    if cfg.top_entropy_quantile < 1.0:
+        over["top_entropy_quantile"] = cfg.top_entropy_quantile
+    if cfg.kl_bias_correction:
+        over["kl_bias_correction"] = True
+    return base.replace(**over)
+
+
+# the Config fields that are PolicyLossConfig's of the same name, none = the preset's
+LOSS_FIELDS = ("delta", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+               "vespo_lambda_neg")
 
 
 def describe(cfg: Config) -> str:

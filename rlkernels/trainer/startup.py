@@ -16,12 +16,12 @@ from tqdm.auto import tqdm
 
 from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
 from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
-from .run_config import Config, describe, merge_resume, run_dir
+from .run_config import Config, describe, loss_config, merge_resume, run_dir
 from .distributed import all_sum, dist_info
 from .model import Critic, enable_checkpointing, output_head_of, parts
 from .run_folder import CHECKPOINT, prepare_out_dir, write_file
 from .state import Run
-from .update import UpdateForward, loss_config, update_engine
+from .update import UpdateForward, update_engine
 
 
 def configure(config: Config, explicit: Optional[set], reward_fn, stop):
