@@ -10,8 +10,13 @@ matters: an isolated build would fetch another torch, and the extension must mat
 
 `_C` = csrc/cpu/*.cpp (CppExtension, -O3, OpenMP), plus csrc/cuda/*.cu and csrc/cuda/*.cpp (the
 torch bindings of the CUDA kernels; CUDAExtension) when this torch is a CUDA build and nvcc is found.
-The GPU architectures are torch's choice: TORCH_CUDA_ARCH_LIST, else those of the visible GPUs. One translation unit per op file keeps the build
-short; the build prints one line saying what it compiles and about how long that takes (COMPILE_SECONDS).
+The GPU architectures are torch's choice: TORCH_CUDA_ARCH_LIST, else those of the visible GPUs; with neither (a CUDA
+torch and nvcc on a machine without a GPU) the build is CPU-only and its line says why (`_cuda_archs`), where
+torch would fail with a bare IndexError. One translation unit per op file keeps the build short; the build
+prints one line saying what it compiles, with or without CUDA and why, and about how long that takes
+(COMPILE_SECONDS); pip shows it, and ninja's progress, with `pip install -v`.
+An isolated build (pip without --no-build-isolation) has no torch: it stops with an error saying so, rather
+than install without the extension.
 Objects go to build/temp-<platform>-<python>/ whatever the command (pip's editable install would use a temporary
 folder), so ninja recompiles only what changed, and a wheel built after `pip install -e .` reuses the objects.
 
@@ -41,7 +46,6 @@ import platform
 import shutil
 import sys
 import sysconfig
-import warnings
 
 from setuptools import find_packages, setup
 
@@ -52,9 +56,9 @@ ISA_FLAGS = {
                ["-DCPU_CAPABILITY_AVX512"]),
     "default": ([], []),
 }
-# core-seconds to compile one source file: .cpp measured (3 files in 30 s on a 2-core x86 with torch 2.13),
-# .cu a rough guess (nvcc, one pass per GPU architecture)
-COMPILE_SECONDS = {".cpp": 12, ".cu": 60}
+# core-seconds to compile one source file: .cpp measured (the 4 files: 114 s on an idle 2-core x86 with torch 2.13,
+# 207 s at load 8; issue 33), .cu a rough guess (nvcc, one pass per GPU architecture)
+COMPILE_SECONDS = {".cpp": 55, ".cu": 60}
 
 
 def _cpu_isa(torch) -> str:
@@ -79,16 +83,48 @@ def _nvcc(cpp_extension):
     return shutil.which("nvcc")
 
 
+def _cuda_archs(torch, environ=os.environ):
+    """(the GPU architectures nvcc would compile for, as torch chooses them, or None; why there are none).
+    torch takes TORCH_CUDA_ARCH_LIST, else the visible GPUs' (also for TORCH_CUDA_ARCH_LIST=native); with
+    neither it fails on an empty list, so the build goes CPU-only instead."""
+    requested = environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if requested and requested != "native":
+        return requested, ""
+    try:
+        count = torch.cuda.device_count()
+    except Exception:  # a driver that cannot be queried: no GPU to read an architecture from
+        count = 0
+    if count:
+        return ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)})), ""
+    setting = "is native" if requested else "is not set"
+    return None, (f"no GPU is visible and TORCH_CUDA_ARCH_LIST {setting}; set it (e.g. TORCH_CUDA_ARCH_LIST=9.0) "
+                  f"to compile the CUDA kernels for a GPU this machine lacks")
+
+
+def _cuda_plan(torch, cpp_extension, has_sources: bool, environ=os.environ):
+    """(whether to build the CUDA kernels, what the build line says about CUDA)."""
+    if environ.get("RLKERNELS_NO_CUDA", "0") == "1":
+        return False, "no CUDA (RLKERNELS_NO_CUDA=1)"
+    if not torch.version.cuda or not has_sources:
+        return False, "no CUDA (a CPU build of torch)" if not torch.version.cuda else "no CUDA sources"
+    if _nvcc(cpp_extension) is None:
+        return False, "no CUDA: this torch is a CUDA build but no nvcc was found (install the CUDA toolkit)"
+    archs, why_not = _cuda_archs(torch, environ)
+    if archs is None:
+        return False, f"no CUDA: {why_not}"
+    return True, f"with CUDA for GPU architectures {archs}"
+
+
 def _extensions():
     if os.environ.get("RLKERNELS_NO_EXTENSION", "0") == "1":
         return [], {}
     try:
         import torch
         from torch.utils import cpp_extension
-    except ImportError as e:  # e.g. an isolated build: no torch, so no extension
-        warnings.warn(f"rlkernels: building without the compiled extension ({e}); "
-                      "use `pip install --no-build-isolation` with torch installed")
-        return [], {}
+    except ImportError as e:  # e.g. an isolated build: a silent pure-Python install would be slower everywhere
+        raise SystemExit(f"rlkernels: cannot build the compiled extension: torch is not importable here ({e}). "
+                         f"Install torch first, then `pip install --no-build-isolation ...` (an isolated build "
+                         f"has no torch); RLKERNELS_NO_EXTENSION=1 installs pure Python") from None
 
     isa = _cpu_isa(torch)
     isa_flags, isa_macros = ISA_FLAGS[isa]
@@ -101,8 +137,7 @@ def _extensions():
     # The kernels (*.cu, torch-free) and their torch bindings (*.cpp, CUDA torch headers).
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
-    with_cuda = (os.environ.get("RLKERNELS_NO_CUDA", "0") != "1" and bool(torch.version.cuda)
-                 and bool(cuda_sources) and _nvcc(cpp_extension) is not None)
+    with_cuda, cuda_note = _cuda_plan(torch, cpp_extension, bool(cuda_sources))
     if with_cuda:
         ext = cpp_extension.CUDAExtension(
             "rlkernels._C", sources + cuda_sources, include_dirs=include_dirs,
@@ -112,8 +147,7 @@ def _extensions():
         ext = cpp_extension.CppExtension(
             "rlkernels._C", sources, include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx}, extra_link_args=openmp)
-    return [ext], {"build_ext": _build_command(cpp_extension, f"CPU ISA {isa}, " + ("with CUDA" if with_cuda else
-                                                                                     "no CUDA"))}
+    return [ext], {"build_ext": _build_command(cpp_extension, f"CPU ISA {isa}, {cuda_note}")}
 
 
 def _build_command(cpp_extension, what: str):
@@ -137,9 +171,10 @@ def _build_command(cpp_extension, what: str):
     return BuildExtension
 
 
-ext_modules, cmdclass = _extensions()
-setup(
-    packages=find_packages(include=["rlkernels", "rlkernels.*"]),
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+if __name__ == "__main__":  # pip and `python setup.py` run it as __main__; the tests import its functions
+    ext_modules, cmdclass = _extensions()
+    setup(
+        packages=find_packages(include=["rlkernels", "rlkernels.*"]),
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )

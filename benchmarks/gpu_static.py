@@ -79,7 +79,7 @@ Registers, stack frame, spill and shared bytes come from ptxas's -v report (nvcc
 with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads and
 the loop from `cuobjdump -sass` of the binary, a CUDA kernel's block from `cuobjdump -elf` (the CUDA
 toolkit's cuobjdump, else the one in Triton's wheel). Triton is skipped, with a note, when it is not
-importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 304 Triton variants (26 of them
+importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 320 Triton variants (30 of them
 elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (148 CUDA rows): 250 s
 measured on 2 busy cores. --quick: the streaming configurations (and their odd V) and the elementwise
 kernels with their default flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
@@ -633,6 +633,25 @@ def _triton_missing():
     return None
 
 
+def toolchain(argv: Optional[list]) -> str:
+    """One line naming what compiled the table (a table is only comparable to one from the same toolchain)."""
+    import triton
+
+    nvcc = "no nvcc"
+    if shutil.which("nvcc"):
+        version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        nvcc = next((line.strip() for line in version if "release" in line), "nvcc (version unknown)")
+    command = " ".join(["python -m benchmarks.gpu_static", *(sys.argv[1:] if argv is None else argv)])
+    return (f"Compiled {time.strftime('%Y-%m-%d')} by `{command}`: Triton {triton.__version__} (its bundled ptxas, "
+            f"the Triton rows), {nvcc} (the CUDA rows), torch {_torch_version()}.")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_static", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS))
@@ -678,7 +697,7 @@ def main(argv: Optional[list] = None) -> int:
     if any(r.elementwise for r in rows):
         notes.append("Elementwise: per-token fp32 scalars (no logits, dtype -), one token per lane; compiled for "
                      "registers and local memory, without a 128-bit load requirement.")
-    text = markdown(rows) + "".join(f"\n\n{n}" for n in notes)
+    text = toolchain(argv) + "\n\n" + markdown(rows) + "".join(f"\n\n{n}" for n in notes)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

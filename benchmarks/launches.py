@@ -10,7 +10,10 @@ these counts are the launch overhead of the loss head, measured deterministicall
     python -m benchmarks.launches --preset grpo --sliced 256       # on logits[:, :-1] of a (256, 9, V) parent
 
 Counted: every aten op that is not a view (views, `detach` and `empty*` allocate nothing and
-launch nothing) and every custom op (one launch each; what runs inside it is not seen). A sync
+launch nothing) and every custom op (one launch each; what runs inside it is not seen), except the
+Triton backend's ops (`torch.library.triton_op`): their bodies run under the counter, so their aten ops
+count, and each Triton kernel they launch counts once (`triton::<kernel>`; a Triton launch goes from
+Python to the driver, past the dispatcher, so `triton_launches` counts it at `JITFunction.run`). A sync
 is an op that copies a device value to the host: `_local_scalar_dense` (`.item()`, `bool(t)`),
 `nonzero`, `equal`, `unique`, `masked_select`.
 """
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 from typing import Dict, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 FREE = ("detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "alias",
         "_unsafe_view")
@@ -30,8 +34,49 @@ SYNCS = ("_local_scalar_dense", "nonzero", "equal", "unique", "_unique", "_uniqu
          "unique_consecutive", "masked_select", "item")
 
 
+@contextlib.contextmanager
+def triton_launches(names: Dict[str, int]):
+    """While active, each Triton kernel launch adds one to `names["triton::<kernel>"]` (compiled kernels and
+    the interpreter's alike)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: nothing to count
+        yield
+        return
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def counted(original):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                names[f"triton::{self.fn.__name__}"] += 1
+            with _disable_current_modes():  # the launch itself (or the interpreter's copies) is not an op
+                return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in originals.items():
+        cls.run = counted(original)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+def _triton_op_body(func):
+    """The Python body of a `torch.library.triton_op`, None for any other op."""
+    from torch._library import custom_ops, triton
+
+    qualname = func._schema.name
+    # every triton_op's name (torch 2.6 on); without it a Triton op counts as one op beside its kernels
+    if qualname not in getattr(triton, "triton_ops_to_kernels", {}):
+        return None
+    return custom_ops.OPDEFS[qualname]._init_fn
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts launches (`ops`) and host syncs (`syncs`); `names` keeps each op's count."""
+    """Counts launches (`ops`) and host syncs (`syncs`); `names` keeps each op's count. Triton kernels count
+    only inside `triton_launches(self.names)` (as `count` runs it)."""
 
     def __init__(self):
         super().__init__()
@@ -42,6 +87,9 @@ class OpCounter(TorchDispatchMode):
         packet = func._overloadpacket
         name = packet.__name__
         namespace = func.namespace
+        if namespace != "aten" and (body := _triton_op_body(func)) is not None:
+            with self:  # its aten ops come back through this mode; its kernels are counted by `triton_launches`
+                return body(*args, **(kwargs or {}))
         if namespace == "aten" and name in SYNCS:
             self.sync_names[name] += 1
         if namespace != "aten" or not (func.is_view or name in FREE):
@@ -91,7 +139,7 @@ def loss_inputs(preset: str, B: int = 8, T: int = 256, seed: int = 0, device="cp
 
 def count(fn) -> Count:
     """Ops and syncs of `fn()` (which runs one forward and backward)."""
-    with OpCounter() as counter:
+    with OpCounter() as counter, triton_launches(counter.names):
         fn()
     return Count(counter.ops, counter.syncs, dict(counter.names) | {f"SYNC {k}": v for k, v in counter.sync_names.items()})
 

@@ -6,9 +6,16 @@ mark above what was allocated before the step (the inputs), during one step: CUD
 `max_memory_allocated`; CPU — the resident set's high-water mark (VmHWM, reset through
 /proc/self/clear_refs), with glibc's mmap threshold fixed so that every freed large block goes
 back to the system and the next step cannot hide its allocations in memory a previous one kept.
+
+The hidden-state path's extra peak as a fraction of the logits it avoids (`hidden_path_extra`; run it in a
+fresh process, as the command does):
+
+    python -m benchmarks.measure --n 2048 --hidden 896 --dtype fp32
+    python -m benchmarks.measure --n 2048 --hidden 2048 --dtype bf16 --memory-budget none
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 import sys
@@ -104,3 +111,58 @@ def matmul_rate(device, dtype, size: int = 2048) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+def hidden_path_extra(n: int, hidden: int, vocab: int, dtype: torch.dtype, preset: str = "grpo", device="cpu",
+                      **design) -> float:
+    """Extra peak of one forward + backward of `fused_linear_policy_loss` (B = 8 rows of n / 8 tokens, the loss
+    scaled by 2.5 so that stored gradients are scaled too) above its inputs and their gradients, over the
+    n·V logits it avoids (in `dtype`). `design`: `memory_budget`, `chunk_size`."""
+    fix_malloc_threshold()  # first: no freed block may stay in the heap, reused unseen
+    import rlkernels
+    from rlkernels import presets
+
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    b, t = 8, n // 8
+    h = torch.randn(b, t, hidden, generator=g).to(device, dtype).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(device, dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (b, t), generator=g).to(device)
+    adv, old = torch.randn(b, generator=g).to(device), (-torch.rand(b, t, generator=g)).to(device)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+
+    def step():
+        out = rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), old_logp=old,
+                                                 ref_logp=old, **design)
+        (2.5 * out.loss).backward()
+
+    step()  # lazy initialisation, outside the measurement
+    grads = (h.numel() + w.numel()) * h.element_size()
+    return (extra_peak_bytes(step, [h, w], device) - grads) / (n * vocab * h.element_size())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="the hidden-state path's extra peak over the logits it avoids")
+    parser.add_argument("--n", type=int, default=2048, help="tokens (a multiple of 8)")
+    parser.add_argument("--hidden", type=int, default=896)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--preset", default="grpo")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--memory-budget", default=None,
+                        help="a fraction, or 'none' for speed first (default: the op's)")
+    parser.add_argument("--chunk-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    design = {}
+    if args.memory_budget is not None:
+        design["memory_budget"] = None if args.memory_budget == "none" else float(args.memory_budget)
+    if args.chunk_size is not None:
+        design["chunk_size"] = args.chunk_size
+    extra = hidden_path_extra(args.n, args.hidden, args.vocab, dtype, args.preset, args.device, **design)
+    print(f"N = {args.n}, H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.preset} {design or ''}: "
+          f"extra peak {extra:.1%} of the logits")
+
+
+if __name__ == "__main__":
+    main()

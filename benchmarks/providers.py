@@ -8,8 +8,8 @@ log-probs), with `leaves` = `inputs.leaves()`. Providers:
   compile             `torch.compile` of eager (default, dynamic-after-recompile shapes)
   liger               Liger-Kernel: `LigerFusedLinearGRPOLoss` (hidden states, any device) and
                       its Triton `triton_grpo_loss` (logits, CUDA)
-  rlkernels-<backend> every rlkernels backend that runs on the device: token_logprobs,
-                      fused_policy_loss, fused_linear_policy_loss
+  rlkernels-<backend> every rlkernels backend that runs on the device (but the torch
+                      backend on CUDA): token_logprobs, fused_policy_loss, fused_linear_policy_loss
 """
 from __future__ import annotations
 
@@ -131,6 +131,8 @@ def _rlkernels(backend):
             return "the Triton interpreter is for tests, not timing"
         if backend == "cuda" and device.type != "cuda" or backend == "cpu" and device.type != "cpu":
             return f"runs on {backend} tensors only"
+        if backend == "torch" and device.type == "cuda":  # the reference composition: no contender there
+            return "the reference backend (PyTorch ops, 63–495 ms per call on an H200): not timed on CUDA"
         return None
     return Provider(f"rlkernels-{backend}", OPS, build, unavailable)
 

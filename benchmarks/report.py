@@ -78,10 +78,12 @@ def machine_name(device: torch.device) -> str:
 
 
 def cases(args):
-    """Every (op, V, N, mode) of the two sweeps; the point they share is measured once."""
+    """Every (op, V, N, mode) of the two sweeps; the point they share is measured once. Mode by mode, in the
+    order of --modes, then op by op in the order of --ops: when --budget-s runs out, what is lost is the
+    last mode and op named."""
     points = [(v, args.n) for v in args.vocabs] + [(args.vocab, n) for n in args.ns]
     return [Case(op, n, v, args.dtype, mode, hidden=args.hidden if op == "grpo_linear" else 0, seq_len=args.seq_len)
-            for op in args.ops for v, n in dict.fromkeys(points) for mode in args.modes]
+            for mode in args.modes for op in args.ops for v, n in dict.fromkeys(points)]
 
 
 def run_one(case, provider, device, args):

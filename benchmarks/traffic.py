@@ -2,6 +2,7 @@
 
     python -m benchmarks.traffic                       # N = 8192, V = 151936, H = 4096, bf16
     python -m benchmarks.traffic --n 2048 --vocab 32768 --json traffic.json
+    TRITON_INTERPRET=1 python -m benchmarks.traffic --per-call cpu triton   # the Triton launches too
 
 On a GPU the loss head is streaming plus matmuls: its time is about its bytes over HBM bandwidth plus its
 GEMM FLOPs over the matmul rate. Each path (token_logprobs, fused_policy_loss token- and sequence-level,
@@ -28,10 +29,18 @@ the gradient, both in the forward: `two_pass=True`, the cpu backend's default; t
 docs/design.md §7, not yet written, so that row models it with the cpu op); the hidden-state path's FLOP floor is
 3·2·N·H·V (the logits, ∂hidden and ∂W products).
 
+What the bytes do not show, the table shows beside them (`per_call`): the launches per call and the host time
+per call of each path, run for real (`--per-call` backends; on a GPU at the sizes above, else on CPU tensors at
+V = 16, H = 64 with the same N and B, the hidden-state rows left out). Launches: `benchmarks.launches.count`, the
+Triton kernels too (launched from Python, past the dispatcher); host time: wall clock per call, which on a GPU
+is the time to queue the call's kernels (a call of many small launches is host-bound when it exceeds the
+modelled ms).
+
 The inputs are fake CPU tensors and the backend is `cpu`, whose op sequence is the `cuda` backend's: both
 call the extension's same ops (`rlkernels_C::*`, with fake implementations), chosen by the tensors' device.
-The hidden-state path takes a GPU's choices on them (chunk rows, the ∂W GEMM with an fp32 result:
-`rlkernels/ops/_gpu_like.py`).
+The hidden-state path takes a GPU's choices on them (its design and their sizes, the GEMMs with an fp32
+result: `rlkernels/ops/_gpu_like.py`); its rows are printed again with the design each took and its time over
+the 3-GEMM floor (`designs_table`: the default, `memory_budget=None`, `chunk_size=2048`).
 (Fake CUDA tensors would need a CUDA build of torch: its custom-op dispatch takes a CUDA device guard.)
 """
 from __future__ import annotations
@@ -39,7 +48,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
+import statistics
+import time
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -182,6 +194,10 @@ def _shapes(n: int, batch: int):
     return batch, n // batch
 
 
+def _once(step, leaves):
+    step()
+
+
 def _logits_inputs(n, vocab, dtype, batch, sliced, device):
     b, t = _shapes(n, batch)
     if sliced:  # the Hugging Face pattern: the model's (B, T + 1, V) logits, shifted
@@ -201,56 +217,66 @@ def _loss_args(n, batch, device):
 
 def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, device: str, batch: int = 8,
           backward: bool = True) -> Dict[str, Callable]:
-    """Name → a function that runs that path (forward, + backward by default) on freshly made (fake) inputs
-    and returns the leaves it differentiates."""
+    """Name → a function `run(call)` that makes (fake) inputs, hands `call` the step that runs the path on them
+    (forward, + backward by default) with the leaves it differentiates (default: runs it once), and returns
+    the leaves."""
     import rlkernels
-    from rlkernels import presets
+    from rlkernels import _backend, presets
 
     def finish(loss):
         if backward:
             loss.backward()
 
     def logprobs(sliced):
-        def run():
+        def run(call=_once):
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets = _loss_args(n, batch, device)[0]
-            finish(rlkernels.token_logprobs(logits, targets, backend=backend).sum())
+            call(lambda: finish(rlkernels.token_logprobs(logits, targets, backend=backend).sum()), [leaf])
             return [leaf]
         return run
 
     def fused(preset, sliced, two_pass=False):
-        def run():
+        def run(call=_once):
             leaf, logits = _logits_inputs(n, vocab, dtype, batch, sliced, device)
             targets, adv, mask, kw = _loss_args(n, batch, device)
-            finish(rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset), backend=backend,
-                                               two_pass=two_pass, **kw).loss)
+            call(lambda: finish(rlkernels.fused_policy_loss(logits, targets, adv, mask, presets.get(preset),
+                                                            backend=backend, two_pass=two_pass, **kw).loss), [leaf])
             return [leaf]
         return run
 
-    def linear(preset):
-        def run():
+    def linear(preset, **design):  # design: memory_budget (default: the op's), chunk_size
+        def run(call=_once):
             b, t = _shapes(n, batch)
             h = torch.empty(b, t, hidden, dtype=dtype, device=device, requires_grad=True)
             w = torch.empty(vocab, hidden, dtype=dtype, device=device, requires_grad=True)
             targets, adv, mask, kw = _loss_args(n, batch, device)
-            finish(rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), backend=backend,
-                                                      **kw).loss)
+            call(lambda: finish(rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset),
+                                                                   backend=backend, **design, **kw).loss), [h, w])
             return [h, w]
         return run
 
-    return {
+    out = {
         "token_logprobs": logprobs(False),
         "token_logprobs, sliced": logprobs(True),
         "fused_policy_loss grpo": fused("grpo", False),
         "fused_policy_loss grpo, sliced": fused("grpo", True),
-        "fused_policy_loss grpo, two-pass": fused("grpo", False, True),
-        "fused_policy_loss grpo, two-pass, sliced": fused("grpo", True, True),
         "fused_policy_loss gspo": fused("gspo", False),
         "fused_policy_loss gspo, sliced": fused("gspo", True),
         "fused_linear_policy_loss grpo": linear("grpo"),
         "fused_linear_policy_loss gspo": linear("gspo"),
+        **{f"fused_linear_policy_loss {p}, {label}": linear(p, **design)
+           for p in ("grpo", "gspo") for label, design in HIDDEN_DESIGNS.items()},
     }
+    if _backend.kernels(backend).supports("policy_token_fwd_grad") is None:  # the cpu (docs/design.md §7)
+        out["fused_policy_loss grpo, two-pass"] = fused("grpo", False, True)
+        out["fused_policy_loss grpo, two-pass, sliced"] = fused("grpo", True, True)
+    return out
 
+
+# The hidden-state path's other designs, beside its default (vocabulary blocks within 10% of the logits where row
+# chunks take more): speed first (row chunks by the speed rule), and row chunks of 2048 rows (several chunks: the
+# fp32 ∂W accumulator).
+HIDDEN_DESIGNS = {"memory_budget=None": dict(memory_budget=None), "chunk_size=2048": dict(chunk_size=2048)}
 
 # the benchmark report's ops (benchmarks/workloads.py) as paths here
 REPORT_PATHS = {"token_logprobs": "token_logprobs", "grpo": "fused_policy_loss grpo",
@@ -279,17 +305,93 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
     return rows
 
 
-def table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
+def per_call(n, vocab, hidden, dtype, backend, device, batch=8, reps=5, only: Optional[List[str]] = None
+             ) -> Dict[str, tuple]:
+    """{path: (launches, host ms)} of one forward + backward of each path (or of those in `only`) on real
+    tensors on `device`: the launches counted by `benchmarks.launches.count` (its ops and the Triton kernels
+    it launches; the inputs' making not counted), the host time the median of `reps` wall-clock calls after a
+    warm-up call. On a GPU a call returns once its kernels are queued, so that is the time the host spends per
+    call; on CPU tensors the call's arithmetic is in it too (small at a tiny V and H), on one thread: a shared
+    machine's idle threads wake late, which timed the scheduler (tens of ms) rather than the call. The Triton
+    interpreter's time is not a host time: None there."""
+    on_cpu = torch.device(device).type == "cpu"
+    interpreted = backend == "triton" and on_cpu
+    out = {}
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    threads = torch.get_num_threads()
+    if on_cpu:
+        torch.set_num_threads(1)
+    try:
+        for name, run in paths(n, vocab, hidden, dtype, backend, device, batch).items():
+            if only is None or name in only:
+                run(functools.partial(_timed, out, name, reps, sync, interpreted))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _timed(out, name, reps, sync, interpreted, step, leaves):
+    """per_call's `call`: out[name] = (launches, host ms) of `step`."""
+    from benchmarks import launches
+
+    times = []
+    for i in range(2 if interpreted else reps + 2):
+        for x in leaves:
+            x.grad = None
+        sync()
+        if i == 1:  # after the warm-up (compiles, registers, allocates)
+            counted = launches.count(step)
+            continue
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        sync()
+    out[name] = (counted.ops, None if interpreted else 1e3 * statistics.median(times[1:]))
+
+
+def table(rows: List[Traffic], n, vocab, hidden, dtype, calls: Optional[Dict[str, Dict[str, tuple]]] = None) -> str:
+    """`calls`: {label: per_call(...)}, shown as a launches column and a host-time column each."""
+    calls = calls or {}
     floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
+    extra = "".join(f" launches per call ({label}) | host ms per call ({label}) |" for label in calls)
     lines = [f"N = {n}, V = {vocab}, H = {hidden}, {str(dtype).replace('torch.', '')}; H200 model: "
              f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s; 3-GEMM floor {floor_ms:.2f} ms",
              "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | "
-             "extra peak / N·V·b | modelled ms |", "|---|---|---|---|---|---|---|"]
+             "extra peak / N·V·b | modelled ms |" + extra, "|---|---|---|---|---|---|---|" + "---|---|" * len(calls)]
     for r in rows:
         ratio = "-" if r.gemm_ratio is None else f"{r.gemm_ratio:.3f}"
+        cells = ""
+        for counts in calls.values():
+            ops, ms = counts.get(r.path, (None, None))
+            cells += f" {'-' if ops is None else ops} | {'-' if ms is None else f'{ms:.2f}'} |"
         lines.append(f"| {r.path} | {r.passes:.2f} | {r.bytes / 1e9:.2f} | {ratio} | {r.peak_bytes / 1e9:.2f} | "
                      f"{r.extra_peak:.1%} | "
-                     f"{r.model_ms:.2f} |")
+                     f"{r.model_ms:.2f} |" + cells)
+    return "\n".join(lines)
+
+
+def designs_table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
+    """The hidden-state path's rows: the design each ran (as `rlkernels/ops/_head_design.choose` takes it on a
+    GPU), its extra peak and its modelled time over the 3-GEMM floor."""
+    from rlkernels.ops import _head_design
+
+    floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
+    lines = ["| hidden-state path | design | extra peak / N·V·b | × 3-GEMM floor |", "|---|---|---|---|"]
+    for r in rows:
+        if not r.path.startswith("fused_linear"):
+            continue
+        label = r.path.partition(", ")[2]
+        design = dict(HIDDEN_DESIGNS.get(label, {}))
+        budget = design.get("memory_budget", _head_design.MEMORY_BUDGET)
+        d = _head_design.choose(n, vocab, hidden, dtype, sharded=False, gpu=True, fp32_out=True, memory_budget=budget,
+                                chunk_size=design.get("chunk_size"))
+        pieces = (f"{-(-vocab // d.size)} vocabulary blocks of {d.size} columns" if d.kind == "vocab"
+                  else f"{-(-n // d.size)} row chunk(s) of {d.size} rows")
+        lines.append(f"| {r.path} | {pieces} | {r.extra_peak:.1%} | {r.model_ms / floor_ms:.2f} |")
     return "\n".join(lines)
 
 
@@ -302,10 +404,28 @@ def main(argv=None):
     parser.add_argument("--backend", default="cpu", help="whose op sequence (cpu: the cuda backend's)")
     parser.add_argument("--ops", action="store_true", help="also print each path's bytes by op")
     parser.add_argument("--json", default=None, help="write the rows to this file")
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--per-call", nargs="*", default=["cuda", "triton"] if cuda else ["cpu"], metavar="BACKEND",
+                        help="backends whose launches and host time per call are measured on real tensors "
+                             "(default: cuda triton on a GPU, else cpu; none: skip)")
+    parser.add_argument("--per-call-vocab", type=int, help="their V (default: --vocab on a GPU, else 16)")
+    parser.add_argument("--per-call-hidden", type=int, help="their H (default: --hidden on a GPU, else 64)")
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows = model(args.n, args.vocab, args.hidden, dtype, args.backend)
-    print(table(rows, args.n, args.vocab, args.hidden, dtype))
+    device = "cuda" if cuda else "cpu"
+    vocab = args.per_call_vocab or (args.vocab if cuda else 16)
+    hidden = args.per_call_hidden or (args.hidden if cuda else 64)
+    # The hidden-state path's design depends on V and H: at other sizes its launches are another design's.
+    same = (vocab, hidden) == (args.vocab, args.hidden)
+    only = [r.path for r in rows if same or not r.path.startswith("fused_linear")]
+    calls = {f"{b} on {device}, V = {vocab}": per_call(args.n, vocab, hidden, dtype, b, device, only=only)
+             for b in args.per_call}
+    print(table(rows, args.n, args.vocab, args.hidden, dtype, calls))
+    if calls and not same:
+        print(f"\nPer call: real tensors at V = {vocab}, H = {hidden} (N and B as above); the hidden-state rows are "
+              "left out there (their design depends on V and H).")
+    print("\n" + designs_table(rows, args.n, args.vocab, args.hidden, dtype))
     if args.ops:
         for r in rows:
             print(f"\n{r.path}:")

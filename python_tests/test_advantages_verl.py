@@ -152,3 +152,49 @@ def test_group_size_equals_group_ids_and_bad_inputs_are_named():
         adv.remax(torch.zeros(mask.shape), scores[:5], mask)
     with pytest.raises(ValueError, match="f_norm"):
         adv.gpg(scores, ids, f_norm=0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_baselines_keep_precision_of_large_rewards(seed):
+    """fp32 rewards near 1e3 with a spread of 1: every group baseline centres on the group max first, so the
+    advantages keep the spread's precision (a plain mean carried 3.4e-5 here); verl's function in fp64 is the oracle."""
+    _, mask, ids, scores, _ = _batch(seed)
+    lone = (1000.0 + scores).float()
+    scores = lone.double()  # the oracle sees the same fp32 rewards
+    cases = [
+        (adv.gpg(lone, ids), core_algos.compute_gpg_outcome_advantage(_outcome(scores, mask), mask.double(),
+                                                                      _index(ids))[0][:, -1]),
+        (adv.opo(lone, mask, ids), core_algos.compute_opo_outcome_advantage(_outcome(scores, mask), mask.double(),
+                                                                            _index(ids))[0][:, -1]),
+    ]
+    for got, want in cases:
+        got = got.double() * mask[:, -1]
+        assert (got - want).abs().max() < 2e-6, (got - want).abs().max()
+    got = adv.reinforce_plus_plus_baseline(lone, mask, ids).double()
+    want, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(_outcome(scores, mask), mask.double(),
+                                                                                _index(ids))
+    assert (got - want).abs().max() < 2e-6, (got - want).abs().max()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("norm", [True, False])
+def test_group_of_one_as_verl_grpo_with_lone_keep(seed, norm):
+    """`group_normalized(..., lone="keep")` is verl's `grpo` (a row alone in its group keeps R/(1 + ε), or R
+    without the std), and the default gives that row 0, as TRL."""
+    _, mask, ids, scores, _ = _batch(seed)
+    want, _ = core_algos.compute_grpo_outcome_advantage(_outcome(scores, mask), mask.double(), _index(ids),
+                                                        norm_adv_by_std_in_grpo=norm)
+    scale = "group" if norm else None
+    got = adv.group_normalized(scores, ids, scale=scale, lone="keep")
+    torch.testing.assert_close(got[:, None] * mask, want, **TOL)
+    alone = torch.tensor([(ids == i).sum() == 1 for i in ids])
+    assert alone.any() and (adv.group_normalized(scores, ids, scale=scale)[alone] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_of_one_as_verl_rloo_with_lone_keep(seed):
+    _, mask, ids, scores, _ = _batch(seed)
+    want, _ = core_algos.compute_rloo_outcome_advantage(_outcome(scores, mask), mask.double(), _index(ids))
+    torch.testing.assert_close(adv.rloo(scores, ids, lone="keep")[:, None] * mask, want, **TOL)
+    with pytest.raises(ValueError, match="lone"):
+        adv.rloo(scores, ids, lone="verl")

@@ -366,3 +366,31 @@ def test_bad_verl_settings_name_the_field():
     cfg = _actor_config(policy_loss=VerlPolicyLossConfig(loss_mode="bypass_mode", rollout_correction=correction))
     with pytest.raises(ValueError, match="rollout_is_threshold"):
         rk_verl.bypass_mode_fn()(old, logp, adv, mask.float(), "token-mean", cfg, None)
+
+
+def test_vespo_reads_verls_vespo_keys():
+    """`rlkernels_vespo` takes (k, λ) from `policy_loss.vespo.{k_pos, lambda_pos, k_neg, lambda_neg}`, the keys the
+    VESPO authors' verl loss reads: its loss is −mean over tokens of sg(φ(w_i))·A·ℓ with φ(w) = e^{λ + k·log w − λw}
+    and w_i the row's sequence ratio, here written out directly; without the keys, the preset's (2, 3, 3, 2)."""
+    logp, old, adv, mask, _ = _inputs(spread=0.2, empty_row=False)
+    keys = {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 5.0, "lambda_neg": 4.0}
+
+    def expected(k_pos, lambda_pos, k_neg, lambda_neg):
+        log_w = ((logp.detach() - old) * mask).sum(-1)
+        pos = adv[:, 0] >= 0
+        k, lam = torch.where(pos, k_pos, k_neg), torch.where(pos, lambda_pos, lambda_neg)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+        return -(phi[:, None] * adv * logp * mask).sum() / mask.sum()
+
+    fn = rk_verl.policy_loss_fn("vespo")
+    for config, want in (({"policy_loss": {"vespo": keys}}, expected(**keys)),
+                         ({"policy_loss": {}}, expected(2.0, 3.0, 3.0, 2.0))):
+        loss, _ = fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
+                     config=config)
+        (grad,) = torch.autograd.grad(loss, logp)
+        (want_grad,) = torch.autograd.grad(want, logp)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"policy_loss\.vespo\.k_neg"):
+        fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
+           config={"policy_loss": {"vespo": {"k_neg": "x"}}})

@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rlkernels"
 
 # each layer of design.md §1 by the modules (or packages) it is made of
 LAYERS = {
-    "helpers": ("_checks", "_groups", "_dtypes"),
+    "helpers": ("_checks", "_groups", "_dtypes", "_token_loss_table"),
     "reference": ("reference",),
     "kernels": ("kernels", "_C"),
     "losses": ("losses",),
@@ -158,3 +158,30 @@ def test_trainer_reads_models_only_through_integrations_transformers():
     for module, deps in _by_layer("trainer").items():
         assert {d for d in deps if _layer(d) == "integrations"} <= {"integrations.transformers"}, module
         assert "cli" not in deps and "demo" not in deps, module
+
+
+def _is_package(name: str) -> bool:
+    return name == "" or (PACKAGE.joinpath(*name.split(".")) / "__init__.py").exists()
+
+
+def test_no_import_circle_between_modules():
+    """No two modules import each other, directly or through others (every import counts, TYPE_CHECKING and lazy
+    ones too): a circle is a design that has not decided which module owns what. A package's __init__, which
+    re-exports its modules, is not a node."""
+    graph = {m: {d for d in deps if not _is_package(d)} for m, deps in GRAPH.items() if not _is_package(m)}
+    state, path = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph.get(module, set())):
+            if state.get(dep) == "open":
+                raise AssertionError("import circle: " + " → ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)

@@ -17,27 +17,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rlkernels
 from rlkernels import presets
 from rlkernels.ops import _gpu_like, _linear_head, _precomputed_grad
-from rlkernels.ops._linear_head import CPU_CHUNK_BYTES, GPU_MIN_CHUNK_ROWS, buffer_width, default_rows
+from rlkernels.ops._head_design import CPU_CHUNK_BYTES, GPU_MIN_CHUNK_ROWS, buffer_width, default_rows
 
 CPU = rlkernels.backend_info()["cpu"]["available"]
 V152K = 151936
 
 
 class _Ops(TorchDispatchMode):
-    """(op name with overload, output shape) of every op run under it."""
+    """(op name with overload, output shape) of every op run under it; `dtypes`: the output dtypes alongside."""
 
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.dtypes = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         first = out[0] if isinstance(out, (tuple, list)) and out else out
-        self.ops.append((str(func), tuple(first.shape) if isinstance(first, torch.Tensor) else None))
+        tensor = isinstance(first, torch.Tensor)
+        self.ops.append((str(func), tuple(first.shape) if tensor else None))
+        self.dtypes.append(first.dtype if tensor else None)
         return out
 
     def count(self, name, shape=None):
         return sum(1 for op, s in self.ops if op == name and (shape is None or s == shape))
+
+    def made(self, shape, dtype) -> list:
+        """The ops whose output has this shape and dtype."""
+        return [op for (op, s), d in zip(self.ops, self.dtypes) if s == shape and d == dtype]
 
 
 def _loss_inputs(B, T, H, V, dtype=torch.float32, seed=0):
@@ -76,9 +82,11 @@ def test_cpu_chunks_stay_under_the_chunk_bytes(dtype, upcast):
     assert default_rows(13, 37, 8, dtype, gpu=False, upcast=upcast) == 13
 
 
-def test_sharded_buffer_rows_are_16_element_aligned():
+def test_buffer_rows_are_16_element_aligned():
+    """Sharded (and a vocabulary block): one −inf column at least; any V: a multiple of 16 (odd vocabularies
+    such as GPT-2's 50257 and Llama 2's 32001 gave cuBLAS an unaligned leading dimension)."""
     assert [buffer_width(v, True) for v in (15, 16, 17, 20, V152K)] == [16, 32, 32, 32, V152K + 16]
-    assert buffer_width(37, False) == 37
+    assert [buffer_width(v, False) for v in (37, 32, 50257, 32001, V152K)] == [48, 32, 50272, 32016, V152K]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,14 +251,9 @@ def test_extra_peak_memory_within_5_percent_of_the_logits():
 # fake tensors (benchmarks/traffic.py): the path runs, with a GPU's choices
 
 
-@pytest.mark.skipif(not CPU, reason="needs the compiled cpu backend")
-@pytest.mark.parametrize("name", ["grpo", "gspo"])  # one pass, two passes
-def test_runs_on_fake_tensors_with_the_gpus_choices(name, monkeypatch):
-    """N = 8192, V = 151936, H = 4096 in bf16 without any memory, modelling a GPU as benchmarks/traffic.py
-    does: one chunk, the fp32-output GEMM, and the accumulator converted and scaled in one pass; no probe
-    is cached."""
-    cache = dict(_linear_head._FP32_OUT_GEMM)
-    monkeypatch.setattr(_gpu_like, "MODEL_GPU", True)
+def _fake_call(name, **design):
+    """fused_linear_policy_loss forward + backward at N = 8192, V = 151936, H = 4096 in bf16 on fake tensors,
+    modelling a GPU as benchmarks/traffic.py does: (ops, the weight's gradient dtype)."""
     with FakeTensorMode():
         h = torch.empty(8, 1024, 4096, dtype=torch.bfloat16, requires_grad=True)
         w = torch.empty(V152K, 4096, dtype=torch.bfloat16, requires_grad=True)
@@ -258,25 +261,67 @@ def test_runs_on_fake_tensors_with_the_gpus_choices(name, monkeypatch):
         old = torch.zeros(8, 1024)
         with _Ops() as ops:
             out = rlkernels.fused_linear_policy_loss(h, w, targets, torch.zeros(8), mask, presets.get(name),
-                                                     old_logp=old, ref_logp=old, backend="cpu")
+                                                     old_logp=old, ref_logp=old, backend="cpu", **design)
             out.loss.backward()
-        assert w.grad.dtype == torch.bfloat16 and h.grad.shape == h.shape
-    assert ops.count("aten.mm.dtype_out", (V152K, 4096)) == 1 and ops.count("aten.addmm.dtype_out") == 0
-    assert ops.count("aten.mul.out", (V152K, 4096)) == 1
+        assert h.grad.shape == h.shape and h.grad.dtype == torch.bfloat16
+        return ops, w.grad.dtype
+
+
+@pytest.mark.skipif(not CPU, reason="needs the compiled cpu backend")
+@pytest.mark.parametrize("name", ["grpo", "gspo"])  # one pass, two passes
+def test_speed_first_on_fake_tensors_writes_dw_in_bf16(name, monkeypatch):
+    """`memory_budget=None` at the target size with a GPU's choices: one row chunk, whose ∂W GEMM writes the
+    bf16 gradient itself: no fp32 (V, H) tensor, no conversion; no probe is cached."""
+    cache = dict(_linear_head._FP32_OUT_GEMM)
+    monkeypatch.setattr(_gpu_like, "MODEL_GPU", True)
+    ops, dtype = _fake_call(name, memory_budget=None)
+    assert dtype == torch.bfloat16
+    assert ops.count("aten.mm.out", (V152K, 4096)) == 1 and ops.count("aten.addmm.out", (V152K, 4096)) == 0
+    assert not ops.made((V152K, 4096), torch.float32)
     assert _linear_head._FP32_OUT_GEMM == cache
 
 
 @pytest.mark.skipif(not CPU, reason="needs the compiled cpu backend")
-def test_modelled_time_within_1_15_of_the_three_gemm_floor():
-    """Token-level (one pass) at N = 8192, V = 151936, H = 4096, bf16, H200 model (benchmarks/traffic.py):
-    the three GEMMs' FLOPs and no more, and their time plus the bytes moved ≤ 1.15× the GEMMs' alone
-    (1.14×: 24 GB, of which the fp32 ∂W written once and converted once)."""
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_default_on_fake_tensors_takes_vocabulary_blocks(name, monkeypatch):
+    """The default at the target size: 14 vocabulary blocks; each writes its rows of ∂W once in bf16 (13 of
+    10863 rows, the last 10717), ∂hidden is one fp32 GEMM then 13 that add (fp32 output); no fp32 (V, H)."""
+    monkeypatch.setattr(_gpu_like, "MODEL_GPU", True)
+    ops, dtype = _fake_call(name)
+    assert dtype == torch.bfloat16 and not ops.made((V152K, 4096), torch.float32)
+    assert ops.count("aten.mm.out", (10863, 4096)) == 13 and ops.count("aten.mm.out", (10717, 4096)) == 1
+    assert ops.count("aten.mm.dtype_out", (8192, 4096)) == 1 and ops.count("aten.addmm.dtype_out", (8192, 4096)) == 13
+    # the logits: 14 GEMMs forward, 13 backward (the last block's, 10717 columns, are still in the buffer)
+    assert ops.count("aten.mm.out", (8192, 10863)) == 13 + 13 and ops.count("aten.mm.out", (8192, 10717)) == 1
+
+
+@pytest.mark.skipif(not CPU, reason="needs the compiled cpu backend")
+def test_modelled_time_within_1_15_of_the_three_gemm_floor_speed_first():
+    """Token-level (one pass), speed first, at N = 8192, V = 151936, H = 4096, bf16, H200 model
+    (benchmarks/traffic.py): the three GEMMs' FLOPs and no more, and their time plus the bytes moved ≤ 1.15×
+    the GEMMs' alone (1.13×: 21.5 GB, ∂W written once in bf16; 1.14× with the fp32 ∂W before), its extra
+    peak the one chunk of logits (100%; 150% with the fp32 ∂W)."""
     from benchmarks import traffic
 
     n, hidden = 8192, 4096
-    (row,) = traffic.model(n, V152K, hidden, torch.bfloat16, "cpu", only=["fused_linear_policy_loss grpo"])
+    (row,) = traffic.model(n, V152K, hidden, torch.bfloat16, "cpu",
+                           only=["fused_linear_policy_loss grpo, memory_budget=None"])
     floor_ms = 1e3 * 3 * 2 * n * hidden * V152K / traffic.MATMUL_FLOPS_PER_S
     assert row.gemm_ratio == 1.0 and row.model_ms <= 1.15 * floor_ms, row.by_op
+    assert row.extra_peak <= 1.01
+
+
+@pytest.mark.skipif(not CPU, reason="needs the compiled cpu backend")
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_default_within_10_percent_at_1_5_times_the_floor(name):
+    """The issue's target at N = 8192, V = 151936, H = 4096, bf16 (H200 model): extra peak ≤ 10% of the logits
+    at ≤ 1.5× the 3-GEMM floor, by default (vocabulary blocks: 9.9%, 1.48×; 150% and 1.14×/1.49× before)."""
+    from benchmarks import traffic
+
+    n, hidden = 8192, 4096
+    (row,) = traffic.model(n, V152K, hidden, torch.bfloat16, "cpu", only=[f"fused_linear_policy_loss {name}"])
+    floor_ms = 1e3 * 3 * 2 * n * hidden * V152K / traffic.MATMUL_FLOPS_PER_S
+    assert row.extra_peak <= 0.10 and row.model_ms <= 1.5 * floor_ms, (row.extra_peak, row.model_ms / floor_ms)
 
 
 # ---------------------------------------------------------------------------------------------

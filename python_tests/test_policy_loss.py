@@ -48,7 +48,11 @@ OPTIONS = [
     ("kl_cov", dict(kl_cov_ratio=0.5, kl_cov_coef=2.0)),
     ("kl_cov", dict(kl_cov_ratio=1.0, entropy_coef=0.01)),
     ("dro", dict(dro_beta=1.5, agg="seq_mean_token_mean")),
+    ("gppo", dict(gppo_beta_low=0.75, gppo_beta_high=1.5, dual_clip=2.0)),
+    ("gppo", dict(clip_low=0.1, dual_clip=None, kl_estimator="k3", kl_coef=0.1, agg="seq_mean_token_mean")),
     ("luspo", dict(clip_low=0.1, clip_high=0.1)),
+    ("topr", dict(ratio="sequence_sum")),  # the paper's trajectory ratio
+    ("topr", dict(ratio="sequence_sum", kl_estimator="k3", kl_coef=0.1, agg="seq_mean_token_sum")),
     ("vespo", dict(vespo_k_pos=0.5, vespo_lambda_pos=0.0, vespo_k_neg=1.0, vespo_lambda_neg=5.0)),
     ("vespo", dict(agg="seq_mean_token_mean")),
     ("grpo", dict(entropy_coef=0.05, entropy_agg="token_mean")),  # the bonus as its own token mean
@@ -350,6 +354,28 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert (grad == 0).all()
 
 
+@pytest.mark.parametrize("betas", [(1.0, 1.0), (0.75, 1.5)])
+def test_gppo_is_the_papers_value_and_gradient(betas):
+    """Klear-Reasoner's GPPO (docs/math.md §5): PPO's clipped value; a token the clip holds keeps the gradient
+    −β·(1 ± ε)·A·∇ℓ (β₁ below the band with A < 0, β₂ above it with A > 0) where PPO's is 0; the dual clip's cap
+    has none. Tokens: w = e^{0.5} > 1.28 with A = 1 (held above), w = e^{−0.5} < 0.8 with A = −1 (held below),
+    w = e^{0.1} with A = 2 (inside), w = e^{2} with A = −1 (PPO's −A·w = 7.4 above the cap 3: capped)."""
+    beta_low, beta_high = betas
+    logp = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.5, 0.5, -0.1, -2.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 2.0, -1.0]], dtype=torch.float64)
+    config = presets.gppo(clip_low=0.2, clip_high=0.28, dual_clip=3.0, gppo_beta_low=beta_low,
+                          gppo_beta_high=beta_high)
+    out = rlkernels.policy_loss(logp, adv, torch.ones(1, 4, dtype=torch.bool), config, old_logp=old)
+    w = math.exp(0.1)
+    values = [-beta_high * 1.28, beta_low * 0.8, -2.0 * w, 3.0]
+    torch.testing.assert_close(out.loss, torch.tensor(sum(values) / 4, dtype=torch.float64))
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    want = torch.tensor([[-beta_high * 1.28, beta_low * 0.8, -2.0 * w, 0.0]], dtype=torch.float64) / 4
+    torch.testing.assert_close(grad, want)
+    assert float(out.metrics["clip_frac"]) == 0.5  # PPO's: the tokens held above and below
+
+
 def test_cispo_gradient_is_clipped_weight_times_advantage():
     inputs = random_loss_inputs(noise=0.5, per_token_adv=True, seed=8)
     m = inputs["mask"]
@@ -457,6 +483,11 @@ def test_sequence_ratio_rejects_varying_token_advantages():
     (dict(objective="dro"), "dro_beta"),
     (dict(objective="dro", dro_beta=0.0), "dro_beta"),
     (dict(objective="sapo", dual_clip=2.0), "dual_clip"),
+    (dict(objective="gppo", delta=2.0), "delta"),  # GPPO's unheld branch is −A·w
+    (dict(objective="gppo", clip_high=None), "clip_high"),
+    (dict(objective="gppo", gppo_beta_low=0.0), "gppo_beta_low"),
+    (dict(objective="gppo", gppo_beta_high=float("inf")), "gppo_beta_high"),
+    (dict(objective="gppo", ratio="sequence"), "objective"),
     (dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=-1.0), "vespo_k_pos"),
     (dict(ratio="sequence_sum", objective="vespo", vespo_lambda_neg=float("nan")), "vespo_lambda_neg"),
     (dict(log_ratio_clamp=float("inf")), "log_ratio_clamp"),
@@ -773,3 +804,17 @@ def test_dro_and_dppo_by_hand():
     w = torch.exp(lp - old).clamp(max=1.5)
     torch.testing.assert_close(grad, torch.where(m & inside, -adv * w / n, 0.0))
     assert 0 < float(out.metrics["clip_frac"]) < 1
+
+
+def test_topr_trajectory_ratio_as_the_paper():
+    """TOPR's trajectory form truncates π(τ)/μ(τ), one ratio per row: the issue's example (log-ratios [+1, −1],
+    A = −1, seq_mean_token_sum) has ratio 1, so both tokens keep weight 1, where the token form gives [1, e^−1]."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask, adv = torch.ones(1, 2, dtype=torch.bool), torch.tensor([-1.0], dtype=torch.float64)
+    grads = {}
+    for ratio in ("token", "sequence_sum"):
+        out = rlkernels.policy_loss(logp, adv, mask, presets.topr(ratio=ratio, agg="seq_mean_token_sum"), old_logp=old)
+        (grads[ratio],) = torch.autograd.grad(out.loss, logp)
+    torch.testing.assert_close(grads["sequence_sum"], torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(grads["token"], torch.tensor([[1.0, math.exp(-1.0)]], dtype=torch.float64))

@@ -128,3 +128,48 @@ def test_changing_the_parent_after_the_forward_is_refused():
         base.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         logp.sum().backward()
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton interpreter is off")
+def test_launches_count_the_triton_kernels():
+    """A Triton kernel is launched from Python, past the dispatcher: counted once per launch, with the aten ops
+    of its op's body, and not as its op (which is no launch of its own)."""
+    from benchmarks import launches
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 40, generator=g).requires_grad_(True)
+    targets = torch.randint(0, 40, (2, 5), generator=g)
+    c = launches.count(lambda: rlkernels.token_logprobs(logits, targets, backend="triton").sum().backward())
+    kernels = {k: v for k, v in c.names.items() if k.startswith("triton::")}
+    assert kernels == {"triton::_token_logprobs_fwd_kernel": 1, "triton::_token_logprobs_bwd_kernel": 1}, c.names
+    assert not [k for k in c.names if k.startswith("rlkernels::")], c.names
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "cpu"])
+def test_per_call_counts_the_call_not_its_inputs(backend):
+    """traffic's launches per call are those of the call on inputs made before it."""
+    from benchmarks import launches
+
+    n, vocab, batch = 64, 16, 4
+    got = traffic.per_call(n, vocab, 8, torch.float32, backend, "cpu", batch, reps=1,
+                           only=["token_logprobs", "fused_policy_loss grpo, sliced"])
+    logits = torch.randn(batch, n // batch, vocab, requires_grad=True)
+    targets = torch.zeros(batch, n // batch, dtype=torch.int64)
+    rlkernels.token_logprobs(logits, targets, backend=backend).sum().backward()  # first call: registrations
+    logits.grad = None
+    alone = launches.count(lambda: rlkernels.token_logprobs(logits, targets, backend=backend).sum().backward())
+    assert set(got) == {"token_logprobs", "fused_policy_loss grpo, sliced"}
+    assert got["token_logprobs"][0] == alone.ops and got["token_logprobs"][1] > 0
+
+
+def test_printout_has_launches_and_host_time(capsys):
+    traffic.main(["--n", "64", "--vocab", "256", "--hidden", "16", "--dtype", "fp32", "--per-call", "cpu",
+                  "--per-call-vocab", "16"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| path |"))
+    assert header.endswith("| launches per call (cpu on cpu, V = 16) | host ms per call (cpu on cpu, V = 16) |")
+    row = next(line for line in out.splitlines() if line.startswith("| fused_policy_loss grpo |"))
+    launches, host_ms = row.strip("| ").split(" | ")[-2:]
+    assert int(launches) > 0 and float(host_ms) > 0
+    linear = next(line for line in out.splitlines() if line.startswith("| fused_linear_policy_loss grpo |"))
+    assert linear.endswith("| - | - |")  # another V and H than the model's: another design; not shown

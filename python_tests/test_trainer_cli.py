@@ -120,8 +120,8 @@ def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkey
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "/nonexistent.jsonl"], "--dataset: no such file or folder"),
     (["--prompts", "/nonexistent.jsonl"], "--dataset: no such file or folder"),  # the flag's old name
-    (["--model", "{tmp}"], "--model: expected a local Hugging Face model folder (save_pretrained's, with config.json), "
-                           "got '{tmp}': a folder without config.json"),
+    (["--model", "{tmp}"], "--model: expected a local Hugging Face model folder (save_pretrained's, with config.json) "
+                           "or a Hub name in the local cache, got '{tmp}': a folder without config.json"),
     (["--model", "{tmp}/m"], "--dataset: required with --model"),
     (["--reward-model", "{tmp}", "--reward", "exact"], "--reward-model: expected a local Hugging Face model folder"),
     (["--reward", "myrewards"], "--reward: expected exact | regex:PATTERN | package.module:function | "
@@ -205,12 +205,13 @@ def test_a_trl_recipe_runs_unchanged_and_the_rest_is_named_in_one_error(tmp_path
     assert (cfg.max_new_tokens, cfg.num_generations, cfg.prompts_per_step, cfg.minibatches) == (64, 4, 4, 1)
     assert (cfg.lr_scheduler_type, cfg.lr_warmup_steps, cfg.dtype, cfg.reward, cfg.gradient_checkpointing) == (
         "cosine", 10, "float32", ["rewards.py:accuracy"], True)
-    path.write_text(recipe + "use_vllm: true\nhub_model_id: me/x\nattn_implementation: sdpa\n")
+    path.write_text(recipe.replace("use_vllm: false", "use_vllm: true") + "hub_model_id: me/x\nattn_implementation: sdpa\n")
     with pytest.raises(ValueError) as err:
         from_args(["--config", str(path)])
-    assert all(k in str(err.value) for k in ("hub_model_id", "attn_implementation", "use_vllm=True"))
-    path.write_text(recipe + "hub_model_id: me/x\nattn_implementation: sdpa\n")
-    with pytest.raises(ValueError, match="unknown keys 'hub_model_id', 'attn_implementation' .not a setting of this"):
+    assert all(k in str(err.value) for k in ("attn_implementation", "use_vllm=True")) and "hub_model_id" not in \
+        str(err.value)  # hub_model_id has no effect here: accepted, and named in the log
+    path.write_text(recipe + "hub_model_id: me/x\nattn_implementation: sdpa\nlora_dropout: 0.1\n")
+    with pytest.raises(ValueError, match="unknown keys 'attn_implementation', 'lora_dropout' .not a setting of this"):
         from_args(["--config", str(path)])
 
 
@@ -310,3 +311,114 @@ def test_each_entry_point_validates_once(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="^--steps: expected an int >= 1"):
         loop.train(Config(steps=0))
     assert main(["--steps", "0"]) == 2 and "--steps: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_help_and_flag_errors_import_neither_torch_nor_transformers():
+    """Issue 33 item 6: `--help` and flag errors took 4.5-25 s, importing torch and transformers first
+    (benchmarks/cli_startup.py times them)."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import contextlib, io, sys
+        from rlkernels.cli import main
+        for argv in (["--help"], ["train", "--help"], ["demo", "--help"], ["trl", "--help"], ["train", "--stepz", "1"],
+                     ["train", "--lr", "x"], ["train", "--steps", "0"], ["train", "--lr", "1e-4", "--learning-rate", "1"]):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                code = main(argv)
+            print(argv, code, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.rsplit(" ", 1)[-1] for line in lines] == ["[]"] * 8, lines
+    assert [int(line.split("] ")[1].split()[0]) for line in lines] == [0, 0, 0, 0, 2, 2, 2, 2], lines
+
+
+def test_a_setting_given_twice_is_an_error_on_the_command_line_as_in_a_file(tmp_path):
+    """One rule (issue 33): `--lr` with `--learning_rate` kept the last silently, while the same pair in a file was
+    an error; a key twice in one file was kept silently too. List settings add up when repeated."""
+    with pytest.raises(ValueError, match="^--lr and --learning_rate set the same option; give it once"):
+        from_args(["--lr", "1e-4", "--learning_rate", "2e-4"])
+    with pytest.raises(ValueError, match="^--steps is given twice; give it once"):
+        from_args(["--steps", "3", "--steps=4"])
+    with pytest.raises(ValueError, match="^--progress and --no-progress set the same option"):
+        from_args(["--progress", "--no-progress"])
+    assert from_args(["--reward", "exact", "--reward", "regex:(\\d+)"])[0].reward == ["exact", "regex:(\\d+)"]
+    (tmp_path / "c.yaml").write_text("lr: 1.0e-4\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(ValueError, match="keys 'lr' and 'learning_rate' set the same option"):
+        from_args(["--config", str(tmp_path / "c.yaml")])
+    for name, text in (("d.yaml", "steps: 3\nalgo: grpo\nsteps: 4\n"), ("d.json", '{"steps": 3, "steps": 4}')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^--config {tmp_path / name}: key 'steps' is given twice; give it once"):
+            from_args(["--config", str(tmp_path / name)])
+
+
+def test_each_subcommand_has_its_own_help(capsys):
+    from rlkernels import cli
+
+    assert cli.main(["trl", "--help"]) == 0 and "rlkernels trl grpo [ARGS]" in capsys.readouterr().out
+    assert cli.main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("`rlkernels demo [FLAGS]`") and "usage: rlkernels demo" in out
+    assert cli.main(["train", "--help"]) == 0 and "usage: rlkernels train" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: rlkernels bench") and "vocabulary size V" in out
+
+
+def test_threads_beyond_the_machine_are_refused():
+    """`--threads 100000` crashed the process with SIGSEGV inside torch.set_num_threads (issue 33)."""
+    import os
+
+    with pytest.raises(ValueError, match=r"^--threads: expected at most 4 × the \d+ CPUs"):
+        from_args(["--threads", "100000"])
+    assert from_args(["--threads", str(os.cpu_count())])[0].threads == os.cpu_count()
+
+
+def test_a_hub_name_resolves_through_the_local_cache_or_says_how_to_fetch_it(tmp_path, monkeypatch):
+    """Issue 33 item 5: `--model Qwen/Qwen2.5-0.5B-Instruct` was "no such folder" even when cached."""
+    from test_readme_quickstart import _stand_in
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "1+2="}\n')
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    argv = ["--model", "someone/tiny-model", "--dataset", str(tmp_path / "d.jsonl")]
+    with pytest.raises(ValueError, match=r"^--model: .*got 'someone/tiny-model': no such folder; as a Hugging Face "
+                                         r"Hub name it is not in the local cache either: fetch it first \(`hf download "
+                                         r"someone/tiny-model`\)"):
+        from_args(argv)
+    _stand_in(tmp_path / "hub", "someone/tiny-model")
+    assert from_args(argv)[0].model == "someone/tiny-model"
+    import os
+    import subprocess
+    import sys
+
+    load = "from rlkernels.trainer import task; print(task.load_model('someone/tiny-model')[0].config.hidden_size)"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}  # read when HF is imported
+    out = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "32", out.stderr[-2000:]
+
+
+def test_trl_grpo_runs_with_the_threads_accelerate_launch_gives(monkeypatch, tmp_path):
+    """Issue 33 item 4: `trl grpo` goes through `accelerate launch` (OMP_NUM_THREADS, 1 unless set); `rlkernels trl
+    grpo` ran in-process with torch's default threads (11.25 s against 0.37 s of train_runtime on a busy machine)."""
+    import os
+
+    import torch
+    from trl.scripts import grpo
+
+    from rlkernels import cli
+    from rlkernels.integrations import trl as integration
+
+    seen = {}
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    monkeypatch.setattr(integration, "apply", lambda: None)  # no patching of TRL in this process
+    monkeypatch.setattr(grpo, "main", lambda *args: seen.update(threads=torch.get_num_threads(),
+                                                                env=os.environ["OMP_NUM_THREADS"]))
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["trl", "grpo", "--output_dir", str(tmp_path), "--bf16", "false"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"threads": 1, "env": "1"}

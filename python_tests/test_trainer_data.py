@@ -8,7 +8,7 @@ from test_trainer import TINY, run
 
 datasets = pytest.importorskip("datasets")
 
-from rlkernels.trainer import data  # noqa: E402
+from rlkernels.trainer import Config, data  # noqa: E402
 
 ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b), "difficulty": a} for a in range(4) for b in range(5)]
 
@@ -81,7 +81,8 @@ def test_every_column_reaches_the_reward_in_a_run(tmp_path):
                                         "source": "sums"}) + "\n" for r in ROWS))
     run(tmp_path / "o", steps=1, dataset=str(path), eval_size=4, prompts_per_step=4, warmup_batch=8,
         reward=["test_trainer_data:difficulty_reward"])
-    assert SEEN and all(kw == ["source"] for _, _, kw in SEEN)
+    assert SEEN and all(kw == ["completion_ids", "log_extra", "log_metric", "source", "trainer_state"]  # TRL's too
+                        for _, _, kw in SEEN)
     assert any(n == 4 * TINY["num_generations"] for n, _, _ in SEEN)  # a rollout batch, the groups' rows
 
 
@@ -94,3 +95,29 @@ def test_answer_is_optional_with_a_reward_that_needs_none(tmp_path):
     with pytest.raises(ValueError, match="^--warmup-steps: the demo's supervised warm-up trains on the answer column"):
         run(tmp_path / "p", steps=1, dataset=str(path), eval_size=4, prompts_per_step=4,
             reward=["test_trainer_rewards:length_reward"])
+
+
+def test_prompts_beyond_the_context_are_refused_or_cut_as_trl(tmp_path, capsys):
+    """Issue 33: a 204-token prompt trained silently on a 16-position model; max_prompt_length was unknown."""
+    from test_trainer import _local_checkpoint  # max_position_embeddings 32
+
+    _local_checkpoint(tmp_path / "m")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "1+" * n + "1=", "answer": str(n + 1)}) + "\n" for n in (1, 2, 30, 3)))
+    common = dict(model=str(tmp_path / "m"), dataset=str(path), eval_size=1, prompts_per_step=2, steps=1,
+                  max_new_tokens=4, reward=[r"regex:(\d+)"])
+    with pytest.raises(ValueError, match=r"^--max-new-tokens: the longest prompt is 62 tokens, and 62 \+ 4 is more than "
+                                         r"the 32 positions of the model .*give --max-prompt-length"):
+        run(tmp_path / "o", **common)
+    summary, rows = run(tmp_path / "p", **common, max_prompt_length=16)
+    assert summary["steps"] == 1
+    assert "1 of 4 prompts are longer than --max-prompt-length 16 tokens: they keep their last 16" in capsys.readouterr().out
+
+
+def test_a_dataset_that_does_not_parse_names_the_cause(tmp_path):
+    """Issue 33: "DatasetGenerationError: An error occurred while generating the dataset", without the cause."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError) as err:
+        data.load(Config(dataset=str(path)))
+    assert str(err.value).startswith(f"--dataset: cannot read {str(path)!r}") and "An error occurred" not in str(err.value)

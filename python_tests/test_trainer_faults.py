@@ -127,10 +127,11 @@ def test_sigterm_finishes_the_step_saves_and_exits(reference, tmp_path):
     os.kill(pid, signal.SIGTERM)
     status = os.waitpid(pid, 0)[1]
     log = (tmp_path / "log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM, log  # not a finished run, for a scheduler
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
     assert 1 <= step < TINY["steps"] and len(_rows(out)) == step
     assert "SIGTERM: finishing this step, then saving a checkpoint" in log and f"stopped at step {step}" in log
+    assert f"continue with: rlkernels train --resume {out}" in log
     train(Config(resume=str(out), progress=False))
     assert_same_run(out, reference, f"SIGTERM at step {step}")
 
@@ -168,7 +169,7 @@ def test_a_signal_before_rl_saves_where_rl_starts(reference, tmp_path, where, si
     pid = start_run(out, tmp_path / "log", signal_in(where, sig))
     status = os.waitpid(pid, 0)[1]
     log = (tmp_path / "log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log
+    assert os.waitstatus_to_exitcode(status) == 128 + sig, log  # 130 for Ctrl-C, 143 for SIGTERM
     name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
     assert f"{name}: finishing the warm-up and the evaluation before RL, then saving a checkpoint" in log
     assert "stopped before step 1" in log and "Traceback" not in log
@@ -183,3 +184,25 @@ def test_a_second_signal_interrupts_at_once_without_a_traceback(tmp_path):
     log = (tmp_path / "log").read_text()
     assert os.waitstatus_to_exitcode(status) == 130, log
     assert "rlkernels.train: interrupted;" in log and "Traceback" not in log
+
+
+def test_resume_re_exports_a_model_older_than_its_checkpoint(tmp_path, capsys):
+    """Issue 33: a SIGKILL after the last step's checkpoint.pt and before the model export left the run folder's
+    model one checkpoint behind for good (--resume found no step left and exported nothing)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    train(Config(**{**TINY, "steps": 2}, out=str(out)))
+    weights = out / "model.safetensors"
+    before = load_file(weights)
+    train(Config(resume=str(out), steps=3, progress=False))
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    stale = os.path.getmtime(out / "checkpoint.pt") - 60
+    from safetensors.torch import save_file
+    save_file(before, weights)  # the export of step 2, as a kill before step 3's export would leave it
+    os.utime(weights, (stale, stale))
+    capsys.readouterr()
+    train(Config(resume=str(out), progress=False))
+    assert "exported the model of step 3" in capsys.readouterr().out
+    after = load_file(weights)
+    assert all(torch.equal(after[k], saved[k]) for k in after) and any(not torch.equal(after[k], before[k]) for k in after)

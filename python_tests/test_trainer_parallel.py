@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from rlkernels.trainer import Config, device, distributed, task, train
 from rlkernels.trainer import model as trainer_model
+from rlkernels.trainer import run_config
 from rlkernels.trainer import update as trainer_update
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
@@ -47,7 +48,7 @@ def _setup(algo, path="linear", critic=None, lora=False):
     if lora:
         model = task.add_lora(model, 4, 16.0)
     value_model = trainer_model.Critic(trainer_model.parts(model)[0], 32, critic == "separate") if critic else None
-    forward = trainer_update.UpdateForward(model, value_model, trainer_update.loss_config(cfg, 4), HEAD_ARGS, path)
+    forward = trainer_update.UpdateForward(model, value_model, run_config.loss_config(cfg, 4), HEAD_ARGS, path)
     params = [p for p in forward.parameters() if p.requires_grad]
     return forward, params, batch, cfg
 

@@ -227,8 +227,8 @@ def test_reward_model_folder_that_is_not_one(tmp_path):
 def test_training_with_a_reward_model(tmp_path, capsys):
     _reward_model(tmp_path / "rm")
     out = tmp_path / "o"
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + [
-        "--steps", "2", "--out", str(out), "--reward", "exact", "--reward-model", str(tmp_path / "rm"),
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "steps": 2}.items()] + [
+        "--out", str(out), "--reward", "exact", "--reward-model", str(tmp_path / "rm"),
         "--reward-weights", "1", "0.5"]
     assert main(argv) == 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -389,3 +389,100 @@ def test_a_causal_lm_or_several_labels_is_refused_as_a_reward_model(tmp_path):
     ).save_pretrained(tmp_path / "rm")
     with pytest.raises(ValueError, match=r"^--reward-model: expected a sequence classifier with one label .*has 3$"):
         rewards.RewardModel(str(tmp_path / "rm"), CPU)
+
+
+class TrlRewardProbe:
+    """A TRL-style reward that records what it is given, and logs through log_metric and log_extra."""
+
+    def __init__(self):
+        self.steps, self.calls = [], []
+
+    def __call__(self, prompts, completions, completion_ids, trainer_state, log_metric, log_extra, answer, **kwargs):
+        self.steps.append(trainer_state.global_step)
+        self.calls.append((list(completions), [list(ids) for ids in completion_ids], trainer_state.max_steps))
+        log_metric("probe_len", sum(len(c) for c in completions) / len(completions))
+        log_extra("probe_note", [f"n{len(c)}" for c in completions])
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_rewards_get_every_argument_trl_passes(tmp_path):
+    """Issue 33: trainer_state, completion_ids, log_extra and log_metric were not passed (TRL 1.16 passes them)."""
+    from rlkernels.trainer import task
+
+    probe = TrlRewardProbe()
+    train(Config(**{**TINY, "steps": 2, "eval_every": 1, "out": str(tmp_path)}), reward_fn=probe)
+    tok = task.CharTokenizer()
+    for completions, ids, max_steps in probe.calls:
+        assert max_steps == 2
+        # the ids are the sampled tokens up to and including the first eos; their text is the completion
+        assert [tok.decode(row) for row in ids] == completions
+    assert set(probe.steps) == {0, 1, 2}  # 0: evaluations before RL
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all(r["probe_len"] >= 0 for r in rows)
+    logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert logged and all(s["probe_note"] == f"n{len(s['completion'])}" for s in logged)
+
+
+async def async_reward(prompts, completions, **kwargs):
+    return [1.0 if c else 0.0 for c in completions]
+
+
+def test_an_async_reward_is_awaited(tmp_path):
+    """TRL awaits `async def` rewards; here their coroutine was taken as the reward (an error naming it)."""
+    summary = train(Config(**{**TINY, "steps": 1, "out": str(tmp_path)}), reward_fn=async_reward)
+    assert 0.0 <= summary["final_reward_mean"] <= 1.0 and 0.0 <= summary["eval_reward_before"] <= 1.0
+
+
+def needs_a_column(prompts, completions, difficulty, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def two_arguments(prompt, completion):
+    return 0.0
+
+
+@pytest.mark.parametrize("fn, message", [
+    (needs_a_column, "--reward .*needs_a_column: parameter 'difficulty' is neither a column of the dataset "
+                     r"\(answer\) nor an argument TRL passes"),
+    (two_arguments, r"--reward .*two_arguments: expected \(prompt, completion, answer\) -> float, or TRL's"),
+])
+def test_a_reward_that_cannot_be_served_is_refused_before_any_model_loads(tmp_path, monkeypatch, fn, message):
+    from rlkernels.trainer import task
+
+    monkeypatch.setattr(task, "tiny_model", lambda *a, **k: pytest.fail("the trainer built its model"))
+    with pytest.raises(ValueError, match=message):
+        train(Config(**{**TINY, "out": str(tmp_path / "o")}), reward_fn=fn)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_column_named_as_a_trl_argument_is_refused(tmp_path):
+    _local_checkpoint(tmp_path / "m")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "completions": "x"}\n{"prompt": "1+2=", "completions": "y"}\n')
+    cfg = Config(model=str(tmp_path / "m"), dataset=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"), steps=1,
+                 progress=False)
+    with pytest.raises(ValueError, match="^--dataset: column 'completions' has the name of an argument TRL passes"):
+        train(cfg, reward_fn=length_reward)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f(:\n", r"^--reward .*bad.py:f: .*bad.py, line 1: invalid syntax"),
+    ("raise RuntimeError('no GPU')\n", r"^--reward .*bad.py:f: importing .*bad.py raised RuntimeError \(no GPU\)"),
+])
+def test_a_reward_file_that_fails_to_import_is_one_line(tmp_path, source, message):
+    (tmp_path / "bad.py").write_text(source)
+    with pytest.raises(ValueError, match=message):
+        train(Config(**{**TINY, "out": str(tmp_path / "o"), "reward": [f"{tmp_path / 'bad.py'}:f"]}))
+
+
+def test_resume_names_the_reward_module_before_importing_it(tmp_path, capsys):
+    """Issue 33: --resume imported the reward module its checkpoint records (a file in the current folder, say)
+    before saying so."""
+    (tmp_path / "noisy_reward.py").write_text("print('IMPORTED noisy_reward')\n"
+                                              "def score(prompt, completion, answer):\n    return 0.0\n")
+    spec = f"{tmp_path / 'noisy_reward.py'}:score"
+    train(Config(**{**TINY, "steps": 1, "out": str(tmp_path / "o"), "reward": [spec]}))
+    capsys.readouterr()
+    train(Config(resume=str(tmp_path / "o"), steps=2, progress=False))
+    out = capsys.readouterr().out
+    named = out.index(f"--resume: the reward functions of {tmp_path / 'o'}'s checkpoint, imported now: {spec}")
+    assert named < out.index("IMPORTED noisy_reward")

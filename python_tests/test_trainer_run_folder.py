@@ -52,3 +52,45 @@ def test_a_run_folder_that_turns_unwritable_is_a_one_line_error(tmp_path, monkey
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=rf"^--out: cannot write in '{out}' \(the file: Permission denied\)$"):
         run(out, steps=2, **extra)
+
+
+def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path, capsys):
+    """Issue 33: a second run on one --out replaced the first silently (metrics truncated, checkpoint and model
+    overwritten, exit 0)."""
+    from rlkernels.train import main
+    from test_trainer import TINY
+
+    run(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlkernels.train: error: --out: '{tmp_path}' holds a run (checkpoint.pt, metrics.jsonl, "
+                          f"summary.json); continue it with --resume {tmp_path}") and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # untouched
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (tmp_path / ".rlkernels.lock").exists()
+
+
+def test_one_run_at_a_time_writes_a_folder(tmp_path):
+    """Two runs on one --out: the later one is refused while the first holds the folder's lock."""
+    from rlkernels.trainer import run_folder
+
+    claim = run_folder.prepare_out_dir(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"^--out: another run is writing .*run' \(it holds \.rlkernels\.lock\)"):
+        run_folder.prepare_out_dir(str(tmp_path / "run"), overwrite=True)
+    claim.release()
+    run_folder.prepare_out_dir(str(tmp_path / "run")).release()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, capsys):
+    """Issue 33: a run that failed on its reward left an empty --out behind."""
+    from rlkernels.train import main
+    from test_trainer import TINY
+
+    (tmp_path / "bad_reward.py").write_text("def score(prompt, completion, answer):\n    raise KeyError('oops')\n")
+    out = tmp_path / "run"
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    assert main([*argv, "--out", str(out), "--reward", f"{tmp_path / 'bad_reward.py'}:score"]) == 2
+    assert "score raised KeyError ('oops')" in capsys.readouterr().err
+    assert not out.exists()

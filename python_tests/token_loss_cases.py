@@ -174,6 +174,16 @@ CASES = {
     "topr_k3_entropy": _c2(objective="topr", kl_estimator="k3", kl_coef=0.05, entropy_coef=0.01),
     "topr_on_policy": make_case(objective="topr", old=False, entropy_coef=0.01),
     "topr_on_policy_bf16": _c2(dtype=torch.bfloat16, objective="topr", old=False),
+    # GPPO: a token the clip holds keeps the gradient −β·bound·A (the β's scale its value too)
+    "gppo": make_case(objective="gppo", clip_low=0.2, clip_high=0.28, exercises=("clip_low", "clip_high")),
+    "gppo_betas_dual": make_case(objective="gppo", clip_low=0.15, clip_high=0.3, dual_clip=1.8, gppo_beta_low=0.75,
+                                 gppo_beta_high=1.2, ref=True, kl_estimator="k3", kl_coef=0.05,
+                                 agg="seq_mean_token_mean", exercises=("clip_low", "clip_high", "dual_clip")),
+    "gppo_log_ratio_clamp": make_case(objective="gppo", gppo_beta_low=0.5, gppo_beta_high=2.0, log_ratio_clamp=0.8,
+                                      entropy_coef=0.01, exercises=("clip_low", "clip_high", "log_ratio_clamp")),
+    "gppo_bf16_k2": _c2(dtype=torch.bfloat16, temperature=0.7, objective="gppo", gppo_beta_low=0.75, kl_estimator="k2",
+                        kl_coef=0.1),
+    "gppo_on_policy": make_case(objective="gppo", old=False, dual_clip=3.0, entropy_coef=0.01),
     "reinforce": make_case(objective="reinforce", entropy_coef=0.01, agg="seq_mean_token_mean"),
     "reinforce_no_entropy": make_case(objective="reinforce", agg="seq_mean_token_mean"),
     "reinforce_entropy_c2": _c2(objective="reinforce", entropy_coef=0.01),
@@ -246,6 +256,8 @@ NAN_CASES = {
                              kl_coef=0.1),
     "reinforce_k3_bias": make_case(objective="reinforce", ref=True, kl_estimator="k3", kl_coef=0.1,
                                kl_bias_correction=True, log_ratio_clamp=1.0),
+    "gppo_dual_k1": make_case(objective="gppo", dual_clip=2.0, gppo_beta_low=0.8, gppo_beta_high=1.5, ref=True,
+                              kl_estimator="k1", kl_coef=0.1),
 }
 
 # The branches `exercises` may name; between them the cases name every one.
@@ -444,6 +456,10 @@ def reached_branches(case: Case, x: Inputs, spec: Spec):
         reached["delta"] = (w > delta) & (adv < 0)
         surrogate = torch.maximum(-adv * w.clamp(max=delta), -adv * w.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
         reached["dual_clip"] = (adv < 0) & (surrogate > -(cfg.dual_clip or math.inf) * adv)
+    if cfg.objective == "gppo":  # for A < 0: −β₁·(1 − ε_low)·A on a token held below the band, else −A·w
+        lo = 1 - cfg.clip_low
+        surrogate = -adv * torch.where((w < lo) & (adv < 0), cfg.gppo_beta_low * lo, w)
+        reached["dual_clip"] = (adv < 0) & (surrogate > -(cfg.dual_clip or math.inf) * adv)
     if x.old is not None:
         reached["log_ratio_clamp"] = (logp - x.old.reshape(-1)).abs() > c
     if x.ref is not None:
@@ -615,4 +631,7 @@ BAD_LOSS_SCALARS = [
     ("ratio_cap", dict(ratio_cap=0.0)),
     ("dro_beta", dict(dro_beta=-0.1)),
     ("dro_beta", dict(dro_beta=math.inf)),
+    ("gppo_beta_low", dict(gppo_beta_low=0.0)),
+    ("gppo_beta_high", dict(gppo_beta_high=math.nan)),
+    ("gppo_beta_high", dict(gppo_beta_high=math.inf)),
 ]

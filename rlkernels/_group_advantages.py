@@ -29,12 +29,15 @@ def _mask(mask, B) -> torch.Tensor:
     return check_mask("mask", mask)
 
 
-def _group_mean(x, inverse, G, weights=None) -> torch.Tensor:
-    """Each row's group mean (B,), weighted by `weights` when given, 0 in a group of one (verl's convention)."""
+def _minus_group_mean(x, inverse, G, weights=None) -> torch.Tensor:
+    """x − μ_g (B,), μ_g each row's group mean (weighted by `weights` when given), μ = 0 in a group of one (verl's
+    convention). The mean is taken of x shifted by its group's max, as `group_centered`: rewards near 1e3 keep
+    their spread's precision, and a group of equal values centres to exactly 0."""
     counts = group_sum(torch.ones_like(x), inverse, G)
+    shifted = x - group_reduce(x, inverse, G, "amax")[inverse]
     total = counts if weights is None else group_sum(weights, inverse, G)
-    summed = group_sum(x if weights is None else weights * x, inverse, G)
-    return torch.where(counts > 1, summed / total, 0.0)[inverse]
+    mean = group_sum(shifted if weights is None else weights * shifted, inverse, G) / total
+    return torch.where((counts > 1)[inverse], shifted - mean[inverse], x)
 
 
 def _grpo(x, inverse, G, scale_by_std: bool, eps: float) -> torch.Tensor:
@@ -54,7 +57,7 @@ def reinforce_plus_plus_baseline(rewards: torch.Tensor, mask: torch.Tensor, grou
     x = _rewards(rewards)
     mask = _mask(mask, x.shape[0])
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
-    per_token = torch.where(mask, (x - _group_mean(x, inverse, G))[:, None], 0.0)
+    per_token = torch.where(mask, _minus_group_mean(x, inverse, G)[:, None], 0.0)
     return torch.where(mask, masked_whiten(per_token, mask), 0.0)
 
 
@@ -66,7 +69,7 @@ def opo(rewards: torch.Tensor, mask: torch.Tensor, group_ids: Optional[torch.Ten
     x = _rewards(rewards)
     lengths = _mask(mask, x.shape[0]).sum(-1).to(x.dtype)
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
-    return x - _group_mean(x, inverse, G, weights=lengths)
+    return _minus_group_mean(x, inverse, G, weights=lengths)
 
 
 @torch.no_grad()
@@ -77,7 +80,7 @@ def gpg(rewards: torch.Tensor, group_ids: Optional[torch.Tensor] = None, *, grou
     f_norm = check_real("f_norm", f_norm, 0.0, lo_open=True)
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
     alpha = x.shape[0] / (x != 0).sum().clamp(min=1).to(x.dtype)
-    return alpha * (x - _group_mean(x, inverse, G)) / f_norm
+    return alpha * _minus_group_mean(x, inverse, G) / f_norm
 
 
 @torch.no_grad()

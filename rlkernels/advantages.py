@@ -84,6 +84,17 @@ def gae(
     return (masked_whiten(adv, mask) if whiten else adv), returns
 
 
+LONE_CHOICES = ("zero", "keep")
+
+
+def _keep_lone(out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor, lone: str,
+               divisor=1.0) -> torch.Tensor:
+    """`out`, except that under lone="keep" a row alone in its group has its reward / `divisor` (verl's baseline 0)."""
+    if check_choice("lone", lone, LONE_CHOICES) == "zero":
+        return out
+    return torch.where((counts == 1)[inverse], x / divisor, out)
+
+
 def group_normalized(
     rewards: torch.Tensor,
     group_ids: Optional[torch.Tensor] = None,
@@ -91,12 +102,14 @@ def group_normalized(
     group_size: Optional[int] = None,
     scale: Optional[str] = "group",
     eps: float = 1e-6,
+    lone: str = "zero",
 ) -> torch.Tensor:
     """GRPO advantages ``(B,)``: each reward minus its group mean, divided by
     ``σ_group + eps`` (``scale="group"``), by ``σ_batch + eps`` (``"batch"``, TRL's
     ``scale_rewards="batch"``: the std of all rewards) or not at all (``None``, Dr. GRPO).
     Standard deviations are Bessel-corrected; a group of one (or a batch of one) has std 0,
-    and its advantage is 0."""
+    and its advantage is 0 (``lone="zero"``, TRL's), or under ``lone="keep"`` (verl's ``grpo``:
+    μ = 0, σ = 1) its reward divided by ``1 + eps`` (``"group"``), ``σ_batch + eps`` or 1."""
     _check_rewards(rewards)
     check_choice("scale", scale, ("group", "batch", None))
     eps = check_real("eps", eps, 0.0)
@@ -104,14 +117,13 @@ def group_normalized(
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
     centered, counts = group_centered(x, inverse, G)
     if scale == "group":
-        out = centered / (group_std(centered, counts, inverse, G)[inverse] + eps)
-    elif scale == "batch":
+        divisor = group_std(centered, counts, inverse, G)[inverse] + eps
+        return _keep_lone(centered / divisor, x, counts, inverse, lone, 1 + eps)
+    if scale == "batch":
         n = x.shape[0]
-        batch_std = ((x - x.mean()).square().sum() / max(n - 1, 1)).sqrt() if n else x.new_zeros(())
-        out = centered / (batch_std + eps)
-    else:
-        out = centered
-    return out
+        divisor = ((x - x.mean()).square().sum() / max(n - 1, 1)).sqrt() + eps if n else x.new_ones(())
+        return _keep_lone(centered / divisor, x, counts, inverse, lone, divisor)
+    return _keep_lone(centered, x, counts, inverse, lone)
 
 
 def rloo(
@@ -119,15 +131,17 @@ def rloo(
     group_ids: Optional[torch.Tensor] = None,
     *,
     group_size: Optional[int] = None,
+    lone: str = "zero",
 ) -> torch.Tensor:
     """REINFORCE leave-one-out advantages ``(B,)``: ``R_i − mean_{j≠i, j∈g(i)} R_j``,
-    computed as ``n/(n−1)·(R_i − μ_g)`` (the same quantity); 0 for a group of one."""
+    computed as ``n/(n−1)·(R_i − μ_g)`` (the same quantity); 0 for a group of one, or its reward
+    under ``lone="keep"`` (verl's ``rloo``: an empty leave-one-out mean is 0)."""
     _check_rewards(rewards)
     x = _work(rewards)
     inverse, G = group_index(x.shape[0], group_ids, group_size, x.device)
     centered, counts = group_centered(x, inverse, G)
     factor = counts / (counts - 1).clamp(min=1)  # a group of one has centred value 0
-    return centered * factor[inverse]
+    return _keep_lone(centered * factor[inverse], x, counts, inverse, lone)
 
 
 def tree_grpo(

@@ -111,14 +111,16 @@ def _draw(path, timings, title) -> bool:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--backend", default=None, help="rlkernels backend (default: auto)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="rlkernels bench", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size V of the model")
+    parser.add_argument("--seq-len", type=int, default=256, help="completion tokens per row")
+    parser.add_argument("--groups", type=int, default=2, help="prompts (GRPO groups)")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--backend", default=None, help="rlkernels backend: cuda, triton, cpu or torch; none = auto")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of each "
+                        "measuring process")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the model and the batch")
     parser.add_argument("--png", default="rlkernels-demo.png", help="where to draw the comparison ('' for none)")
     args = parser.parse_args(argv)
 

@@ -9,25 +9,9 @@ import math
 
 import torch
 
-_CONFIG_DEFAULTS = dict(
-    ratio="token", objective="clip", clip_low=0.2, clip_high=0.2, delta=None, dual_clip=None,
-    fspo_c_low=0.03, fspo_c_high=0.03, kl_estimator=None, kl_coef=0.0, kl_clamp=None,
-    kl_bias_correction=False, kl_bias_ratio="token", entropy_coef=0.0, entropy_agg=None, agg="token_mean", norm_length=None,
-    log_ratio_clamp=20.0, group_size=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, ratio_cap=None,
-    clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_draw="device", kl_cov_ratio=2e-4,
-    kl_cov_coef=0.1, dro_beta=None,
-    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask=None,
-    top_entropy_quantile=None, rollout_is=None, rollout_is_mode="truncate", rollout_is_lower=None,
-    rollout_is_upper=2.0, rollout_is_batch_normalize=False, rollout_rs=(),
-)
-
 
 def _dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _cfg(config, name):
-    return getattr(config, name, _CONFIG_DEFAULTS[name])
 
 
 def _clamp(x, lo, hi):
@@ -119,7 +103,7 @@ def _masked_metric(values, dtype, reduce="mean"):
 
 def _band(config):
     """Ratio-space clip band (1 - ε_low, 1 + ε_high); None = no bound on that side."""
-    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    eps_low, eps_high = config.clip_low, config.clip_high
     return (None if eps_low is None else 1 - eps_low), (None if eps_high is None else 1 + eps_high)
 
 
@@ -133,7 +117,7 @@ def _clipped(x, lo, hi, a=None):
 def _clip_surrogate(w, a, config):
     """§5 max(-A·w', -A·clip(w, 1-ε_low, 1+ε_high)), w' = min(w, delta); dual clip if A < 0."""
     lo, hi = _band(config)
-    delta, c = _cfg(config, "delta"), _cfg(config, "dual_clip")
+    delta, c = config.delta, config.dual_clip
     w_unclipped = w if delta is None else torch.clamp(w, max=delta)
     loss = torch.maximum(-a * w_unclipped, -a * _clamp(w, lo, hi))
     if c is not None:
@@ -143,14 +127,14 @@ def _clip_surrogate(w, a, config):
 
 def _soft_gate(w, a, config):
     """§5 SAPO: -A · σ(τ(w - 1)) · 4/τ, τ = τ_pos where A > 0, else τ_neg."""
-    tau = torch.where(a > 0, torch.tensor(float(_cfg(config, "sapo_tau_pos")), dtype=w.dtype),
-                      torch.tensor(float(_cfg(config, "sapo_tau_neg")), dtype=w.dtype))
+    tau = torch.where(a > 0, torch.tensor(float(config.sapo_tau_pos), dtype=w.dtype),
+                      torch.tensor(float(config.sapo_tau_neg), dtype=w.dtype))
     return -a * torch.sigmoid(tau * (w - 1)) * 4 / tau
 
 
 def _dppo_inside(l, lo, a, config, divergence):
     """§5 DPPO: True where the token is inside the divergence trust region (per token, detached)."""
-    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    eps_low, eps_high = config.clip_low, config.clip_high
     p, q = torch.exp(l.detach()), torch.exp(lo)
     out = []
     for t in range(l.numel()):
@@ -185,7 +169,7 @@ def _rollout_correction(config, old, rollout, valid, is_weights, C):
     weights (B, T) times the rollout IS weights). Every test and the weights read the given mask."""
     B, T = valid.shape
     kept = valid.clone()
-    for name, lower, upper in _cfg(config, "rollout_rs"):
+    for name, lower, upper in config.rollout_rs:
         level, _, estimator = name.rpartition("_")
         for i in range(B):
             if not bool(valid[i].any()):
@@ -199,10 +183,10 @@ def _rollout_correction(config, old, rollout, valid, is_weights, C):
             if upper is not None:
                 ok = ok & (stat <= upper)
             kept[i, valid[i]] = kept[i, valid[i]] & ok   # each test on the given mask, all of them kept
-    level = _cfg(config, "rollout_is")
+    level = config.rollout_is
     if level is None:
         return kept, is_weights
-    lower, upper = _cfg(config, "rollout_is_lower"), _cfg(config, "rollout_is_upper")
+    lower, upper = config.rollout_is_lower, config.rollout_is_upper
     w = torch.zeros(B, T, dtype=old.dtype)
     for i in range(B):
         if not bool(valid[i].any()):
@@ -210,7 +194,7 @@ def _rollout_correction(config, old, rollout, valid, is_weights, C):
         r = torch.nan_to_num(old[i][valid[i]] - rollout[i][valid[i]], nan=0.0)   # NaN: a token the sampler lacks
         r = r.sum().expand(r.numel()) if level == "sequence" else r
         wi = torch.exp(torch.clamp(r, -C, C))
-        if _cfg(config, "rollout_is_mode") == "truncate":
+        if config.rollout_is_mode == "truncate":
             wi = _clamp(wi, lower, upper)
         else:                                       # IcePop: 0 outside [lower, upper]
             outside = torch.zeros_like(wi, dtype=torch.bool)
@@ -221,7 +205,7 @@ def _rollout_correction(config, old, rollout, valid, is_weights, C):
             wi = torch.where(outside, torch.zeros_like(wi), wi)
         w[i, valid[i]] = wi
     rows = [i for i in range(B) if bool(valid[i].any())]
-    if _cfg(config, "rollout_is_batch_normalize") and rows:   # divided by the mean over the tokens, or the rows
+    if config.rollout_is_batch_normalize and rows:   # divided by the mean over the tokens, or the rows
         mean = w[valid].mean() if level == "token" else _mean([w[i][valid[i]][0] for i in rows])
         if mean > 1e-8:
             w = w / mean
@@ -241,13 +225,13 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     B, T = logp.shape
     valid = mask != 0
     old = logp.detach() if old_logp is None else old_logp.detach().to(dt)   # on-policy: sg(ℓ)
-    C = float(_cfg(config, "log_ratio_clamp"))                 # every exponentiated log-ratio
-    if _cfg(config, "rollout_is") is not None or _cfg(config, "rollout_rs"):
+    C = float(config.log_ratio_clamp)                 # every exponentiated log-ratio
+    if config.rollout_is is not None or config.rollout_rs:
         if old_logp is None or rollout_logp is None:
             raise ValueError("rollout_logp: config.rollout_is / rollout_rs need old_logp and rollout_logp")
         valid, is_weights = _rollout_correction(config, old, rollout_logp.detach().to(dt), valid, is_weights, C)
-    ratio, objective = _cfg(config, "ratio"), _cfg(config, "objective")
-    eps_low, eps_high = _cfg(config, "clip_low"), _cfg(config, "clip_high")
+    ratio, objective = config.ratio, config.objective
+    eps_low, eps_high = config.clip_low, config.clip_high
     rows = [i for i in range(B) if bool(valid[i].any())]      # empty rows take part in nothing
     if advantages is not None:
         advantages = advantages.detach().to(dt)
@@ -263,7 +247,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     # §4 group-level quantities over the non-empty rows of each group (GEPO, SNIS)
     log_E, w_hat, baseline = {}, {}, {}
     if ratio in ("group_expectation", "snis"):
-        for g in _groups(B, group_ids, _cfg(config, "group_size")):
+        for g in _groups(B, group_ids, config.group_size):
             g = [j for j in g if j in rows]
             if not g:
                 continue
@@ -296,20 +280,20 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 for c, (i, t), x in zip(cov, cells, A):
                     w = torch.exp(torch.clamp(logp[i, t].detach() - old[i, t], -C, C))
                     clipped = bool(-x * torch.clamp(w, lo_, hi_) > -x * w)
-                    if not clipped and _cfg(config, "clip_cov_lb") < c < _cfg(config, "clip_cov_ub"):
+                    if not clipped and config.clip_cov_lb < c < config.clip_cov_ub:
                         cand.append((i, t))
-                k = max(int(_cfg(config, "clip_cov_ratio") * len(cells)), 1)
-                if _cfg(config, "clip_cov_draw") == "device":   # the k candidates of smallest uniform keys
+                k = max(int(config.clip_cov_ratio * len(cells)), 1)
+                if config.clip_cov_draw == "device":   # the k candidates of smallest uniform keys
                     keys = torch.rand(B, T, device=logp.device)
                     chosen = set(sorted(cand, key=lambda it: (float(keys[it]), it[0] * T + it[1]))[:k])
                 elif cand:   # verl's draw: torch.randperm(n) on the default generator
                     chosen = {cand[j] for j in torch.randperm(len(cand))[:min(k, len(cand))].tolist()}
             else:
-                k = max(1, int(len(cells) * _cfg(config, "kl_cov_ratio")))
+                k = max(1, int(len(cells) * config.kl_cov_ratio))
                 top = sorted(range(len(cells)), key=lambda j: -cov[j])[:k]   # stable: ties by position
                 chosen = {cells[j] for j in top}
 
-    rho = _cfg(config, "top_entropy_quantile")   # §7 entropy mask: threshold over all valid tokens
+    rho = config.top_entropy_quantile   # §7 entropy mask: threshold over all valid tokens
     h_thr = None
     if rho is not None and rho < 1 and bool(valid.any()):
         h_thr = torch.quantile(entropy.detach().to(dt)[valid], 1 - rho)
@@ -336,12 +320,12 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 surr = _soft_gate(w_tok, a, config)
             elif objective in ("dppo_tv", "dppo_kl"):   # §5 -A sg(min(w, cap)) ℓ inside the trust region
                 inside = _dppo_inside(l, lo, a, config, objective[5:])
-                cap = _cfg(config, "ratio_cap")
+                cap = config.ratio_cap
                 weight = (w_tok if cap is None else torch.clamp(w_tok, max=cap)).detach()
                 surr = -a * weight * l * inside.to(dt)
                 low, high = ~inside & (a < 0), ~inside & (a > 0)
             elif objective == "dro":                # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
-                surr = -(a * l - 0.5 * _cfg(config, "dro_beta") * (l - lo) ** 2)
+                surr = -(a * l - 0.5 * config.dro_beta * (l - lo) ** 2)
             elif objective == "topr":               # §5 -A ℓ for A ≥ 0, -sg(clip(w, 0, 1)) A ℓ for A < 0
                 surr = -torch.where(a < 0, torch.clamp(w_tok, 0, 1), torch.ones_like(w_tok)).detach() * a * l
                 high = (w_tok > 1) & (a < 0)
@@ -354,8 +338,16 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             elif objective == "kl_cov":             # §5 -A w, + coef |ℓ - ℓ_old| on the chosen tokens
                 cols = torch.nonzero(valid[i]).reshape(-1).tolist()
                 pick = torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool)
-                surr = -a * w_tok + torch.where(pick, _cfg(config, "kl_cov_coef") * (l - lo).abs(),
+                surr = -a * w_tok + torch.where(pick, config.kl_cov_coef * (l - lo).abs(),
                                                 torch.zeros((), dtype=dt))
+            elif objective == "gppo":               # §5 PPO's clip, but a clipped token keeps -β·bound·A·∇ℓ
+                lo_b, hi_b = _band(config)
+                low, high = _clipped(w_tok, lo_b, hi_b, a)
+                r = torch.clamp(l - lo, -C, C)
+                bound = torch.where(low, torch.tensor(config.gppo_beta_low * lo_b, dtype=dt), config.gppo_beta_high * hi_b)
+                surr = -a * torch.where(low | high, bound * torch.exp(r - r.detach()), w_tok)
+                if config.dual_clip is not None:
+                    surr = torch.where(a < 0, torch.minimum(surr, -config.dual_clip * a), surr)
             else:
                 raise ValueError(f"unknown objective {objective!r}")
         elif ratio == "sequence":                   # GSPO: s_i broadcast to the row
@@ -384,16 +376,21 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             log_w = torch.clamp(log_w, math.log(1e-8), C).detach()
             w = torch.exp(log_w)
             pos = bool(a_row >= 0)
-            k = _cfg(config, "vespo_k_pos" if pos else "vespo_k_neg")
-            lam = max(_cfg(config, "vespo_lambda_pos" if pos else "vespo_lambda_neg"), 1e-4)
+            k = getattr(config, "vespo_k_pos" if pos else "vespo_k_neg")
+            lam = max(getattr(config, "vespo_lambda_pos" if pos else "vespo_lambda_neg"), 1e-4)
             phi = torch.exp(lam + k * log_w - lam * w)
             phi = phi if bool(torch.isfinite(phi)) else torch.zeros_like(phi)
             surr = -phi * a * l
             r_metric = w.expand(L)
+        elif ratio == "sequence_sum" and objective == "topr":   # TOPR at the trajectory ratio π(τ)/μ(τ)
+            w = torch.exp(torch.clamp((l - lo).sum(), -C, C)).detach()
+            surr = -(torch.clamp(w, 0, 1) if bool(a_row < 0) else torch.ones_like(w)) * a * l
+            high = ((w > 1) & (a_row < 0)).expand(L)
+            r_metric = w.expand(L)
         elif ratio == "sequence_sum":               # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
             S = torch.clamp((l - lo).sum(), -C, C)
-            band = (-_cfg(config, "fspo_c_low") * math.sqrt(L),
-                    _cfg(config, "fspo_c_high") * math.sqrt(L))
+            band = (-config.fspo_c_low * math.sqrt(L),
+                    config.fspo_c_high * math.sqrt(L))
             row = -torch.minimum(torch.exp(S) * a_row, torch.exp(torch.clamp(S, *band)) * a_row)
             surr = row.expand(L)
             low, high = (x.expand(L) for x in _clipped(S, *band, a_row))
@@ -423,7 +420,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             omega = omega * tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
         if h_thr is not None:                # keep the tokens with the top ρ entropies of the call
             omega = omega * (tok(entropy.detach().to(dt), i) >= h_thr).to(dt)
-        thr = _cfg(config, "off_policy_mask")
+        thr = config.off_policy_mask
         if thr is not None:                  # keep unless A < 0 and mean(ℓ_rollout - ℓ) > thr
             src = lo if rollout_logp is None else tok(rollout_logp.detach().to(dt), i)
             gap = float(torch.nan_to_num(src - l.detach(), nan=0.0).mean())
@@ -434,14 +431,14 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         # §6 KL to the reference: Δ = ℓ_ref - ℓ, the estimator, value clamp, optional w_tok factor;
         # the metric reports the k added to the loss, or plain k3 when no KL is in the loss
         if ref_logp is not None:
-            coef, est, kl_clamp = (_cfg(config, n) for n in ("kl_coef", "kl_estimator", "kl_clamp"))
+            coef, est, kl_clamp = config.kl_coef, config.kl_estimator, config.kl_clamp
             d_ref = tok(ref_logp.detach().to(dt), i) - l
             if coef != 0 and est is not None:
                 k = _kl(d_ref, est, C)
                 if kl_clamp is not None:
                     k = torch.clamp(k, -kl_clamp, kl_clamp)
-                if _cfg(config, "kl_bias_correction"):   # with the ratio's gradient: the token's, or the row's
-                    k = k * (w_tok if _cfg(config, "kl_bias_ratio") == "token" else torch.exp(log_s(i)))
+                if config.kl_bias_correction:   # with the ratio's gradient: the token's, or the row's
+                    k = k * (w_tok if config.kl_bias_ratio == "token" else torch.exp(log_s(i)))
                 loss_tok = loss_tok + coef * k
             else:
                 k = _kl(d_ref, "k3", C)
@@ -449,8 +446,8 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         # §7 entropy bonus (gradient flows into H)
         if entropy is not None:
             H = tok(entropy.to(dt), i)
-            if _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") is None:
-                loss_tok = loss_tok - _cfg(config, "entropy_coef") * H
+            if config.entropy_coef != 0 and config.entropy_agg is None:
+                loss_tok = loss_tok - config.entropy_coef * H
             m_ent.append(H)
             m_bonus.append(H if h_thr is None else H[tok(entropy.detach().to(dt), i) >= h_thr])  # §7: its tokens
         row_losses.append(loss_tok)
@@ -463,11 +460,11 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         m_akl.append(torch.exp(d_old) - d_old - 1)
 
     zero = logp[valid].sum() * 0                    # keeps the graph when there are no rows
-    loss = _aggregate(row_losses, _cfg(config, "agg"), T, zero, num_items, num_seqs,
-                      _cfg(config, "norm_length"))
-    if entropy is not None and _cfg(config, "entropy_coef") != 0 and _cfg(config, "entropy_agg") == "token_mean":
+    loss = _aggregate(row_losses, config.agg, T, zero, num_items, num_seqs,
+                      config.norm_length)
+    if entropy is not None and config.entropy_coef != 0 and config.entropy_agg == "token_mean":
         every_h = torch.cat([h.reshape(-1) for h in m_bonus] + [zero.reshape(1)])   # §7: its own token mean
-        loss = loss - _cfg(config, "entropy_coef") * every_h.sum() / max(every_h.numel() - 1, 1)
+        loss = loss - config.entropy_coef * every_h.sum() / max(every_h.numel() - 1, 1)
     low_frac, high_frac = _masked_metric(m_low, dt), _masked_metric(m_high, dt)
     metrics = dict(
         kl=_masked_metric(m_kl, dt), clip_frac=low_frac + high_frac, clip_frac_low=low_frac,

@@ -2,10 +2,10 @@
 
 With no arguments: the offline demo (a tiny Llama learns 2-digit addition: a supervised warm-up, then GRPO
 raises held-out greedy accuracy). On your model: `--model DIR --dataset FILE_OR_FOLDER --reward ...`.
-Every field of `rlkernels.trainer.Config` is a flag (transformers.HfArgumentParser), and so are TRL's
-GRPOConfig names (`--learning_rate`, `--beta`, `--loss_type`, ...); `--config FILE.json|FILE.yaml` takes the
-same keys, a TRL recipe included (flags override it); `--resume DIR` continues a run. Under
-`torchrun --nproc-per-node N` it runs data parallel (DDP), or sharded with `--fsdp` (FSDP2).
+Every field of `rlkernels.trainer.Config` is a flag, and so are TRL's GRPOConfig names (`--learning_rate`,
+`--beta`, `--loss_type`, ...); `--config FILE.json|FILE.yaml` takes the same keys, a TRL recipe included (flags
+override it); `--resume DIR` continues a run. Under `torchrun --nproc-per-node N` it runs data parallel (DDP), or
+sharded with `--fsdp` (FSDP2). Ctrl-C or SIGTERM stops at the next checkpoint and exits 130 or 143.
 docs/trainer.md has the details.
 """
 from __future__ import annotations
@@ -14,29 +14,32 @@ import os
 import sys
 
 
-def main(argv=None) -> int:
-    from .trainer import run_config as C
+def main(argv=None, prog: str = "rlkernels train", doc: str = __doc__) -> int:
+    from .trainer import run_config as C  # neither torch nor transformers: --help and flag errors answer at once
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # anywhere on the command line, before any other check
-        print(__doc__)
-        print(C.help_text())
+        print(doc)
+        print(C.help_text(prog))
         return 0
+    notes = []
     try:
-        cfg, explicit = C.from_args(argv)
+        cfg, explicit = C.from_args(argv, notes)
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)
         return 2
+    for line in notes:  # TRL's settings with no effect here, and where a TRL recipe trains otherwise
+        print(f"rlkernels.train: {line}")
     import torch.distributed as dist
 
-    from .trainer import device
+    from .trainer import device, stop
     from .trainer.loop import train_validated  # from_args has validated cfg
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(device.backend(device.process_device(cfg.device, world)))
-        train_validated(cfg, explicit=explicit if cfg.resume else None)
+        summary = train_validated(cfg, explicit=explicit if cfg.resume else None)
     except ValueError as e:
         print(f"rlkernels.train: error: {e}", file=sys.stderr)
         return 2
@@ -47,6 +50,10 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if summary.get("stopped_by"):  # saved at a checkpoint: not a finished run, for a scheduler
+        print(f"rlkernels.train: stopped by {summary['stopped_by']}; continue with: rlkernels train --resume "
+              f"{summary['out']}", file=sys.stderr)
+        return stop.exit_code(summary["stopped_by"])
     return 0
 
 

@@ -45,6 +45,7 @@ void check_logits(const at::Tensor& logits) {
   dtype_of(logits, "logits");
   RLK_CHECK_VALUE(rlk::row_count(logits) == 0 || logits.size(-1) > 0, "logits: expected V > 0, got shape ",
                   logits.sizes());
+  RLK_CHECK_VALUE(logits.size(-1) < (int64_t(1) << 31), "logits: expected V < 2^31, got shape ", logits.sizes());
 }
 
 Head head_of(double temperature, double softcap) {

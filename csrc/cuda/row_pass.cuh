@@ -254,7 +254,7 @@ struct GradOf {
   float m, log_s;
   Head hd;
   rlk::GradCoeffs<float> c;
-  int64_t target;
+  int target;  // in [0, V), or −1 for none (V < 2^31); 32 bits: one register fewer across the row
   RLK_HOST_DEVICE __forceinline__ float of(float z, bool is_target) const {
     float t = 0.0f;
     if constexpr (kCap) {

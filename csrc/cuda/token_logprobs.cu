@@ -39,7 +39,8 @@ using rows::Pack;
 using rows::State;
 
 constexpr int kWarpBlock = 256;   // threads per block when a warp serves a row
-constexpr int64_t kMaxGrid = int64_t(1) << 30;  // blocks per launch (gridDim.x < 2^31)
+constexpr int64_t kMaxGrid = int64_t(1) << 28;  // blocks per launch along x: kRows · kMaxGrid < 2^31
+constexpr int64_t kMaxSeqs = 65535;             // and along y, one sequence each
 
 struct Merge {
   float inv_tau;
@@ -59,18 +60,20 @@ template <int kThreads> struct Group {  // kThreads threads per row, kRows rows 
 template <int kThreads, bool kCap>
 constexpr int kMinBlocks = kCap ? 0 : 1536 / Group<kThreads>::kBlock;
 
-// Rows first_row + blockIdx.x · kRows + (group) of N, each where `at` says (a batch stride beside the
-// row stride: a view such as logits[:, :-1] in one launch); lane 0 of the row's group hands its results
-// to `out` (rows::StoreRow, rows::StorePolicyToken).
+// Row r = blockIdx.x · kRows + (group) of the launch's `rows` of sequence blockIdx.y (`over_rows`: `logits`
+// at the launch's first row, first_row its index), where `at` says (a batch stride beside the row stride: a
+// view such as logits[:, :-1] in one launch); lane 0 of the row's group hands its results to `out`
+// (rows::StoreRow, rows::StorePolicyToken).
 template <typename T, int kThreads, bool kEntropy, bool kCap, typename Out>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
-    fwd_kernel(const T* __restrict__ logits, rlk::RowIndex at, int64_t first_row, int64_t N, int64_t V,
+    fwd_kernel(const T* __restrict__ logits, rlk::RowIndex at, int64_t first_row, int rows, int64_t V,
                const int64_t* __restrict__ targets, Head head, Out out) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
-  const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
-  if (kRows > 1 && row >= N) return;  // a whole logical warp leaves together
-  const T* z = logits + at(row);
+  const int r = static_cast<int>(blockIdx.x) * kRows + group;
+  if (kRows > 1 && r >= rows) return;  // a whole logical warp leaves together
+  const int64_t row = first_row + int64_t(blockIdx.y) * at.seq_len + r;
+  const T* z = logits + at.offset(blockIdx.y, r);
   State st = rows::thread_state<T, kThreads, kEntropy, kCap>(z, V, head, lane);
   if constexpr (kRows == 1) {
     using Reduce = cub::BlockReduce<State, kThreads>;
@@ -91,19 +94,20 @@ __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads,
 
 template <typename T, int kThreads, bool kCap>
 __global__ void __launch_bounds__(Group<kThreads>::kBlock, (kMinBlocks<kThreads, kCap>))
-    bwd_kernel(const T* logits, rlk::RowIndex at, int64_t first_row, int64_t N, int64_t V,
+    bwd_kernel(const T* logits, rlk::RowIndex at, int64_t first_row, int rows, int64_t V,
                const int64_t* __restrict__ targets, RowGrads grads, Head head, T* out, rlk::RowIndex out_at) {
   constexpr int kRows = Group<kThreads>::kRows;
   const int lane = threadIdx.x % kThreads, group = threadIdx.x / kThreads;
-  const int64_t row = first_row + int64_t(blockIdx.x) * kRows + group;
-  if (row >= N) return;
+  const int r = static_cast<int>(blockIdx.x) * kRows + group;
+  if (r >= rows) return;
+  const T* z = logits + at.offset(blockIdx.y, r);
+  T* o = out + out_at.offset(blockIdx.y, r);
+  const int64_t row = first_row + int64_t(blockIdx.y) * at.seq_len + r;
   const bool has_h = grads.grad_entropy != nullptr;
   const GradOf<kCap> grad{grads.lse_parts[2 * row], grads.lse_parts[2 * row + 1], head,
                           rlk::grad_coeffs<float>(grads.grad_logp[row], has_h ? grads.grad_entropy[row] : 0.0f,
                                                   has_h ? grads.entropy[row] : 0.0f, head.inv_tau),
-                          targets[row]};
-  const T* z = logits + at(row);
-  T* o = out + out_at(row);
+                          static_cast<int>(targets[row] >= 0 && targets[row] < V ? targets[row] : -1)};
   if ((reinterpret_cast<uintptr_t>(z) & 15) == (reinterpret_cast<uintptr_t>(o) & 15)) {
     rows::grad_row<T, kThreads, true>(z, o, V, grad, lane);
   } else {
@@ -132,17 +136,31 @@ cudaError_t with_threads(int64_t V, const Head& head, F&& launch) {
   return cudaGetLastError();
 }
 
+// launch(grid, b, t, rows) over every row of `at`'s n: blocks of kRows rows of a sequence along x (`rows` of them
+// from row t), a sequence along y (from b); one launch unless T > 2^28 · kRows or B > 65535. Where T is not a
+// multiple of kRows (8 for V ≤ 2048) a sequence's last block leaves some warps idle.
+template <int kRows, typename F>
+void over_rows(const rlk::RowIndex& at, int64_t n, F&& launch) {
+  const int64_t seqs = n / at.seq_len;
+  for (int64_t b = 0; b < seqs; b += kMaxSeqs) {
+    for (int64_t t = 0; t < at.seq_len; t += kMaxGrid * kRows) {
+      const int64_t rows = std::min(kMaxGrid * kRows, at.seq_len - t), blocks = (rows + kRows - 1) / kRows;
+      launch(dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(std::min(kMaxSeqs, seqs - b))), b, t,
+             static_cast<int>(rows));
+    }
+  }
+}
+
 template <typename T, bool kEntropy, typename Out>
 cudaError_t fwd(const Rows& logits, const int64_t* targets, Head head, const Out& out, cudaStream_t stream) {
   return with_threads(logits.v, head, [&](auto threads, auto cap) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
-    for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
-      const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
-      const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
+    over_rows<G::kRows>(logits.at, logits.n, [&](dim3 grid, int64_t b, int64_t t, int rows) {
       fwd_kernel<T, kThreads, kEntropy, decltype(cap)::value, Out><<<grid, G::kBlock, 0, stream>>>(
-          static_cast<const T*>(logits.data), logits.at, start, logits.n, logits.v, targets, head, out);
-    }
+          static_cast<const T*>(logits.data) + logits.at.offset(b, t), logits.at, b * logits.at.seq_len + t, rows,
+          logits.v, targets, head, out);
+    });
   });
 }
 
@@ -161,13 +179,11 @@ cudaError_t bwd(const Rows& logits, const int64_t* targets, const RowGrads& grad
   return with_threads(logits.v, head, [&](auto threads, auto cap) {
     constexpr int kThreads = decltype(threads)::value;
     using G = Group<kThreads>;
-    for (int64_t start = 0; start < logits.n; start += kMaxGrid * G::kRows) {
-      const int64_t n = std::min(kMaxGrid * G::kRows, logits.n - start);
-      const dim3 grid(static_cast<unsigned>((n + G::kRows - 1) / G::kRows));
+    over_rows<G::kRows>(logits.at, logits.n, [&](dim3 grid, int64_t b, int64_t t, int rows) {
       bwd_kernel<T, kThreads, decltype(cap)::value><<<grid, G::kBlock, 0, stream>>>(
-          static_cast<const T*>(logits.data), logits.at, start, logits.n, logits.v, targets, grads, head,
-          static_cast<T*>(out.data), out.at);
-    }
+          static_cast<const T*>(logits.data) + logits.at.offset(b, t), logits.at, b * logits.at.seq_len + t, rows,
+          logits.v, targets, grads, head, static_cast<T*>(out.data) + out.at.offset(b, t), out.at);
+    });
   });
 }
 

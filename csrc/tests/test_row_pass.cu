@@ -129,7 +129,8 @@ void check(long V, int offset, std::mt19937& rng, int pattern) {
   // Backward from the kernel's own (m, log s) and H, into: another buffer aligned like z (packs), one
   // aligned differently (element by element), and z itself.
   const float g = 0.8f, h = -0.6f;
-  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau), target};
+  const GradOf<kCap> grad{r.m, r.log_s, head, rlk::grad_coeffs<float>(g, h, r.entropy, inv_tau),
+                          static_cast<int>(target)};
   const T sentinel = Pack<T>::from_float(12345.0f);
   for (int mode = 0; mode < 3; ++mode) {
     Buffer<T> out_buf(V, mode == 1 ? offset + 1 : offset);
@@ -233,7 +234,7 @@ void batch_stride_rows(std::mt19937& rng) {
       fail("batch stride: forward", dt, kThreads, V, 0, n, r.logp, rc.logp);
     }
     const GradOf<false> grad{rc.m, rc.log_s, head, rlk::grad_coeffs<float>(0.8f, -0.6f, rc.entropy, head.inv_tau),
-                             target};
+                             static_cast<int>(target)};
     for (int lane = 0; lane < kThreads; ++lane) {
       grad_row<T, kThreads, true>(z, out_parent.data() + view(n), V, grad, lane);
       grad_row<T, kThreads, false>(z, out_t.data() + transposed(n), V, grad, lane);
@@ -262,11 +263,12 @@ void batch_stride_rows(std::mt19937& rng) {
 }
 
 // The derivatives of token_loss (double) against central differences of its loss value, for random
-// parameters (every objective, bound and KL option) and tokens. Where the loss holds a detached
-// value (on-policy ℓ_old, CISPO's clamped weight, DPPO's capped weight and trust region, the KL bias
-// correction's weight) the gradient is not the derivative of the value; those are checked through
-// identities that remove the detached value. A token within h of a kink shows as one-sided differences that disagree: it is skipped,
-// and there must be few.
+// parameters (every objective and KL estimator of the generated rlkernels/token_loss_table.h, drawn up to its
+// counts; every bound and KL option) and tokens. Where the loss holds a detached value (on-policy ℓ_old, CISPO's
+// clamped weight, DPPO's capped weight and trust region, TOPR's truncated weight, GPPO's w/sg(w) on a token the
+// clip holds, the KL bias correction's weight, low_var_kl+'s straight-through gradient) the gradient is not the
+// derivative of the value; those are checked through identities that remove the detached value. A token within h
+// of a kink shows as one-sided differences that disagree: it is skipped, and there must be few.
 void token_loss_derivatives(std::mt19937& rng) {
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::normal_distribution<double> normal(0.0, 1.0);
@@ -274,14 +276,15 @@ void token_loss_derivatives(std::mt19937& rng) {
   auto pick = [&](double finite, double p_finite) { return unit(rng) < p_finite ? finite : inf; };
   auto close = [](double a, double b, double scale) { return std::fabs(a - b) <= 1e-12 * (scale + std::fabs(b)); };
   int checked = 0, skipped = 0;
-  for (int trial = 0; trial < 4000; ++trial) {
+  int drawn[rlk::kNumObjectives] = {}, estimators[rlk::kNumKlEstimators] = {};
+  for (int trial = 0; trial < 6000; ++trial) {
     rlk::TokenLossParams<double> p;
-    p.objective = static_cast<int>(rng() % 7);
+    p.objective = static_cast<int>(rng() % rlk::kNumObjectives);
     p.clip_low = pick(0.1 + 0.2 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
     p.clip_high = pick(0.1 + 0.3 * unit(rng), p.objective == rlk::kCispo ? 0.5 : 1.0);
     p.delta = pick(1.5 + unit(rng), 0.5);
     p.dual_clip = pick(1.5 + unit(rng), 0.5);
-    p.kl_estimator = static_cast<int>(rng() % 4);
+    p.kl_estimator = static_cast<int>(rng() % rlk::kNumKlEstimators);
     p.kl_coef = p.kl_estimator == rlk::kKlNone ? 0.0 : 0.3 * unit(rng);
     p.kl_clamp = pick(0.05 + 0.3 * unit(rng), 0.5);
     p.kl_bias_correction = rng() % 2 == 0;
@@ -291,6 +294,8 @@ void token_loss_derivatives(std::mt19937& rng) {
     p.sapo_tau_neg = 0.5 + unit(rng);
     p.ratio_cap = pick(1.0 + unit(rng), 0.5);
     p.dro_beta = unit(rng);
+    p.gppo_beta_low = 0.5 + unit(rng);
+    p.gppo_beta_high = 0.5 + unit(rng);
     rlk::TokenIn<double> in;
     in.logp = -5.0 * unit(rng);
     in.entropy = 3.0 * unit(rng);
@@ -301,6 +306,10 @@ void token_loss_derivatives(std::mt19937& rng) {
     in.old_logp = in.logp - 2.4 * (unit(rng) - 0.5);
     in.has_ref = rng() % 2 == 0;
     in.ref_logp = in.logp + 3.0 * (unit(rng) - 0.5);
+    // Clip-Cov's and KL-Cov's choice (KL-Cov: its penalty's coefficient); the other objectives never read it
+    in.chosen = rng() % 2 == 0 ? 0.0 : 0.05 + unit(rng);
+    ++drawn[p.objective];
+    ++estimators[p.kl_estimator];
     const rlk::TokenOut<double> out = rlk::token_loss(in, p);
     const double scale = in.weight;
 
@@ -324,6 +333,59 @@ void token_loss_derivatives(std::mt19937& rng) {
       const double base = b.stats[rlk::kStatLoss], kl = a.stats[rlk::kStatLoss] - base;
       if (!close(got, base + w * kl, scale)) fail_token("token_loss kl_bias_correction", trial, got, base + w * kl);
     }
+    // REINFORCE's gradient with the advantage `adv` (a constant), the other terms as they are
+    auto reinforce_grad = [&](double adv) {
+      rlk::TokenLossParams<double> reinforce = p;
+      reinforce.objective = rlk::kReinforce;
+      rlk::TokenIn<double> scaled = in;
+      scaled.adv = adv;
+      return rlk::token_loss(scaled, reinforce).grad_logp;
+    };
+    const bool low_var_kl_plus = kl_in_loss && p.kl_estimator == rlk::kKlLowVarKlPlus;
+    if (low_var_kl_plus) {
+      // The value is k3's clamped to ±10; the gradient that of ½(ℓ − ℓ_ref)², which is k2's where Δ is not
+      // clamped (|ℓ_ref − ℓ| ≤ c) and neither the KL clamp nor the bias correction (which reads the value) acts.
+      rlk::TokenLossParams<double> k3 = p, k2 = p;
+      k3.kl_estimator = rlk::kKlK3;
+      k3.kl_clamp = std::fmin(p.kl_clamp, rlk::kLowVarKlBound);
+      const double want = rlk::token_loss(in, k3).stats[rlk::kStatLoss];
+      if (!close(out.stats[rlk::kStatLoss], want, scale)) fail_token("token_loss low_var_kl+ value", trial, out.stats[rlk::kStatLoss], want);
+      k2.kl_estimator = rlk::kKlK2;
+      if (!p.kl_bias_correction && p.kl_clamp == inf && std::fabs(in.ref_logp - in.logp) <= p.log_ratio_clamp) {
+        const double grad = rlk::token_loss(in, k2).grad_logp;
+        if (!close(out.grad_logp, grad, scale)) fail_token("token_loss low_var_kl+ gradient", trial, out.grad_logp, grad);
+      }
+    }
+    if (p.objective == rlk::kTopr) {  // REINFORCE, with the advantage times the weight truncated at 1 where A < 0
+      const double w = out.stats[rlk::kStatRatio];
+      const double grad = reinforce_grad(in.adv < 0 ? rlk::clamp_(w, 0.0, 1.0) * in.adv : in.adv);
+      if (!close(out.grad_logp, grad, scale)) fail_token("token_loss topr", trial, out.grad_logp, grad);
+      continue;
+    }
+    if (p.objective == rlk::kGppo) {
+      // With β₁ = β₂ = 1 the value is PPO's (without δ); a token the clip holds (and the dual clip does not) has the
+      // value β·bound times PPO's, −β·bound·A, and REINFORCE's gradient with the advantage β·bound·A (0 where the
+      // clamp of ℓ − ℓ_old stops the gradient of w/sg(w)).
+      rlk::TokenLossParams<double> ppo = p, unit_beta = p;
+      ppo.objective = rlk::kClip;
+      ppo.delta = inf;
+      unit_beta.gppo_beta_low = unit_beta.gppo_beta_high = 1;
+      const double ppo_loss = rlk::token_loss(in, ppo).stats[rlk::kStatLoss];
+      const double unit_loss = rlk::token_loss(in, unit_beta).stats[rlk::kStatLoss];
+      if (!close(unit_loss, ppo_loss, scale)) fail_token("token_loss gppo value at beta 1", trial, unit_loss, ppo_loss);
+      const double w = out.stats[rlk::kStatRatio], lo = 1 - p.clip_low, hi = 1 + p.clip_high;
+      const bool held_low = w < lo && in.adv < 0, held_high = w > hi && in.adv > 0;
+      const double kept = held_low ? p.gppo_beta_low * lo : p.gppo_beta_high * hi;  // β·bound
+      if ((held_low || held_high) && !(in.adv < 0 && -p.dual_clip * in.adv < -kept * in.adv)) {
+        const bool r_passes = std::fabs(in.logp - in.old_logp) <= p.log_ratio_clamp;
+        const double grad = reinforce_grad(r_passes ? kept * in.adv : 0.0), bound = held_low ? lo : hi;
+        if (!close(out.grad_logp, grad, scale)) fail_token("token_loss gppo held gradient", trial, out.grad_logp, grad);
+        const double want = unit_loss + in.weight * -in.adv * (kept - bound);
+        if (!close(out.stats[rlk::kStatLoss], want, scale)) fail_token("token_loss gppo held value", trial, out.stats[rlk::kStatLoss], want);
+        continue;
+      }
+    }
+    if (low_var_kl_plus) continue;  // its gradient is not the derivative of its value (checked above)
     if (p.objective == rlk::kCispo) {  // REINFORCE with the advantage times the clamped weight
       rlk::TokenLossParams<double> reinforce = p;
       reinforce.objective = rlk::kReinforce;
@@ -367,6 +429,12 @@ void token_loss_derivatives(std::mt19937& rng) {
   }
   if (checked < 1000 || skipped > checked / 50) {
     fail_token("token_loss: too few tokens checked against differences (checked, skipped)", 0, checked, skipped);
+  }
+  for (int j = 0; j < rlk::kNumObjectives; ++j) {
+    if (drawn[j] < 100) fail_token("token_loss: an objective drawn too rarely (id, times)", 0, j, drawn[j]);
+  }
+  for (int j = 0; j < rlk::kNumKlEstimators; ++j) {
+    if (estimators[j] < 100) fail_token("token_loss: a KL estimator drawn too rarely (id, times)", 0, j, estimators[j]);
   }
 }
 

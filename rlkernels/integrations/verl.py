@@ -31,6 +31,7 @@ config its numbers, as verl's own losses read them):
 | `policy_loss.clip_cov_ratio` / `clip_cov_lb` / `clip_cov_ub` | the same fields of `clip_cov` |
 | `policy_loss.kl_cov_ratio` / `ppo_kl_coef` | `kl_cov_ratio` / `kl_cov_coef` of `kl_cov` |
 | `policy_loss.dro_beta` | `dro_beta` of `dro` (required, as by verl's `dro`) |
+| `policy_loss.vespo.k_pos` / `lambda_pos` / `k_neg` / `lambda_neg` | `vespo_k_pos` / ... of `vespo` (the keys the VESPO authors' verl loss reads; absent: the preset's) |
 
 The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
 `global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
@@ -179,6 +180,10 @@ def _objective_fields(objective: str, config, overrides) -> dict:
     if objective == "kl_cov":
         return {"kl_cov_ratio": _number("policy_loss.kl_cov_ratio", _get(pl, "kl_cov_ratio", 2e-4)),
                 "kl_cov_coef": _number("policy_loss.ppo_kl_coef", _get(pl, "ppo_kl_coef", 1.0))}
+    if objective == "vespo":  # the VESPO authors' verl loss reads policy_loss.vespo.{k,lambda}_{pos,neg}
+        vespo, base = _get(pl, "vespo"), _presets.fields("vespo")
+        return {f"vespo_{key}": _number(f"policy_loss.vespo.{key}", _get(vespo, key, base[f"vespo_{key}"]))
+                for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
     if objective == "dro":
         beta = _get(pl, "dro_beta")
         if beta is None and "dro_beta" not in overrides:

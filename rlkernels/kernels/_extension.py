@@ -11,6 +11,7 @@ class it stands for (csrc/include/rlkernels/checks.h); `python_errors` raises th
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Optional
 
 import torch
@@ -21,11 +22,17 @@ from . import supports_all_but
 __all__ = ["supports", "token_logprobs_fwd", "token_logprobs_bwd", "policy_token_fwd", "policy_token_fwd_grad",
            "scale_grad_", "policy_token_loss", "covariance_choice"]
 
+# import_module, not `from rlkernels import _C`: while rlkernels is still initialising, a missing _C would be
+# reported as "cannot import name '_C' from partially initialized module ... (circular import)"
 try:
-    from rlkernels import _C
-except ImportError as e:  # not built, or built for another CPU / torch: report why
+    _C = importlib.import_module("rlkernels._C")
+except ModuleNotFoundError as e:
     _C = None
-    IMPORT_ERROR: Optional[ImportError] = e
+    IMPORT_ERROR: Optional[str] = ("this install has no compiled extension (a pure-Python install, or a build "
+                                   "without torch)" if e.name == "rlkernels._C" else str(e))
+except ImportError as e:  # built for another CPU / torch: report why
+    _C = None
+    IMPORT_ERROR = str(e)
 else:
     IMPORT_ERROR = None
 
@@ -33,7 +40,8 @@ else:
 def missing_reason() -> Optional[str]:
     """Why the extension cannot be used, or None."""
     if _C is None:
-        return f"rlkernels._C is not importable ({IMPORT_ERROR}); build it with `pip install --no-build-isolation -e .`"
+        return (f"rlkernels._C is not importable: {IMPORT_ERROR}; build it with torch installed: "
+                f"`pip install --no-build-isolation -e .`")
     return None
 
 

@@ -5,32 +5,19 @@ import dataclasses
 from typing import Optional, Tuple
 
 from .._checks import check_choice, check_int, check_real
+from .._token_loss_table import PARAMS, REAL
+from . import objectives
 from .kl import BASE_ESTIMATORS, STRAIGHT_THROUGH
+from .objectives import RATIOS
 
-RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
 # Ratios that produce one importance weight per row: one advantage per row (docs/math.md §5).
 SEQUENCE_RATIOS = ("sequence", "sequence_sum", "group_expectation", "geometric", "snis")
-OBJECTIVES = ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "vespo", "topr")
 # Schulman's k1, k2, k3 of a clamped Δ; verl's kl_penalty options under verl's names (docs/math.md §6)
 KL_ESTIMATORS = (None,) + BASE_ESTIMATORS + STRAIGHT_THROUGH
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
-# Which surrogate each ratio can feed (docs/math.md, "Surrogates").
-_VALID_OBJECTIVES = {
-    "token": ("clip", "cispo", "reinforce", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "dro", "topr"),
-    "sequence": ("clip", "sapo", "cispo"),
-    "sequence_token": ("clip", "sapo"),
-    "sequence_sum": ("clip", "vespo"),
-    "group_expectation": ("clip",),
-    "geometric": ("clip",),
-    "snis": ("reinforce",),
-}
 # delta / dual_clip act on a ratio clipped in ratio space, not on the log-space clips.
 _RATIO_SPACE_CLIP = ("token", "sequence", "sequence_token", "group_expectation")
-# Objectives whose clip_low / clip_high bound the ratio in ratio space (1 - ε_low, 1 + ε_high).
-_RATIO_SPACE_OBJECTIVES = ("clip", "cispo", "clip_cov")
-# Objectives that read clip_low / clip_high at all (dppo_*: as divergence thresholds, docs/math.md §5).
-_CLIPPED_OBJECTIVES = ("clip", "clip_cov", "dppo_tv", "dppo_kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +65,9 @@ class PolicyLossConfig:
     kl_cov_coef: float = 0.1
     # DRO's quadratic penalty (verl's policy_loss.dro_beta); required (> 0) with objective="dro"
     dro_beta: Optional[float] = None
+    # GPPO's β₁ / β₂ (Klear-Reasoner's; 1 in its runs): the gradient a token clipped below / above keeps
+    gppo_beta_low: float = 1.0
+    gppo_beta_high: float = 1.0
     # VESPO's gamma weight φ(w) = e^λ·w^k·e^{-λw}, (k, λ) for A ≥ 0 / A < 0 (TRL's vespo_*)
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
@@ -104,47 +94,32 @@ class PolicyLossConfig:
 
     def __post_init__(self):
         check_choice("ratio", self.ratio, RATIOS)
-        check_choice("objective", self.objective, OBJECTIVES)
+        objective = objectives.get(self.objective)
         if self.kl_estimator == "full":
             raise ValueError("kl_estimator: 'full' (verl's name) needs the whole distributions of π and π_ref, not "
                              "the sampled tokens' log-probs a policy loss takes (verl 0.9.1 raises "
                              f"NotImplementedError for it too); expected one of {KL_ESTIMATORS}")
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("agg", self.agg, AGGREGATIONS)
-        if self.objective not in _VALID_OBJECTIVES[self.ratio]:
+        if self.ratio not in objective.ratios:
             raise ValueError(
                 f"objective: {self.objective!r} cannot be used with ratio={self.ratio!r}; "
-                f"expected one of {_VALID_OBJECTIVES[self.ratio]}"
+                f"expected one of {objectives.taking(self.ratio)}"
             )
-        needs_clip = self.objective in _CLIPPED_OBJECTIVES
-        check_real("clip_low", self.clip_low, 0.0, optional=not needs_clip)
-        # CISPO's clip_high may be negative: TRL caps its weight at ε_high, which may be below 1.
-        high_lo = -1.0 if self.objective == "cispo" else 0.0
-        check_real("clip_high", self.clip_high, high_lo, lo_open=self.objective == "cispo", optional=not needs_clip)
-        if (self.ratio in _RATIO_SPACE_CLIP and self.objective in _RATIO_SPACE_OBJECTIVES
-                and self.clip_low is not None and self.clip_low >= 1):
-            raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
-        # delta caps the unclipped branch at min(w, δ): any δ > 0, as TRL takes; the dual clip's c·|A| needs c > 1
-        for name, lo in (("delta", 0.0), ("dual_clip", 1.0)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            check_real(name, value, lo, lo_open=True)
-            if self.objective != "clip" or self.ratio not in _RATIO_SPACE_CLIP:
-                raise ValueError(
-                    f"{name}: only valid with objective='clip' and ratio in {_RATIO_SPACE_CLIP}, "
-                    f"got objective={self.objective!r}, ratio={self.ratio!r}"
-                )
+        # the ranges of the fields the kernels take too, declared once (rlkernels/_token_loss_table.py); the rules below
+        # narrow some for some objectives
+        for param in PARAMS:
+            if param.kind == REAL:
+                check_real(param.field, getattr(self, param.field), param.low, lo_open=param.strict,
+                           optional=_FIELD_TYPES[param.field].startswith("Optional"))
+        self._check_clip(objective)
         check_real("fspo_c_low", self.fspo_c_low, 0.0)
         check_real("fspo_c_high", self.fspo_c_high, 0.0)
-        check_real("kl_coef", self.kl_coef, 0.0)
         if self.kl_coef > 0 and self.kl_estimator is None:
             raise ValueError(f"kl_estimator: kl_coef > 0 needs an estimator, one of {KL_ESTIMATORS[1:]}, got None")
-        check_real("kl_clamp", self.kl_clamp, 0.0, lo_open=True, optional=True)
         if not isinstance(self.kl_bias_correction, bool):
             raise TypeError(f"kl_bias_correction: expected a bool, got {type(self.kl_bias_correction).__name__}")
         check_choice("kl_bias_ratio", self.kl_bias_ratio, ("token", "sequence"))
-        check_real("entropy_coef", self.entropy_coef)
         if self.entropy_agg is not None:
             check_choice("entropy_agg", self.entropy_agg, ("token_mean",))
         check_int("norm_length", self.norm_length, 1, optional=True)
@@ -153,13 +128,10 @@ class PolicyLossConfig:
                 "norm_length: agg='constant' (Dr. GRPO) divides by a constant length, got None; pass the maximum "
                 "completion length (with the padded T the loss would change with the padding)"
             )
-        check_real("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True)
         check_int("group_size", self.group_size, 1, optional=True)
-        check_real("sapo_tau_pos", self.sapo_tau_pos, 0.0, lo_open=True)
-        check_real("sapo_tau_neg", self.sapo_tau_neg, 0.0, lo_open=True)
-        check_real("ratio_cap", self.ratio_cap, 0.0, lo_open=True, optional=True)
-        if self.ratio_cap is not None and self.objective not in ("dppo_tv", "dppo_kl"):
-            raise ValueError(f"ratio_cap: only valid with objective 'dppo_tv' or 'dppo_kl', got {self.objective!r}")
+        if self.ratio_cap is not None and "ratio_cap" not in objective.fields:
+            readers = [name for name in objectives.names() if "ratio_cap" in objectives.get(name).fields]
+            raise ValueError(f"ratio_cap: only valid with objective in {readers}, got {self.objective!r}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             check_real(name, getattr(self, name), 0.0, lo_open=True)
             if getattr(self, name) > 1:
@@ -170,7 +142,7 @@ class PolicyLossConfig:
             raise ValueError(f"clip_cov_lb: expected a value < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
         check_choice("clip_cov_draw", self.clip_cov_draw, ("device", "verl"))
         check_real("kl_cov_coef", self.kl_cov_coef, 0.0)
-        check_real("dro_beta", self.dro_beta, 0.0, lo_open=True, optional=self.objective != "dro")
+        check_real("dro_beta", self.dro_beta, 0.0, lo_open=True, optional="dro_beta" not in objective.required)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check_real(name, getattr(self, name), 0.0)
         check_real("off_policy_mask", self.off_policy_mask, optional=True)
@@ -189,6 +161,29 @@ class PolicyLossConfig:
         if self.off_policy_mask is not None and self.ratio == "snis":
             raise ValueError("off_policy_mask: reads the sign of the advantage, and ratio='snis' takes rewards")
 
+    def _check_clip(self, objective) -> None:
+        """clip_low / clip_high as the objective reads them (`Objective.clip`), delta and the dual clip."""
+        needs_clip = objective.clip in ("ratio", "divergence")
+        check_real("clip_low", self.clip_low, 0.0, optional=not needs_clip)
+        # CISPO's clip_high may be negative: TRL caps its weight at ε_high, which may be below 1.
+        band = objective.clip == "band"
+        check_real("clip_high", self.clip_high, -1.0 if band else 0.0, lo_open=band, optional=not needs_clip)
+        if (self.ratio in _RATIO_SPACE_CLIP and objective.clip in ("ratio", "band")
+                and self.clip_low is not None and self.clip_low >= 1):
+            raise ValueError(f"clip_low: expected a value in [0, 1) for a ratio-space clip, got {self.clip_low}")
+        # delta caps the unclipped branch at min(w, δ): any δ > 0, as TRL takes; the dual clip's c·|A| needs c > 1
+        for name, lo in (("delta", 0.0), ("dual_clip", 1.0)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            check_real(name, value, lo, lo_open=True)
+            if name not in objective.fields or self.ratio not in _RATIO_SPACE_CLIP:
+                readers = [n for n in objectives.names() if name in objectives.get(n).fields]
+                raise ValueError(
+                    f"{name}: only valid with objective in {readers} and ratio in {_RATIO_SPACE_CLIP}, "
+                    f"got objective={self.objective!r}, ratio={self.ratio!r}"
+                )
+
     def rejection_tests(self):
         """`rollout_rs` as keyword arguments of `rlkernels.rollout_rejection_mask`, one dict per test."""
         return [dict(level=name.rpartition("_")[0], estimator=name.rpartition("_")[2], lower=lo, upper=hi)
@@ -199,6 +194,7 @@ class PolicyLossConfig:
         return dataclasses.replace(self, **overrides)
 
 
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(PolicyLossConfig)}
 _RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 

@@ -3,7 +3,7 @@
 Built by keyword, validated once, read by every path that evaluates the loss: `policy_loss`
 (the spec, on `(B, T)` log-probs), the fused ops (whose kernels take the inputs per token, flat)
 and the hidden-state path (chunk by chunk, through `flat`). Values are not masked here: the
-spec masks what it reads (`masked`, a `surrogates.Batch`), the kernels read the mask.
+spec masks what it reads (`masked`, a `Batch`), the kernels read the mask.
 
 No check reads a tensor's values on the host: value checks on device tensors are
 `torch._assert_async` (no synchronisation), and the counts of the aggregation stay tensors.
@@ -23,7 +23,7 @@ from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, che
 from .._groups import check_group_size, check_ids, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
-from .surrogates import Batch
+from .batch import Batch
 
 _GROUPED_RATIOS = ("group_expectation", "snis")
 
@@ -107,7 +107,7 @@ class LossInputs:
 
     def masked(self, logp: Tensor, entropy: Optional[Tensor], config: PolicyLossConfig
                ) -> Tuple[Batch, Optional[Tensor], Optional[Tensor]]:
-        """(`surrogates.Batch`, ℓ_ref, H) at log-probs `logp (B, T)`, every masked position zeroed, so padding
+        """(`Batch`, ℓ_ref, H) at log-probs `logp (B, T)`, every masked position zeroed, so padding
         can hold anything."""
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         where = lambda t: None if t is None else torch.where(self.mask, t, zero)  # noqa: E731

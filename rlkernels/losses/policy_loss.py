@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_tensor
-from . import surrogates
+from . import objectives, surrogates
 from .aggregation import aggregate, masked_mean
+from .batch import Batch
 from .config import PolicyLossConfig
 from .inputs import LossInputs, takes_loss_args
 from .kl import kl_estimate
@@ -111,11 +112,11 @@ def _gathered(x, mask, group):
     return torch.cat(all_values), torch.cat(all_kept).bool()
 
 
-def surrogate_weights(b: surrogates.Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
+def surrogate_weights(b: Batch, inputs: LossInputs, config: PolicyLossConfig, high_entropy=None):
     """ω of §7, (B, T) and 0 where masked, or None: the importance weights times the off-policy and the entropy
     masks (`high_entropy`: `high_entropy_tokens`'s). The fused paths count a row's clip flags on its ω > 0."""
     # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
-    w = None if inputs.is_weights is None or config.objective == "vespo" else \
+    w = None if inputs.is_weights is None or objectives.get(config.objective).weights_in_ratio else \
         torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
     if high_entropy is not None:
         w = high_entropy.to(b.logp.dtype) if w is None else w * high_entropy
@@ -139,14 +140,14 @@ def _quantile(x, mask, q: float):
     return torch.where(hi > lo, low + (high - low) * (pos - lo), low)
 
 
-def per_token_loss(b: surrogates.Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):
+def per_token_loss(b: Batch, cfg: PolicyLossConfig, ref_logp, entropy, is_weights=None):
     """(ℓoss (B, T), the surrogate, the KL values for the `kl` metric or None): w·surrogate + β·k − c_H·H,
     w the importance weights (1 when None).
 
     For `ratio="token"` every term depends on its own token only, so this may be evaluated on
     any subset of tokens (the kernels evaluate it token by token).
     """
-    sur = surrogates.BY_RATIO[cfg.ratio](b, cfg)
+    sur = objectives.get(cfg.objective).surrogates[cfg.ratio](b, cfg)
     per_token, k = sur.loss, None
     if is_weights is not None:  # a sequence surrogate, broadcast to its tokens, is weighted token by token
         per_token = per_token * is_weights

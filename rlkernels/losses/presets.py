@@ -34,9 +34,13 @@ _PRESETS = {
     "vespo": dict(ratio="sequence_sum", objective="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                   vespo_lambda_neg=2.0, agg="token_mean"),
     "topr": dict(ratio="token", objective="topr", clip_low=None, clip_high=None, agg="token_mean"),
+    # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
+    "gppo": dict(ratio="token", objective="gppo", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
+                 gppo_beta_high=1.0, agg="token_mean"),
 }
 
 NAMES = tuple(_PRESETS)
+_BUILT_IN = frozenset(_PRESETS)
 
 
 def fields(name: str) -> dict:
@@ -58,6 +62,30 @@ def get(name: str, **overrides) -> PolicyLossConfig:
             f"default; pass the maximum completion length, e.g. presets.{name}(norm_length=max_completion_length)"
         )
     return PolicyLossConfig(**merged)
+
+
+def register(name: str, *, replace: bool = False, **preset_fields) -> None:
+    """Add preset `name` with these `PolicyLossConfig` fields (a user's, say for an objective of
+    `register_objective`); it joins `NAMES`, so the trainer and the verl adapter offer it. Validated now."""
+    global NAMES
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name: expected an identifier, got {name!r}")
+    if name in _PRESETS and (not replace or name in _BUILT_IN):
+        raise ValueError(f"name: preset {name!r} exists" + (" (a built-in)" if name in _BUILT_IN else
+                                                             "; pass replace=True to replace it"))
+    # validated as a config (a Dr. GRPO-like preset leaves norm_length to its caller, as `get` says)
+    PolicyLossConfig(**{**preset_fields, **({"norm_length": 1} if preset_fields.get("agg") == "constant" else {})})
+    _PRESETS[name] = dict(preset_fields)
+    NAMES = tuple(_PRESETS)
+
+
+def unregister(name: str) -> None:
+    """Remove a user's preset."""
+    global NAMES
+    if name in _BUILT_IN or name not in _PRESETS:
+        raise ValueError(f"name: expected a registered user preset, got {name!r}")
+    del _PRESETS[name]
+    NAMES = tuple(_PRESETS)
 
 
 def _preset(name):
@@ -90,3 +118,4 @@ dro = _preset("dro")
 luspo = _preset("luspo")
 vespo = _preset("vespo")
 topr = _preset("topr")
+gppo = _preset("gppo")

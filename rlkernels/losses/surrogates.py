@@ -6,16 +6,15 @@ row's tokens, so one aggregation serves all of them (docs/math.md, "Surrogates")
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .._groups import group_exp, group_gather, group_sum
 from .aggregation import masked_sum_rows
-
-if TYPE_CHECKING:  # inputs.py imports this module
-    from .inputs import LossInputs
+from .batch import Batch
 
 
 @dataclasses.dataclass
@@ -26,37 +25,22 @@ class Surrogate:
     clipped_high: torch.Tensor  # (B, T) bool
 
 
-class Batch:
-    """One loss call's log-probs, masked positions zeroed (so no NaN can leak in), with its `LossInputs`,
-    whose other fields (groups, rewards, weights) it reads there. Built by `LossInputs.masked`, by keyword."""
-
-    def __init__(self, *, inputs: LossInputs, logp: torch.Tensor, old_logp: torch.Tensor,
-                 adv: Optional[torch.Tensor], lengths: torch.Tensor):
-        self.inputs = inputs
-        self.logp = logp  # ℓ (B, T)
-        self.old_logp = old_logp  # ℓ_old (B, T), detached
-        self.adv = adv  # A (B, T), per-row advantages broadcast
-        self.lengths = lengths  # L_i (B,)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.inputs.mask
-
-    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        return masked_sum_rows(x, self.mask) / self.lengths.clamp(min=1)
-
-    def per_token(self, row: torch.Tensor) -> torch.Tensor:
-        return row[:, None].expand_as(self.logp)
-
-
 def clip_objective(w, adv, cfg):
-    """PPO's clipped surrogate max(−A·w', −A·clip(w)) with optional delta and dual clip."""
-    unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
-    loss = torch.maximum(unclipped, -adv * w.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
+    """PPO's clipped surrogate max(−A·w', −A·clip(w)) with optional delta and dual clip; GPPO's (`cfg.objective`
+    "gppo") where the clip holds a token (w below the band with A < 0, above it with A > 0) is −β·bound·A·w/sg(w):
+    PPO's value for β = 1, and the gradient −β·bound·A·∇ℓ where PPO's is 0 (docs/math.md §5)."""
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    held_low, held_high = (w.detach() < lo) & (adv < 0), (w.detach() > hi) & (adv > 0)
+    if cfg.objective == "gppo":
+        bound = torch.where(held_low, w.new_tensor(cfg.gppo_beta_low * lo), cfg.gppo_beta_high * hi)  # w's dtype
+        kept = bound * (w / w.detach())
+        loss = -adv * torch.where(held_low | held_high, kept, w)
+    else:
+        unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
+        loss = torch.maximum(unclipped, -adv * w.clamp(lo, hi))
     if cfg.dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
-    w = w.detach()
-    return Surrogate(loss, w, (w < 1 - cfg.clip_low) & (adv < 0), (w > 1 + cfg.clip_high) & (adv > 0))
+    return Surrogate(loss, w.detach(), held_low, held_high)
 
 
 def _token_log_ratio(b: Batch, cfg) -> torch.Tensor:
@@ -78,24 +62,41 @@ def sequence_ratio(b: Batch, cfg) -> torch.Tensor:
     return b.per_token(torch.exp(_sequence_log_ratio(b, cfg)))
 
 
-def token(b: Batch, cfg) -> Surrogate:
-    return _TOKEN_OBJECTIVES[cfg.objective](token_ratio(b, cfg), b, cfg)
+def sequence_token_ratio(b: Batch, cfg) -> torch.Tensor:
+    """GSPO-token's weight: the value of s_i on every token, the gradient of ℓ_{i,t} alone (B, T)."""
+    return torch.exp(_sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach())
+
+
+def trajectory_ratio(b: Batch, cfg) -> torch.Tensor:
+    """π(τ)/μ(τ) = exp(clamp(Σ_t m (ℓ − ℓ_old))), the raw sequence ratio, on each token of its row (B, T)."""
+    return b.per_token(torch.exp(masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp,
+                                                                                   cfg.log_ratio_clamp)))
+
+
+def at(weight, surrogate):
+    """The surrogate `surrogate(w, b, cfg)` at the importance weight `weight(b, cfg)` (B, T): one of the functions
+    above, so that an objective is written once for every ratio it takes."""
+    return functools.partial(_at, weight, surrogate)
+
+
+def _at(weight, surrogate, b: Batch, cfg) -> Surrogate:
+    return surrogate(weight(b, cfg), b, cfg)
 
 
 def _none(b: Batch) -> torch.Tensor:
     return torch.zeros_like(b.mask)
 
 
-def _clip(w, b: Batch, cfg) -> Surrogate:
+def clip(w, b: Batch, cfg) -> Surrogate:
     return clip_objective(w, b.adv, cfg)
 
 
-def _reinforce(w, b: Batch, cfg) -> Surrogate:
+def reinforce(w, b: Batch, cfg) -> Surrogate:
     """REINFORCE (and GPG): −A·ℓ."""
     return Surrogate(-b.adv * b.logp, w.detach(), _none(b), _none(b))
 
 
-def _cispo(w, b: Batch, cfg) -> Surrogate:
+def cispo(w, b: Batch, cfg) -> Surrogate:
     """CISPO: the clipped weight is a constant that scales the REINFORCE gradient (w per token, or a
     row's sequence ratio broadcast to its tokens, as TRL's sequence-level CISPO)."""
     w = w.detach()
@@ -119,11 +120,11 @@ def soft_gate(w, adv, cfg) -> Surrogate:
     return Surrogate(-adv * torch.sigmoid(tau * (w - 1)) * (4 / tau), w.detach(), none, none)
 
 
-def _sapo(w, b: Batch, cfg) -> Surrogate:
+def sapo(w, b: Batch, cfg) -> Surrogate:
     return soft_gate(w, b.adv, cfg)
 
 
-def _dppo(w, b: Batch, cfg) -> Surrogate:
+def dppo(w, b: Batch, cfg) -> Surrogate:
     """DPPO (Binary-TV / Binary-KL): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the divergence trust region."""
     with torch.no_grad():
         p, p_old, adv = torch.exp(b.logp), torch.exp(b.old_logp), b.adv
@@ -141,13 +142,13 @@ def _dppo(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w, ~inside & (adv < 0), ~inside & (adv > 0))
 
 
-def _dro(w, b: Batch, cfg) -> Surrogate:
+def dro(w, b: Batch, cfg) -> Surrogate:
     """DRO: −(A·ℓ − ½β(ℓ − ℓ_old)²); the log-ratio is not exponentiated, so not clamped."""
     loss = -(b.adv * b.logp - 0.5 * cfg.dro_beta * (b.logp - b.old_logp).square())
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
-def _topr(w, b: Batch, cfg) -> Surrogate:
+def topr(w, b: Batch, cfg) -> Surrogate:
     """TOPR: −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0; flagged where the truncation binds."""
     w = w.detach()
     weight = torch.where(b.adv < 0, w.clamp(0, 1), torch.ones_like(w))
@@ -180,7 +181,7 @@ def kl_cov_tokens(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, cfg
     return (_ranks(cov.reshape(-1), descending=True).view_as(mask) < k) & mask
 
 
-def _clip_cov(w, b: Batch, cfg) -> Surrogate:
+def clip_cov(w, b: Batch, cfg) -> Surrogate:
     """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance."""
     sur = clip_objective(w, b.adv, cfg)
     with torch.no_grad():
@@ -221,7 +222,7 @@ def _ranks(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def _kl_cov(w, b: Batch, cfg) -> Surrogate:
+def kl_cov(w, b: Batch, cfg) -> Surrogate:
     """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
     with torch.no_grad():
         chosen = kl_cov_tokens(b.adv, b.logp.detach(), b.mask, cfg)
@@ -230,38 +231,8 @@ def _kl_cov(w, b: Batch, cfg) -> Surrogate:
     return Surrogate(loss, w.detach(), _none(b), _none(b))
 
 
-_TOKEN_OBJECTIVES = {
-    "clip": _clip,
-    "reinforce": _reinforce,
-    "cispo": _cispo,
-    "sapo": _sapo,
-    "dppo_tv": _dppo,
-    "dppo_kl": _dppo,
-    "clip_cov": _clip_cov,
-    "kl_cov": _kl_cov,
-    "dro": _dro,
-    "topr": _topr,
-}
-
-
-def sequence(b: Batch, cfg) -> Surrogate:
-    w = sequence_ratio(b, cfg)
-    if cfg.objective == "cispo":
-        return _cispo(w, b, cfg)
-    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
-
-
-def sequence_token(b: Batch, cfg) -> Surrogate:
-    # Value of s_i on every token, gradient of ℓ_{i,t} alone (GSPO-token).
-    log_w = _sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach()
-    w = torch.exp(log_w)
-    return soft_gate(w, b.adv, cfg) if cfg.objective == "sapo" else clip_objective(w, b.adv, cfg)
-
-
-def sequence_sum(b: Batch, cfg) -> Surrogate:
+def fspo(b: Batch, cfg) -> Surrogate:
     """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L."""
-    if cfg.objective == "vespo":
-        return vespo(b, cfg)
     s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
@@ -365,14 +336,3 @@ def snis_advantage(log_rho: torch.Tensor, rewards: torch.Tensor, group: torch.Te
     # Σ e ≥ 1 in a group with a valid row; in one without, it is 0 and so are n_g and Σ e R
     scale, baseline = group_gather(sums[:, :2] / sums[:, 2:].clamp(min=1), group, group_size).unbind(1)
     return e * scale * (rewards - baseline)
-
-
-BY_RATIO = {
-    "token": token,
-    "sequence": sequence,
-    "sequence_token": sequence_token,
-    "sequence_sum": sequence_sum,
-    "group_expectation": group_expectation,
-    "geometric": geometric,
-    "snis": snis,
-}

@@ -1,8 +1,9 @@
 """The hidden-state head, shared by `linear_token_logprobs` and `fused_linear_policy_loss`
-(docs/design.md §4): `head_spec` validates the inputs, `LinearHead` runs the chunk loop over
-logits = hidden @ weightᵀ (+ bias) with the backend's kernels, forward and backward, and merges
-the per-row results of vocabulary shards; `HeadGrads` carries ∂hidden, ∂weight and ∂bias.
-`default_rows` is the chunk rule; a GPU's choices are taken where `_gpu_like.gpu_like` says.
+(docs/design.md §4): `head_spec` validates the inputs and chooses the design (`_head_design`),
+`_heads.make_head` builds it: `LinearHead` runs the row-chunk loop over logits = hidden @ weightᵀ (+ bias)
+with the backend's kernels, forward and backward, and merges the per-row results of vocabulary
+shards (`merge_slices`, which also merges vocabulary blocks: `_vocab_blocks`); `HeadGrads` carries
+∂hidden, ∂weight and ∂bias. A GPU's choices are taken where `_gpu_like.gpu_like` says.
 """
 from __future__ import annotations
 
@@ -20,22 +21,11 @@ from .._checks import (
 )
 from .._dtypes import acc_dtype
 from ..kernels.softcap import with_softcap
+from . import _head_design
 from ._gpu_like import gpu_like
+from ._head_design import Design, buffer_width
 from ._rows import kernel_checks_targets
 from .token_logprobs import _resolve
-
-# A CPU chunk: ≤ 56 MiB of logits with their fp32 image: the extra peak (one chunk) at N = 2048,
-# V = 152k in fp32 is 4.6% of the logits avoided; each chunk re-reads W and the ∂W accumulator,
-# so smaller chunks cost time (half as many rows: +10% there).
-CPU_CHUNK_BYTES = 56 << 20
-# On a GPU each chunk's ∂W product reads and writes the whole (V, H) fp32 accumulator, 8 bytes per
-# entry for 2r FLOP with r rows: r/4 FLOP per byte, where an H100/H200 needs ~200 to stay
-# compute-bound (110-row chunks at V = 152k, H = 4096 spent ~85% of the backward there). So a GPU
-# chunk holds as many bytes of logits as the accumulator has (one chunk when all fit: its product
-# then writes the accumulator once and never reads it), and at least this many rows.
-GPU_MIN_CHUNK_ROWS = 4096
-LANE = 16  # the sharded buffer's row stride is a multiple of 16 elements: every row 32- or 64-byte aligned
-
 
 _FP32_OUT_GEMM: Dict[Tuple[torch.device, torch.dtype], bool] = {}
 
@@ -75,21 +65,6 @@ def accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
         torch.addmm(acc, a, b, out=acc, **kw)
 
 
-def default_rows(n: int, width: int, hidden_size: int, dtype: torch.dtype, gpu: bool, upcast: bool) -> int:
-    """Rows per chunk without `chunk_size`, for n rows of `width` logits in `dtype` and a (V, H =
-    hidden_size) ∂W accumulator; `upcast`: the ∂W GEMM takes an fp32 image of each chunk. The
-    fewest chunks under the cap (GPU: the accumulator's bytes, at least `GPU_MIN_CHUNK_ROWS` rows;
-    CPU: `CPU_CHUNK_BYTES`), evened out (as many accumulator passes, a smaller buffer)."""
-    acc_size = 8 if dtype == torch.float64 else 4
-    per_logit = dtype.itemsize + (acc_size if upcast else 0)
-    if gpu:
-        cap = max(GPU_MIN_CHUNK_ROWS, hidden_size * acc_size // per_logit)
-    else:
-        cap = CPU_CHUNK_BYTES // (width * per_logit)
-    chunks = -(-n // max(1, cap))
-    return max(1, -(-n // max(1, chunks)))
-
-
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """What the forward and the backward agree on, besides the tensors."""
@@ -97,7 +72,7 @@ class HeadSpec:
     temperature: float
     softcap: float  # the final-logit cap c, 0.0 for none
     backend: str
-    rows: int  # rows per chunk
+    design: Design  # row chunks of `design.size` rows, or vocabulary blocks of `design.size` columns
     group: Optional[object] = None  # torch.distributed process group (vocabulary parallel), or None
     vocab_start: object = 0  # first global vocabulary id of this rank's slice of `weight` (a 0-d tensor when sharded)
 
@@ -118,22 +93,47 @@ class LinearHead:
             self.owned = (local >= 0) & (local < self.vocab)
             targets = torch.where(self.owned, local, torch.full_like(local, self.vocab))
         self.targets = targets.contiguous()
-        self.buffer = torch.empty(min(spec.rows, self.n), buffer_width(self.vocab, self.sharded),
-                                  dtype=self.hidden.dtype, device=self.hidden.device)
+        self.buffer: Optional[Tensor] = None  # flat, allocated at first use, dropped by `drop_buffer`
+        self.held = None  # which piece's logits the buffer holds, unchanged (the backward starts with it)
+        self.padded = None  # (row width, logits per row) of the −inf padding the buffer holds, if any
+
+    def piece_buffer(self, rows: int, width: int) -> Tensor:
+        """A contiguous `(rows, width)` view of the buffer, whose size is the largest piece's."""
+        if self.buffer is None:
+            self.buffer = self.hidden.new_empty(self.buffer_numel())
+        return self.buffer[: rows * width].view(rows, width)
+
+    def buffer_numel(self) -> int:
+        return min(self.spec.design.size, self.n) * buffer_width(self.vocab, self.sharded)
+
+    def drop_buffer(self) -> None:
+        self.buffer = self.held = self.padded = None
+
+    def pad(self, buf: Tensor, columns: int) -> None:
+        """−inf in the columns of `buf` past its first `columns`, unless they hold it already (a forward's
+        pieces of one width fill them once; a backward kernel writes over them)."""
+        if buf.shape[1] > columns and self.padded != (buf.shape[1], columns):
+            buf[:, columns:] = float("-inf")
+            self.padded = (buf.shape[1], columns)
+
+    def overwritten(self) -> None:
+        """The buffer's logits, padding included, were overwritten (by a backward kernel)."""
+        self.held = self.padded = None
 
     def chunks(self):
-        return [(start, min(start + self.spec.rows, self.n)) for start in range(0, self.n, self.spec.rows)]
+        rows = self.spec.design.size
+        return [(start, min(start + rows, self.n)) for start in range(0, self.n, rows)]
 
     def logits(self, s: int, e: int) -> Tensor:
-        """The logits of rows s:e, written into the buffer (a contiguous `(e − s, width)` view of it)."""
-        buf = self.buffer[: e - s]
-        view = buf[:, : self.vocab]  # sharded: a strided view BLAS writes into directly
-        if self.bias is None:
-            torch.mm(self.hidden[s:e], self.weight.t(), out=view)
-        else:
-            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=view)
-        if self.sharded:
-            buf[:, self.vocab:] = float("-inf")
+        """The logits of rows s:e in the buffer (a contiguous `(e − s, width)` view of it), computed unless it
+        holds them already (the forward's last chunk, at the start of the backward)."""
+        width = buffer_width(self.vocab, self.sharded)
+        buf = self.piece_buffer(e - s, width)
+        if self.held == (s, e):
+            return buf
+        logits_into(buf[:, : self.vocab], self.hidden[s:e], self.weight, self.bias)
+        self.pad(buf, self.vocab)
+        self.held = (s, e)
         return buf
 
     def policy_chunk(self, buf: Tensor, s: int, e: int, per_row, params):
@@ -152,66 +152,63 @@ class LinearHead:
         chunks = self.chunks() or [(0, 0)]  # no rows: one empty chunk
         parts = [self.forward_chunk(self.logits(s, e), s, e, need_entropy) for s, e in chunks]
         logp, entropy, lse_parts = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*parts))
-        if self.sharded:
-            logp, entropy, lse_parts = self.merge_shards(logp, entropy, lse_parts, need_entropy)
-        return logp, entropy, lse_parts
+        return self.merge_shards(logp, entropy, lse_parts, need_entropy)
 
     def merge_shards(self, logp, entropy, lse_parts, need_entropy):
-        """Per-rank (logp, H, [m, log s]) of the local slices → those of the whole vocabulary.
-
-        Rank r's slice has raw max m_r and, with d = (z − m_r)/τ, s_r = Σ e^d, Σ e^d·d = s_r (log s_r −
-        H_r), and on the rank that holds y, d_y = logp_r + log s_r. Relative to M = max_r m_r
-        (δ_r = (m_r − M)/τ): s = Σ_r e^{δ_r + log s_r}, Σ e^{d'}d' = Σ_r e^{δ_r + log s_r}(log s_r − H_r
-        + δ_r) and d'_y = logp_r + log s_r + δ_r. Every term is relative to a max, so no large
-        m_r/τ + log s_r is ever rounded."""
+        """Per-rank (logp, H, [m, log s]) of the local slices → those of the whole vocabulary (unsharded: as
+        they are), by `merge_slices` with all-reduces over the ranks."""
+        if not self.sharded:
+            return logp, entropy, lse_parts
         group = self.spec.group
-        m, log_s = lse_parts.unbind(1)
-        top = m.clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shift = (m - top) / self.spec.temperature
-        scale = torch.exp(shift + log_s)
-        zero = torch.zeros_like(scale)
-        parts = [torch.where(self.owned, (logp + log_s) + shift, zero), scale]
-        if need_entropy:  # a slice of only −inf (scale 0, H_r NaN) adds nothing
-            parts.append(torch.where(scale > 0, scale * ((log_s - entropy) + shift), zero))
-        sums = torch.stack(parts)
-        dist.all_reduce(sums, group=group)
-        log_s_all = torch.log(sums[1])
-        entropy_all = log_s_all - sums[2] / sums[1] if need_entropy else entropy
-        return sums[0] - log_s_all, entropy_all, torch.stack((top, log_s_all), 1)
+
+        def top(m):
+            m = m.clone()
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            return m
+
+        def total(sums):
+            dist.all_reduce(sums, group=group)
+            return sums
+
+        return merge_slices(logp, entropy, lse_parts, self.owned, self.spec.temperature, need_entropy, top, total)
 
     def new_grads(self, need_hidden: bool, need_weight: bool, need_bias: bool) -> "HeadGrads":
-        """Uninitialised: the first chunk writes them (zeros when there is no row, hence no chunk)."""
+        """Uninitialised: the first chunk writes them (zeros when there is no row, hence no chunk). ∂W is an
+        accumulator over several chunks (fp32 for half precision); one chunk writes it in the weight's dtype."""
         acc, new = acc_dtype(self.hidden), torch.empty if self.n else torch.zeros
+        weight_dtype = self.weight.dtype if len(self.chunks()) == 1 else acc
         return HeadGrads(
             hidden=torch.empty_like(self.hidden) if need_hidden else None,
-            weight=new(self.weight.shape, dtype=acc, device=self.weight.device) if need_weight else None,
+            weight=new(self.weight.shape, dtype=weight_dtype, device=self.weight.device) if need_weight else None,
             bias=new(self.vocab, dtype=acc, device=self.weight.device) if need_bias else None,
         )
 
-    def backward_chunk(self, buf, s, e, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads"):
+    def backward_chunk(self, buf, s, e, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads",
+                       first: bool):
         """∂logits of rows s:e from the (global) lse_parts/H and the incoming gradients, written over
-        the chunk's logits in `buf`, then accumulated into `grads`."""
+        the chunk's logits in `buf`, then added to `grads` (`first`: written into them)."""
         g = self.kernels.token_logprobs_bwd(buf, self.targets[s:e], lse_parts, entropy, grad_logp.contiguous(),
                                             None if grad_entropy is None else grad_entropy.contiguous(),
                                             self.spec.temperature, out=buf)
+        self.overwritten()
         g = g[:, : self.vocab]  # the −inf columns (sharded) hold the target term of other ranks' tokens
         if grads.hidden is not None:
             torch.mm(g, self.weight, out=grads.hidden[s:e])
-        if grads.weight is not None:  # fp32 accumulation over chunks
-            accumulate(grads.weight, g.t(), self.hidden[s:e], first=s == 0)
+        if grads.weight is not None:  # fp32 accumulation over chunks; one chunk: the GEMM writes ∂W
+            accumulate(grads.weight, g.t(), self.hidden[s:e], first)
         if grads.bias is not None:
-            if s == 0:
+            if first:
                 torch.sum(g, 0, dtype=grads.bias.dtype, out=grads.bias)
             else:
                 grads.bias += g.sum(0, dtype=grads.bias.dtype)
 
     def backward(self, lse_parts, entropy, grad_logp, grad_entropy, grads: "HeadGrads") -> None:
-        """The second pass: recompute each chunk's logits, then `backward_chunk` (then `finish`)."""
-        for s, e in self.chunks():
+        """The second pass: each chunk's logits again (last first: the forward may have left them in the
+        buffer), then `backward_chunk` (then `finish`)."""
+        for i, (s, e) in enumerate(reversed(self.chunks())):
             h = None if grad_entropy is None else grad_entropy[s:e]
             self.backward_chunk(self.logits(s, e), s, e, lse_parts[s:e], entropy[s:e] if h is not None else entropy,
-                                grad_logp[s:e], h, grads)
+                                grad_logp[s:e], h, grads, first=i == 0)
 
     def finish(self, grads: "HeadGrads") -> "HeadGrads":
         """∂hidden summed over ranks (each rank saw its slice of the vocabulary)."""
@@ -220,27 +217,54 @@ class LinearHead:
         return grads
 
 
+def logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    """out = hidden @ weightᵀ (+ bias) in one GEMM that writes `out`, a view of a padded buffer (strided: BLAS
+    writes into it directly); under torch.compile, which refuses a strided `out=`, computed then copied."""
+    if torch.compiler.is_compiling() and not out.is_contiguous():
+        out.copy_(torch.nn.functional.linear(hidden, weight, bias))
+    elif bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+def merge_slices(logp, entropy, lse_parts, owned, temperature: float, need_entropy: bool, top, total):
+    """(logp, H, [m, log s]) of slices of the vocabulary (ranks, or blocks) → those of the whole row.
+
+    `top(m)`: the max over slices of the raw row maxima; `total(x)`: x summed over the slices, for x
+    stacked on a new first dimension; `owned`: where a slice holds the row's target (its logp counts).
+    Slice r has raw max m_r and, with d = (z − m_r)/τ, s_r = Σ e^d, Σ e^d·d = s_r (log s_r − H_r), and
+    where it holds y, d_y = logp_r + log s_r. Relative to M = max_r m_r (δ_r = (m_r − M)/τ): s = Σ_r
+    e^{δ_r + log s_r}, Σ e^{d'}d' = Σ_r e^{δ_r + log s_r}(log s_r − H_r + δ_r) and d'_y = logp_r +
+    log s_r + δ_r. Every term is relative to a max, so no large m_r/τ + log s_r is ever rounded."""
+    m, log_s = lse_parts.unbind(-1)
+    peak = top(m)
+    shift = (m - peak) / temperature
+    scale = torch.exp(shift + log_s)
+    zero = torch.zeros_like(scale)
+    parts = [torch.where(owned, (logp + log_s) + shift, zero), scale]
+    if need_entropy:  # a slice of only −inf (scale 0, H_r NaN) adds nothing
+        parts.append(torch.where(scale > 0, scale * ((log_s - entropy) + shift), zero))
+    sums = total(torch.stack(parts))
+    log_s_all = torch.log(sums[1])
+    entropy_all = log_s_all - sums[2] / sums[1] if need_entropy else entropy
+    return sums[0] - log_s_all, entropy_all, torch.stack((peak, log_s_all), -1)
+
+
 @dataclasses.dataclass
 class HeadGrads:
-    hidden: Optional[Tensor]  # (N, H), dtype of hidden
-    weight: Optional[Tensor]  # (V, H), in the accumulation dtype (fp32; fp64 for fp64 inputs)
-    bias: Optional[Tensor]  # (V,), likewise
+    hidden: Optional[Tensor]  # (N, H): dtype of hidden, or its accumulation dtype (vocabulary blocks)
+    weight: Optional[Tensor]  # (V, H), in the accumulation dtype (fp32; fp64 for fp64 inputs) or weight's
+    bias: Optional[Tensor]  # (V,), in the accumulation dtype
 
     def to(self, dtype: torch.dtype) -> "HeadGrads":
-        """∂weight and ∂bias in `dtype` (the parameters'): one conversion pass each, none when the
-        accumulator already is the gradient (dropping `self` then frees the accumulator)."""
-        return HeadGrads(self.hidden, *(None if g is None else g.to(dtype) for g in (self.weight, self.bias)))
+        """All three in `dtype` (the parameters'): one conversion pass each, none when an accumulator
+        already is the gradient (dropping `self` then frees the accumulator)."""
+        return HeadGrads(*(None if g is None else g.to(dtype) for g in (self.hidden, self.weight, self.bias)))
 
 
-def buffer_width(vocab: int, sharded: bool) -> int:
-    """Columns of the chunk buffer: V; sharded, V + 1 (the −inf target of rows whose token lives on
-    another rank) and more −inf columns up to a multiple of `LANE`. The kernels read contiguous
-    rows (the extension's ops require it), so padding the width is what puts every row on a
-    16-element boundary, for their 128-bit loads and cuBLAS's leading dimension alike."""
-    return -(-(vocab + 1) // LANE) * LANE if sharded else vocab
-
-
-def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group) -> HeadSpec:
+def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chunk_size, process_group,
+              memory_budget) -> HeadSpec:
     """Validate the inputs of the hidden-state path; the spec both passes share."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
@@ -264,11 +288,14 @@ def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chun
     name = _resolve(backend, hidden.device)  # its ops defined, with their fakes (for fake tensors)
     if process_group is not None or not kernel_checks_targets(name):  # sharded: the kernels see local ids only
         check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
-    if chunk_size is None:
-        upcast = hidden.element_size() < 4 and not fp32_out_gemm(hidden)
-        width = buffer_width(weight.shape[0], process_group is not None)
-        rows = default_rows(hidden.numel() // hidden.shape[-1], width, hidden.shape[-1], hidden.dtype,
-                            gpu_like(hidden), upcast)
-    else:
-        rows = check_int("chunk_size", chunk_size, 1)
-    return HeadSpec(temperature, softcap, name, rows, process_group, start)
+    if chunk_size is not None:
+        chunk_size = check_int("chunk_size", chunk_size, 1)
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not memory_budget >= 0):
+        raise ValueError(f"memory_budget: expected a number >= 0 (a fraction of the logits) or None, "
+                         f"got {memory_budget!r}")
+    n = hidden.numel() // hidden.shape[-1]
+    design = _head_design.choose(n, weight.shape[0], hidden.shape[-1], hidden.dtype, sharded=process_group is not None,
+                                 gpu=gpu_like(hidden), fp32_out=hidden.element_size() >= 4 or fp32_out_gemm(hidden),
+                                 memory_budget=memory_budget, chunk_size=chunk_size)
+    return HeadSpec(temperature, softcap, name, design, process_group, start)

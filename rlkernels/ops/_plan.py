@@ -20,6 +20,7 @@ from typing import Optional
 from ..kernels import Kernels
 from ..kernels.token_loss_params import FWD, KL_ESTIMATORS, OBJECTIVES
 from ..losses import PolicyLossConfig
+from ..losses.spec import objectives
 from ._sequence_step import PAIRS as SEQUENCE_PAIRS
 
 # the forward kernel's objectives and the kernels' KL estimators, by their config names (the table)
@@ -51,7 +52,9 @@ def plan(config: PolicyLossConfig, kernels: Kernels, forward: bool = True) -> Pl
         return Plan(Step.SEQUENCE)
     if kernels.supports("covariance_choice") is None and _covariance(config):
         return Plan(Step.COVARIANCE)
-    return Plan(Step.AUTOGRAD, _lacking(config) if config.ratio == "token" else None)
+    # a plug-in objective has no kernel entry by design: nothing to warn about
+    plugin = objectives.get(config.objective).plugin
+    return Plan(Step.AUTOGRAD, _lacking(config) if config.ratio == "token" and not plugin else None)
 
 
 def kernel_supports(config: PolicyLossConfig) -> bool:

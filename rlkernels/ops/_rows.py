@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -64,19 +65,38 @@ def logits_rows(logits: Tensor, in_place: bool = True, to_parent: bool = False) 
     """The rows of `logits (..., V)`. With `in_place`, a view with unit stride over V (`logits[:, :-1]`,
     `logits[:, -C - 1:-1]`, `logits[a:b]`) is read where it lies, in one launch per kernel when its
     leading dims collapse into at most two strides (a batch stride and a row stride; else one per index
-    of its first dim); otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the parent of a box
-    view that autograd would give it to anyway (`LogitsRows.grad_input`)."""
+    of its first dim); otherwise one contiguous copy is read. With `to_parent`, the gradient goes to the
+    parent of a box view that autograd would give it to anyway (`LogitsRows.grad_input`): a view by one
+    plain view op with no hook or retain_grad on it; any other view leaves its gradient to autograd (one copy)."""
     vocab, detached = logits.shape[-1], logits.detach()
     pieces = _pieces(detached) if in_place else None
     if pieces is None:
         return LogitsRows(detached, _blocks([detached.reshape(-1, vocab).contiguous()]), logits)
     rows = LogitsRows(detached, _blocks(pieces), logits)
     parent = logits._base
-    if to_parent and parent is not None and logits.grad_fn is not None and parent.requires_grad:
+    if to_parent and parent is not None and parent.requires_grad and _autograd_hands_on(logits, parent):
         box = _box(logits, parent)
         if box is not None:
             rows.grad_input, rows.box = parent, box
     return rows
+
+
+# The nodes of view ops whose backward only puts the gradient in its place in the input (`_box` checks where).
+_PLAIN_VIEW = re.compile(r"(Slice|Select|View|AsStrided|Unsqueeze|Squeeze|Alias)Backward\d+")
+
+
+def _autograd_hands_on(view: Tensor, base: Tensor) -> bool:
+    """Whether autograd would hand the gradient of `view` to `base` unchanged but for its place: one plain view
+    op's node between them and no hook or retain_grad on `view`. Anything else is left to autograd: an
+    autograd.Function returning its input as a view (gradient reversal or scaling, tensor-parallel regions),
+    or a chain of view ops, whose inner tensors may hold hooks that Python cannot see on their nodes."""
+    node = view.grad_fn
+    if node is None or not _PLAIN_VIEW.fullmatch(node.name()) or len(node.next_functions) != 1:
+        return False
+    if view._backward_hooks or view.retains_grad:
+        return False
+    target = node.next_functions[0][0]
+    return target is base.grad_fn if base.grad_fn is not None else getattr(target, "variable", None) is base
 
 
 def _blocks(pieces: List[Tensor]) -> List[Tuple[int, int, Tensor]]:
@@ -123,9 +143,11 @@ def _box(view: Tensor, parent: Tensor) -> Optional[Tuple[slice, ...]]:
     if not parent.is_contiguous() or parent.dtype != view.dtype or parent.shape[-1] != vocab:
         return None
     offset, starts = view.storage_offset() - parent.storage_offset(), []
-    for stride in parent.stride():  # contiguous: the offset splits into one start per dim
-        starts.append(offset // stride)
-        offset %= stride
+    for size, stride in zip(parent.shape, parent.stride()):  # contiguous: the offset splits into one start per
+        start = 0  # dim of size > 1 (one of size 1 may have any stride, 0 from numpy, DLPack or empty_strided)
+        if size > 1:
+            start, offset = divmod(offset, stride)
+        starts.append(start)
     lengths, last = [1] * parent.dim(), -1
     for size, stride in zip(view.shape, view.stride()):
         if size == 1:

@@ -5,8 +5,9 @@ entropy terms plus a surrogate that couples the tokens of a row (docs/math.md §
 evaluated by the backend's `policy_token_loss` (the same per-token formula as the fused forward
 kernel, `csrc/include/rlkernels/token_loss.h` and the Triton `token_loss`):
 
-* the KL and entropy terms: once over the tokens, without advantages (A = 0, no surrogate), except that
-  SNIS's surrogate, REINFORCE like that call, comes in it as the advantage (`_snis`);
+* the KL and entropy terms: once over the tokens, without advantages (A = 0 in the clip objective, whose
+  −A·w is 0 whatever ℓ: `token_terms_params`), except that SNIS's surrogate, REINFORCE, comes in it as the
+  advantage (`_snis`);
 * the surrogate: once over the rows, the row's log-ratio as its "log-prob" (GSPO, GEPO: the clip
   objective, or SAPO's gate, of the mean log-ratio; FSPO: the clip objective of the summed log-ratio
   at its band's edge), its derivative passed to the row's tokens through the row's mean or sum of ℓ;
@@ -24,24 +25,20 @@ SNIS's coefficient, VESPO's φ) is computed by the functions of `losses/surrogat
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..kernels.token_loss_params import CLIP_FLAGS, SURROGATE_STATS, Stat
 from ..losses import LossOutput, PolicyLossConfig
-from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation,
-                           metrics_from_sums, snis_advantage, surrogate_weights, vespo_weight)
+from ..losses.spec import (LossInputs, aggregation_weights, cispo_weight, gepo_log_expectation, metrics_from_sums,
+                           objectives, snis_advantage, surrogate_weights, vespo_weight)
 from ._token_stats import loss_from_stats
 from .kernel_params import log_band_params, surrogate_params, token_terms_params
 
-# The (ratio, objective) pairs taken here, by where their surrogate is evaluated.
-_PER_ROW = {("sequence", "clip"), ("sequence", "sapo"), ("sequence_sum", "clip"), ("group_expectation", "clip")}
-_PER_TOKEN = {("sequence_token", "clip"), ("sequence_token", "sapo"), ("sequence", "cispo"), ("sequence_sum", "vespo"),
-              ("geometric", "clip")}
-# every sequence-level pair taken here (`_plan.plan`; token-level objectives of the kernels' table come too)
-PAIRS = _PER_ROW | _PER_TOKEN | {("snis", "reinforce")}
 
 
 def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, config: PolicyLossConfig,
@@ -59,21 +56,21 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
     adv, snis_ratio = _snis(rows, omega, inputs, config) if config.ratio == "snis" else (None, None)
     tok_grad, tok_grad_h, tok_stats = kernels.policy_token_loss(
         logp, entropy, flat_mask, weights.view(-1), adv, inputs.flat("old_logp"), inputs.flat("ref_logp"),
-        token_terms_params(config))
+        token_terms_params(config, reinforce=adv is not None))
     grad_h = tok_grad_h if config.entropy_coef != 0 else None
     if snis_ratio is not None:  # its ratio statistic is the row's ρ_i on each token, not the token's own ratio
-        torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, 3].view(B, T))
+        torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, Stat.RATIO].view(B, T))
         return loss_from_stats(tok_stats, inputs), tok_grad, grad_h
 
-    if (config.ratio, config.objective) in _PER_TOKEN or config.ratio == "token":
-        sur_grad, sums, ratio_max = _token_surrogate(kernels, logp, rows, weights, omega, inputs, config)
-    else:
-        sur_grad, sums, ratio_max = _row_surrogate(kernels, rows, weights, omega, inputs, config)
+    surrogate = _weighted_token if config.ratio == "token" else SURROGATES[config.ratio, config.objective]
+    sur_grad, sums, ratio_max = surrogate(kernels, logp, rows, weights, omega, inputs, config)
 
     tok_sums = tok_stats.sum(0)
-    sums = torch.cat([tok_sums[:1] + sums[:1], sums[1:4], tok_sums[4:]])
-    metrics = metrics_from_sums(sums[1:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
-    return LossOutput(sums[0], metrics), tok_grad + sur_grad, grad_h
+    # the loss of both calls, the surrogate's clip flags and ratio, the token call's KL and entropy
+    sums = torch.cat([tok_sums[:Stat.CLIP_LOW] + sums[:Stat.CLIP_LOW], sums[Stat.CLIP_LOW:Stat.APPROX_KL],
+                      tok_sums[Stat.APPROX_KL:]])
+    metrics = metrics_from_sums(sums[Stat.CLIP_LOW:], rows.lengths.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[Stat.LOSS], metrics), tok_grad + sur_grad, grad_h
 
 
 class _Rows:
@@ -82,6 +79,11 @@ class _Rows:
     def __init__(self, logp: Tensor, inputs: LossInputs, zero: Tensor):
         self.logp, self.mask, self.old_logp, self.zero = logp, inputs.mask, inputs.old_logp, zero
         self.lengths = self.mask.sum(-1, dtype=logp.dtype)  # L_i
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        """L_i > 0."""
+        return self.lengths > 0
 
     @functools.cached_property
     def divisor(self) -> Tensor:
@@ -112,7 +114,7 @@ def _surrogate_weights(logp, entropy, inputs: LossInputs, config: PolicyLossConf
     """ω of docs/math.md §7 (importance weights times the off-policy and entropy masks), 0 where masked.
     (VESPO's importance weights are in its ratio, not here: `losses.policy_loss.surrogate_weights`.)"""
     if config.off_policy_mask is None and config.top_entropy_quantile is None:
-        if inputs.is_weights is None or config.objective == "vespo":
+        if inputs.is_weights is None or objectives.get(config.objective).weights_in_ratio:
             return None
         return torch.where(inputs.mask, inputs.is_weights, 0.0)
     B, T = inputs.mask.shape
@@ -127,91 +129,138 @@ def _snis(rows: _Rows, omega, inputs: LossInputs, config):
     the log-ratio unclamped)."""
     c = config.log_ratio_clamp
     log_rho = rows.log_ratio_sum
-    coef = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, rows.lengths > 0,
+    coef = snis_advantage(log_rho, inputs.rewards, inputs.group, inputs.num_groups, rows.valid,
                           inputs.group_size)
     counted = rows.lengths if omega is None else omega.sum(-1)
     adv = coef[:, None] * counted[:, None].expand(rows.mask.shape)  # one product, already (B, T)
     return adv.view(-1), torch.exp(log_rho.clamp(-c, c))
 
 
-def _row_surrogate(kernels, rows: _Rows, weights, omega, inputs: LossInputs, config):
+@dataclasses.dataclass
+class _RowInputs:
+    """A per-row surrogate as `policy_token_loss` takes it over the rows: the row's "log-prob" x and its x_old, the
+    advantage, the objective (or its params), and how its results map back (module docstring)."""
+
+    x: Tensor
+    x_old: Optional[Tensor]
+    adv: Tensor
+    objective: str = "clip"
+    params: object = None  # the op's params when not surrogate_params(config, objective)
+    grad_scale: Optional[Tensor] = None  # ∂x/∂ℓ_t·L_i when x is not a row mean (the same on each of the row's tokens)
+    row_weight: Optional[Tensor] = None  # W_i / L_i when formed with the row means
+    ratio_scale: Optional[Tensor] = None  # the ratio statistic is the op's times this
+
+
+class _PerRow:
     """A surrogate with one value per row: `policy_token_loss` over the rows, row i weighted W_i / L_i, so that
-    its statistics count once per token (Σ_i L_i·stats_i) and its derivative w.r.t. a row mean is each token's."""
-    valid = rows.lengths > 0
-    w = weights if omega is None else weights * omega
-    row_weight = None  # W_i / L_i, formed with GEPO's means when it takes them
-    c = config.log_ratio_clamp
-    x_old, params = None, None
-    grad_scale = None  # ∂x/∂ℓ_t·L_i when x is not a row mean (the same on each of the row's tokens)
-    if config.ratio == "sequence_sum":  # FSPO: the clip objective of s = clamp(Σ_t m (ℓ − ℓ_old)) in the band ±c·√L
-        # Only the edge on A's side binds: the clip objective at the ratio e^(s − edge) with bounds 1 and
-        # advantage A·e^edge. The edge is clamped to [−c, c] (s lies there, so nothing changes; e^edge stays finite).
+    its statistics count once per token (Σ_i L_i·stats_i) and its derivative w.r.t. a row mean is each token's.
+    Each subclass says what the rows are (`row_inputs`)."""
+
+    def row_inputs(self, rows: _Rows, w: Tensor, inputs: LossInputs, config) -> _RowInputs:
+        raise NotImplementedError
+
+    def __call__(self, kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+        w = weights if omega is None else weights * omega
+        r = self.row_inputs(rows, w, inputs, config)
+        row_weight = w.sum(-1) / rows.divisor if r.row_weight is None else r.row_weight
+        x_old = None if r.x_old is None else r.x_old.contiguous()
+        row_grad, _, stats = kernels.policy_token_loss(r.x.contiguous(), None, rows.valid, row_weight,
+                                                       r.adv.contiguous(), x_old, None,
+                                                       r.params or surrogate_params(config, r.objective))
+        grad = rows.to_tokens(row_grad if r.grad_scale is None else row_grad * r.grad_scale)
+        if r.ratio_scale is not None:
+            stats[:, Stat.RATIO].mul_(r.ratio_scale)
+        # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
+        counted = None if omega is None else (omega > 0).sum(-1).to(stats.dtype)
+        return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, Stat.RATIO])
+
+
+class _Gspo(_PerRow):
+    """GSPO, LUSPO: the clip objective (or SAPO's gate) of the mean log-ratio."""
+
+    def row_inputs(self, rows, w, inputs, config):
+        x = rows.log_ratio_sum / rows.divisor
+        return _RowInputs(x, torch.zeros_like(x), inputs.adv_row, config.objective)
+
+
+class _Fspo(_PerRow):
+    """FSPO: the clip objective of s = clamp(Σ_t m (ℓ − ℓ_old)) in the band ±c·√L. Only the edge on A's side binds:
+    the clip objective at the ratio e^(s − edge) with bounds 1 and advantage A·e^edge. The edge is clamped to
+    [−c, c] (s lies there, so nothing changes; e^edge stays finite)."""
+
+    def row_inputs(self, rows, w, inputs, config):
+        c = config.log_ratio_clamp
         raw = rows.log_ratio_sum
-        x, objective = raw.clamp(-c, c), "clip"
+        x = raw.clamp(-c, c)
         root = rows.lengths.sqrt()
-        x_old = torch.where(inputs.adv_row > 0, root * config.fspo_c_high, root * -config.fspo_c_low).clamp(-c, c)
-        ratio_scale = torch.exp(x_old)  # the op's ratio is e^(s − edge)
-        adv = inputs.adv_row * ratio_scale
-        params = log_band_params(config, 0.0, 0.0, 2 * c + 1)  # |s − edge| ≤ 2c: the op clamps nothing more
-        grad_scale = torch.where(raw == x, rows.lengths, rows.zero)  # where the clamp of s passes the gradient
-    elif config.ratio == "group_expectation":  # the clip objective of mean ℓ − log Ê_g
-        (x, old_mean, row_weight), objective, adv = rows.means(w), "clip", inputs.adv_row  # w: 0 where masked
-        x_old = gepo_log_expectation(old_mean, inputs.group, inputs.num_groups, valid, inputs.group_size)
-    else:  # GSPO: the clip objective (or SAPO's gate) of the mean log-ratio
-        x, objective, adv = rows.log_ratio_sum / rows.divisor, config.objective, inputs.adv_row
-        x_old = torch.zeros_like(x)
-    if row_weight is None:
-        row_weight = w.sum(-1) / rows.divisor
-    row_grad, _, stats = kernels.policy_token_loss(x.contiguous(), None, valid, row_weight, adv.contiguous(),
-                                                   None if x_old is None else x_old.contiguous(), None,
-                                                   params or surrogate_params(config, objective))
-    grad = rows.to_tokens(row_grad if grad_scale is None else row_grad * grad_scale)
-    if config.ratio == "sequence_sum":
-        stats[:, 3].mul_(ratio_scale)  # the ratio e^s, in place of the op's
-    # Each row's values count once per token: its clip flags on the tokens with ω > 0 (docs/math.md §10).
-    counted = None if omega is None else (omega > 0).sum(-1).to(stats.dtype)
-    return grad, _row_sums(stats, counted, rows.lengths), _max(stats[:, 3])
+        edge = torch.where(inputs.adv_row > 0, root * config.fspo_c_high, root * -config.fspo_c_low).clamp(-c, c)
+        ratio_scale = torch.exp(edge)  # the op's ratio is e^(s − edge)
+        return _RowInputs(x, edge, inputs.adv_row * ratio_scale,
+                          params=log_band_params(config, 0.0, 0.0, 2 * c + 1),  # |s − edge| ≤ 2c: nothing more
+                          grad_scale=torch.where(raw == x, rows.lengths, rows.zero),  # where s's clamp passes it
+                          ratio_scale=ratio_scale)
+
+
+class _Gepo(_PerRow):
+    """GEPO: the clip objective of mean ℓ − log Ê_g."""
+
+    def row_inputs(self, rows, w, inputs, config):
+        x, old_mean, row_weight = rows.means(w)  # w: 0 where masked
+        x_old = gepo_log_expectation(old_mean, inputs.group, inputs.num_groups, rows.valid, inputs.group_size)
+        return _RowInputs(x, x_old, inputs.adv_row, row_weight=row_weight)
 
 
 def _row_sums(stats: Tensor, counted: Optional[Tensor], lengths: Tensor) -> Tensor:
     """(loss, clip_low, clip_high, ratio) summed over tokens from the per-row stats of rows weighted W_i / L_i:
     each counts on the row's L_i tokens, except the clip flags on `counted` of them when given (ω > 0)."""
     if counted is None:
-        return torch.mv(stats[:, :4].T, lengths)
-    return (stats[:, :4] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
+        return torch.mv(stats[:, SURROGATE_STATS].T, lengths)
+    return (stats[:, SURROGATE_STATS] * torch.stack([lengths, counted, counted, lengths], 1)).sum(0)
 
 
-def _token_surrogate(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
-    """A per-token surrogate with a row's value, or a token-level one with weights ω: `policy_token_loss` over
-    the tokens."""
+def _weighted_token(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """A token-level surrogate with weights ω: the token's own surrogate, times ω in the kernel (its flags where
+    ω > 0)."""
+    grad, _, stats = kernels.policy_token_loss(
+        logp, None, rows.mask.reshape(-1), weights.reshape(-1), inputs.flat("adv"), inputs.flat("old_logp"),
+        None, surrogate_params(config, config.objective), is_weights=None if omega is None else omega.reshape(-1))
+    return grad, stats[:, SURROGATE_STATS].sum(0), _max(stats[:, Stat.RATIO])
+
+
+# The per-token surrogates with a row's value below take ω folded into A: exact for them (the clip objective,
+# SAPO's gate, REINFORCE scale with A for ω ≥ 0, and their clip flags, by A's sign, then count only where ω > 0,
+# docs/math.md §10).
+def _folded_adv(inputs: LossInputs, omega):
+    return inputs.adv if omega is None else inputs.adv * omega
+
+
+def _gspo_token(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """GSPO-token: the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t."""
     B, T = rows.mask.shape
-    if config.ratio == "token":  # the token's own surrogate, times ω in the kernel (its flags where ω > 0)
-        grad, _, stats = kernels.policy_token_loss(
-            logp, None, rows.mask.reshape(-1), weights.reshape(-1), inputs.flat("adv"), inputs.flat("old_logp"),
-            None, surrogate_params(config, config.objective), is_weights=None if omega is None else omega.reshape(-1))
-        return grad, stats[:, :4].sum(0), _max(stats[:, 3])
-    # ω folded into A: exact for these surrogates (the clip objective, SAPO's gate, REINFORCE scale with A for
-    # ω ≥ 0, and their clip flags, by A's sign, then count only where ω > 0, docs/math.md §10)
-    adv = inputs.adv if omega is None else inputs.adv * omega
+    log_s = (rows.log_ratio_sum / rows.divisor).clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
+    # the kernels take contiguous vectors: at B = 1 the reshape of an expand (here and A's) is a stride-0 view
+    x = log_s[:, None].expand(B, T).reshape(-1).contiguous()
+    grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
+                                               _folded_adv(inputs, omega).reshape(-1).contiguous(),
+                                               torch.zeros_like(x), None, surrogate_params(config, config.objective))
+    return grad, stats.sum(0)[SURROGATE_STATS], _max(stats[:, Stat.RATIO])
+
+
+def _sequence_cispo(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """TRL's sequence-level CISPO: −sg(clamp(s_i))·A·ℓ."""
     c = config.log_ratio_clamp
-    if config.ratio == "sequence_token":  # the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t
-        log_s = (rows.log_ratio_sum / rows.divisor).clamp(-c, c)
-        x = log_s[:, None].expand(B, T).reshape(-1)
-        grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
-                                                   adv.reshape(-1), torch.zeros_like(x), None,
-                                                   surrogate_params(config, config.objective))
-        return grad, stats.sum(0)[:4], _max(stats[:, 3])
-    if config.ratio == "geometric":
-        return _geometric(kernels, logp, rows, weights, omega, inputs, config)
-    if config.ratio == "sequence":  # TRL's sequence-level CISPO: −sg(clamp(s_i))·A·ℓ
-        s = torch.exp((rows.log_ratio_sum / rows.divisor).clamp(-c, c))
-        coef, low, high = cispo_weight(s, config)
-        return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, coef, s, (low, high), config)
-    # VESPO: −φ(w_i)·A·ℓ; its ratio statistic is the sequence ratio w_i.
-    old = inputs.old_logp
+    s = torch.exp((rows.log_ratio_sum / rows.divisor).clamp(-c, c))
+    coef, low, high = cispo_weight(s, config)
+    return _scaled_reinforce(kernels, logp, rows, weights, _folded_adv(inputs, omega), omega, coef, s, (low, high),
+                             config)
+
+
+def _vespo(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
+    """VESPO: −φ(w_i)·A·ℓ; its ratio statistic is the sequence ratio w_i."""
+    c, old = config.log_ratio_clamp, inputs.old_logp
     log_ratio_sum = rows.log_ratio_sum if old is None else rows.masked_sum((rows.logp - old).clamp(-c, c))
     phi, w = vespo_weight(log_ratio_sum, inputs.adv_row, config, inputs.is_weights, rows.mask)
-    return _scaled_reinforce(kernels, logp, rows, weights, adv, omega, phi, w, None, config)
+    return _scaled_reinforce(kernels, logp, rows, weights, _folded_adv(inputs, omega), omega, phi, w, None, config)
 
 
 def _geometric(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, config):
@@ -227,14 +276,14 @@ def _geometric(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, c
         inputs.flat("old_logp"), None, log_band_params(config, config.clip_low, config.clip_high, c))
     # log e^clip_t and log e^δ_t (the kernel's ratio statistic), averaged over each row: log of the geometric
     # means of the clipped ratio and of the ratio (a row with A = 0 gets e^−inf = 0: its loss is 0 anyway).
-    logs = torch.stack([stats[:, 0].abs(), stats[:, 3]]).log().view(2, B, T)
+    logs = torch.stack([stats[:, Stat.LOSS].abs(), stats[:, Stat.RATIO]]).log().view(2, B, T)
     geo = torch.exp(torch.where(rows.mask, logs, rows.zero).sum(-1) / rows.divisor)
     row_weight = (weights if omega is None else weights * omega).sum(-1)  # W_i
     row_loss = row_weight * (-inputs.adv_row * geo[0])  # W_i times the row's loss
     grad = torch.where(passed.view(B, T) != 0, (row_loss / rows.divisor)[:, None], rows.zero).reshape(-1)
-    flags = stats[:, 1:3] if omega is None else stats[:, 1:3] * (omega > 0).reshape(-1, 1)
-    ratio = torch.where(rows.lengths > 0, geo[1], rows.zero)
-    sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), (ratio * rows.lengths).sum().reshape(1)])
+    flags = stats[:, CLIP_FLAGS] if omega is None else stats[:, CLIP_FLAGS] * (omega > 0).reshape(-1, 1)
+    ratio = torch.where(rows.valid, geo[1], rows.zero)
+    sums = torch.cat([row_loss.sum().reshape(1), flags.sum(0), torch.dot(ratio, rows.lengths).reshape(1)])
     return grad, sums, _max(ratio)
 
 
@@ -244,16 +293,27 @@ def _scaled_reinforce(kernels, logp, rows: _Rows, weights, adv, omega, coef, rat
     grad, _, stats = kernels.policy_token_loss(logp, None, rows.mask.reshape(-1), weights.reshape(-1),
                                                (adv * coef[:, None]).reshape(-1), None, None,
                                                surrogate_params(config, "reinforce"))
-    ratio = torch.where(rows.lengths > 0, ratio, rows.zero)
+    ratio = torch.where(rows.valid, ratio, rows.zero)
     if flags is None:
         clipped = rows.zero.expand(2)
     else:  # each row's flag counts on its tokens with ω > 0 (docs/math.md §10)
         counted = rows.lengths if omega is None else (omega > 0).sum(-1).to(ratio.dtype)
         clipped = (torch.stack(flags, 1).to(ratio.dtype) * counted[:, None]).sum(0)
-    sums = torch.cat([stats[:, 0].sum().reshape(1), clipped, (ratio * rows.lengths).sum().reshape(1)])
+    sums = torch.cat([stats[:, Stat.LOSS].sum().reshape(1), clipped, torch.dot(ratio, rows.lengths).reshape(1)])
     return grad, sums, _max(ratio)
 
 
 def _max(ratios: Tensor) -> Tensor:
     """The largest of ratios ≥ 0 that are 0 where masked (0 for none)."""
     return ratios.amax() if ratios.numel() else ratios.new_zeros(())
+
+
+# How each sequence-level (ratio, objective) pair's surrogate is evaluated; SNIS's comes in the KL and entropy call.
+SURROGATES = {
+    ("sequence", "clip"): _Gspo(), ("sequence", "sapo"): _Gspo(), ("sequence_sum", "clip"): _Fspo(),
+    ("group_expectation", "clip"): _Gepo(), ("sequence_token", "clip"): _gspo_token,
+    ("sequence_token", "sapo"): _gspo_token, ("sequence", "cispo"): _sequence_cispo, ("sequence_sum", "vespo"): _vespo,
+    ("geometric", "clip"): _geometric,
+}
+# every sequence-level pair taken here (`_plan.plan`; token-level objectives of the kernels' table come too)
+PAIRS = frozenset(SURROGATES) | {("snis", "reinforce")}

@@ -6,14 +6,15 @@ from typing import Optional
 
 import torch
 
+from ..kernels.token_loss_params import Stat
 from ..losses import LossOutput
 from ..losses.spec import LossInputs, metrics_from_sums
 
 
 def loss_from_stats(stats: torch.Tensor, inputs: LossInputs, sums: Optional[torch.Tensor] = None) -> LossOutput:
-    """The loss and metrics from the kernel's `(N, 7)` statistics (column 0 the weighted loss); `sums`: their
+    """The loss and metrics from the kernel's `(N, 7)` statistics (`Stat.LOSS` the weighted loss); `sums`: their
     column sums when the caller has added terms of its own to them (default `stats.sum(0)`)."""
     sums = stats.sum(0) if sums is None else sums
-    ratio_max = stats[:, 3].amax() if stats.shape[0] else sums[3]  # every ratio is ≥ 0, masked ones are 0
-    metrics = metrics_from_sums(sums[1:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
-    return LossOutput(sums[0], metrics)
+    ratio_max = stats[:, Stat.RATIO].amax() if stats.shape[0] else sums[Stat.RATIO]  # every ratio is ≥ 0, masked ones are 0
+    metrics = metrics_from_sums(sums[Stat.CLIP_LOW:], inputs.mask.sum().clamp(min=1), ratio_max, has_entropy=True)
+    return LossOutput(sums[Stat.LOSS], metrics)

@@ -31,10 +31,15 @@ def token_loss_params(config: PolicyLossConfig) -> k.TokenLossParams:
     return _params(config, _OBJECTIVES[config.objective], with_token_terms=True)
 
 
-def token_terms_params(config: PolicyLossConfig) -> k.TokenLossParams:
-    """The KL and entropy terms of any config, for `policy_token_loss` called without advantages
-    (A = 0: REINFORCE's surrogate −A·ℓ is then 0, and so are its derivative and clip flags)."""
-    return _params(config, k.REINFORCE, with_token_terms=True)
+def token_terms_params(config: PolicyLossConfig, reinforce: bool = False) -> k.TokenLossParams:
+    """The KL and entropy terms of any config, for `policy_token_loss` called without advantages (A = 0), or
+    with REINFORCE's surrogate −A·ℓ where `reinforce` (SNIS's advantage comes in that call). At A = 0 the
+    surrogate is the clip objective without bounds, −A·w: 0, with derivative and clip flags 0, whatever ℓ
+    (w = e^clamp(ℓ − ℓ_old) is finite); REINFORCE's −A·ℓ would be 0·(−∞) = NaN at a token of probability 0."""
+    if reinforce:
+        return _params(config, k.REINFORCE, with_token_terms=True)
+    return dataclasses.replace(_params(config, k.CLIP, with_token_terms=True), clip_low=math.inf,
+                               clip_high=math.inf, delta=math.inf, dual_clip=math.inf)
 
 
 def surrogate_params(config: PolicyLossConfig, objective: str) -> k.TokenLossParams:
@@ -47,8 +52,17 @@ def log_band_params(config: PolicyLossConfig, low: float, high: float, log_ratio
     entropy term): −A·e^min(r, high) for A > 0, |A|·e^max(r, −low) for A < 0, r = clamp(x − x_old) at
     `log_ratio_clamp`. A clip in log space (GMPO's per token; FSPO's per row, shifted to the band's edge)."""
     return dataclasses.replace(_params(config, k.CLIP, with_token_terms=False), clip_low=-math.expm1(-low),
-                               clip_high=math.expm1(high), delta=math.inf, dual_clip=math.inf,
+                               clip_high=_expm1_or_inf(high), delta=math.inf, dual_clip=math.inf,
                                log_ratio_clamp=float(log_ratio_clamp))
+
+
+def _expm1_or_inf(x: float) -> float:
+    """e^x − 1, or +inf (no bound) where a double overflows (x > 709.78: GMPO's clip_high is not capped), as
+    torch's exp gives."""
+    try:
+        return math.expm1(x)
+    except OverflowError:
+        return math.inf
 
 
 def covariance_params(config: PolicyLossConfig) -> k.TokenLossParams:

@@ -28,10 +28,13 @@ def save_checkpoint(path, state):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint (else a crash can leave it empty)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # e.g. a full disk, which torch reports as "basic_ios::clear"
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "basic_ios::clear" or "unexpected pos"
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise ValueError(f"--out: cannot write {path} ({e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else \
+            "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else \
+            " ".join(str(e).split())[:200]
+        raise ValueError(f"--out: cannot write {path} ({why})") from None
 
 
 def save(run: Run, step: int) -> None:
@@ -56,9 +59,27 @@ def save(run: Run, step: int) -> None:
         "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
                 "python": run.rng.getstate(), "python_global": random.getstate()},
     })
+    export_model(run, model_state)
+
+
+def export_model(run: Run, model_state=None) -> None:
+    """The policy as from_pretrained loads it, into the run folder (under FSDP every rank takes part, to gather
+    `model_state` when it is not given)."""
+    if model_state is None and run.meta_policy is not None:
+        model_state = sharding.full_state_dict(run.policy)
+    if not run.master:
+        return
     plain = run.policy if run.meta_policy is None else sharding.with_weights(run.meta_policy, model_state)
-    with run_folder.writing(cfg.out):
-        export.save_pretrained(plain, run.tok, cfg.out, merge_lora=cfg.merge_lora)
+    with run_folder.writing(run.cfg.out):
+        export.save_pretrained(plain, run.tok, run.cfg.out, merge_lora=run.cfg.merge_lora)
+
+
+def export_is_stale(out: str, checkpoint: str) -> bool:
+    """Whether the model in `out` is missing or older than `checkpoint` (a run killed between writing its
+    checkpoint and the export, or resumed into a new folder)."""
+    names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    times = [os.path.getmtime(os.path.join(out, n)) for n in names if os.path.exists(os.path.join(out, n))]
+    return not times or max(times) < os.path.getmtime(checkpoint)
 
 
 def load_checkpoint(resume: str) -> dict:

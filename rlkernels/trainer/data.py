@@ -41,6 +41,8 @@ def _load(path: str, split: str, flag: str, split_flag: str) -> List[dict]:
             raise
         raise ValueError(f"{flag}: cannot read {path!r} ({' '.join(str(e).split())[:300]})") from None
     except Exception as e:  # pyarrow's parse errors, a folder without data files, ...
+        while e.__cause__ is not None and str(e).startswith("An error occurred"):  # datasets' generic wrapper
+            e = e.__cause__
         raise ValueError(f"{flag}: cannot read {path!r} as {FORMS} ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]})") from None
     finally:
@@ -83,6 +85,10 @@ def load(cfg) -> Tuple[List[dict], List[dict], str]:
     if len(train) < 2:
         raise ValueError(f"--dataset: {cfg.dataset!r} needs at least 2 prompts (some are held out), has {len(train)}")
     random.Random(cfg.seed + 12345).shuffle(train)
+    if not cfg.eval_holdout:  # a TRL recipe without evaluation: every prompt trains, a few are also evaluated
+        evaluated = train[:cfg.eval_size]
+        return train, evaluated, (f"{len(evaluated)} of the {len(train)} training prompts of {cfg.dataset} evaluated "
+                                  f"(not held out: the recipe asks for no evaluation)")
     k = min(cfg.eval_size, len(train) // 2)
     return train[k:], train[:k], (f"{k} of the {len(train)} prompts of {cfg.dataset} held out for evaluation "
                                   f"(--eval-size; --eval-dataset for a separate set)")

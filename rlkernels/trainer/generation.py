@@ -28,9 +28,10 @@ def generate(model, tok, ids, attn, cfg, *, greedy=False, max_new_tokens=None):
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
+def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256, context=None):
     """(mean reward of greedy completions over held-out examples (accuracy for `exact`), the first
-    `eval_completions` of them as {prompt, completion, answer, reward})."""
+    `eval_completions` of them as {prompt, completion, the example's other columns, reward, and the columns
+    reward functions sent through `log_extra`}). `context`: a rewards.RewardContext, for TRL's arguments."""
     was_training = model.training
     model.eval()
     total, samples = 0.0, []
@@ -39,11 +40,15 @@ def evaluate(model, tok, examples, reward_fn, cfg, place, batch=256):
         ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in chunk], tok.pad_id)
         with place.autocast():
             seq, _ = generate(model, tok, ids, attn, cfg, greedy=True)
-        completions = [tok.decode(row) for row in seq[:, ids.shape[1]:].tolist()]  # one copy off the GPU
-        scores = reward_fn(chunk, completions)
+        targets = seq[:, ids.shape[1]:]
+        completions = [tok.decode(row) for row in targets.tolist()]  # one copy off the GPU
+        scores = reward_fn(chunk, completions, _trl_kwargs(context, targets, tok))
         total += sum(scores)
-        samples += [dict(prompt=ex["prompt"], completion=c, answer=ex.get("answer"), reward=r)
-                    for ex, c, r in zip(chunk, completions, scores)][:cfg.eval_completions - len(samples)]
+        extra = context.log.take_extra() if context is not None else {}
+        extra = {k: v for k, v in extra.items() if len(v) == len(chunk)}  # one value per completion, as TRL's
+        samples += [dict(prompt=ex["prompt"], completion=c, **{k: v for k, v in ex.items() if k != "prompt"},
+                         **{k: v[j] for k, v in extra.items()}, reward=r)
+                    for j, (ex, c, r) in enumerate(zip(chunk, completions, scores))][:cfg.eval_completions - len(samples)]
     model.train(was_training)
     return total / max(len(examples), 1), samples
 
@@ -74,7 +79,15 @@ def rollout(model, tok, prompts, cfg, rng):
     return seq, full_attn, P, tree_ids
 
 
-def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place):
+def _trl_kwargs(context, targets, tok):
+    """TRL's extra reward arguments for these completions: their token ids up to and including the first eos."""
+    if context is None:
+        return None
+    mask = task.first_eos_mask(targets, tok.eos_id)
+    return context.kwargs([row[m].tolist() for row, m in zip(targets, mask)])
+
+
+def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place, context=None):
     """Roll out `prompts` (groups numbered from `first_group`), score every completion (+ DAPO's
     overlong penalty), and choose the rows the update trains on: PODS, and dynamic sampling's
     drop of the groups whose rewards are all equal (their advantages are zero).
@@ -88,7 +101,9 @@ def sample_groups(policy, tok, prompts, cfg, rng, reward_fn, first_group, place)
     mask = task.first_eos_mask(targets, tok.eos_id)
     group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
     texts = [tok.decode(row) for row in targets.tolist()]
-    totals, parts = reward_fn.score([ex for ex in prompts for _ in range(G)], texts)
+    totals, parts = reward_fn.score([ex for ex in prompts for _ in range(G)], texts, _trl_kwargs(context, targets, tok))
+    if context is not None:  # log_extra's columns are logged with the evaluation's completions only
+        context.log.take_extra()
     rewards = torch.tensor(totals, dtype=torch.float32, device=seq.device)
     reward_parts = torch.tensor([[math.nan if r is None else r for r in fn_rewards] for fn_rewards in parts],
                                 dtype=torch.float64).T

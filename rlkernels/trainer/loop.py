@@ -60,55 +60,69 @@ def train_validated(config: Config, reward_fn=None, explicit: Optional[set] = No
     flags there, once, before it starts the process group."""
     with stop_lib.StopRequest(print if dist_info()[0] == 0 else quiet) as stop:
         run, reward_fns = startup.configure(config, explicit, reward_fn, stop)
-        startup.load_task(run, reward_fns)
-        startup.load_policy(run)
-        if startup.warms_up(run):
-            startup.warm_up(run)
-        startup.build_update(run)
-        startup.restore(run)
-        samples = []  # a resumed run's are in its completions.jsonl
-        if run.eval_before is None:
-            run.eval_before, samples = evaluate_policy(run)
-        run.log(f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}; "
-                f"loss {_loss_text(run.cfg.algo, run.loss_cfg)}")
-        startup.open_logs(run)
-        log_completions(run, 0, samples)
-        cfg = run.cfg
-        run.policy.train()
-        stop.until = "this step"
-        stopping = all_sum(float(stop.requested)) > 0  # a signal before RL: a checkpoint where RL starts
         try:
-            if stopping:
-                save(run, run.start)
-                run.log(f"stopped before step {run.start + 1}; continue with: "
-                        f"python -m rlkernels.train --resume {run.out_dir}")
-            for step in range(run.start + 1, cfg.steps + 1):
-                if stopping:
-                    break
-                t0 = time.time()
-                rollout_batch = collect(run, step)
-                batch = behaviour_logp(run, rollout_batch)
-                batch["advantages"], batch["values"], batch["returns"] = advantages(run, batch)
-                updates = update(run, batch, step)
-                kl_obs = adapt_kl(run, batch)
-                row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
-                samples = []
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    row["eval_reward"], samples = evaluate_policy(run)
-                row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
-                row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
-                run.last = row
-                stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
-                log_step(run, row, samples, stopping)
-                if step % cfg.ckpt_every == 0 or step == cfg.steps or stopping:
-                    save(run, step)
-                if stopping:
-                    run.log(f"stopped at step {step}; continue with: python -m rlkernels.train --resume {run.out_dir}")
-                    break
+            return _train(run, reward_fns, stop)
         finally:
-            run.bar.close()
-            run.tracking.close()
-        return summarize(run)
+            if run.folder is not None:
+                run.folder.release()  # unlocks --out; removes it if this run made it and wrote nothing
+
+
+def _train(run: Run, reward_fns, stop) -> dict:
+    """The run after its set-up: the task, the policy, the warm-up, RL, the summary."""
+    startup.load_task(run, reward_fns)
+    startup.load_policy(run)
+    if startup.warms_up(run):
+        startup.warm_up(run)
+    startup.build_update(run)
+    startup.restore(run)
+    samples = []  # a resumed run's are in its completions.jsonl
+    if run.eval_before is None:
+        run.eval_before, samples = evaluate_policy(run)
+    run.log(f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}; "
+            f"loss {_loss_text(run.cfg.algo, run.loss_cfg)}")
+    startup.open_logs(run)
+    log_completions(run, 0, samples)
+    cfg = run.cfg
+    run.policy.train()
+    stop.until = "this step"
+    stopping = all_sum(float(stop.requested)) > 0  # a signal before RL: a checkpoint where RL starts
+    try:
+        if stopping:
+            save(run, run.start)
+            run.log(f"stopped before step {run.start + 1}; continue with: {resume_command(run)}")
+        for step in range(run.start + 1, cfg.steps + 1):
+            if stopping:
+                break
+            t0 = time.time()
+            rollout_batch = collect(run, step)
+            batch = behaviour_logp(run, rollout_batch)
+            batch["advantages"], batch["values"], batch["returns"] = advantages(run, batch)
+            updates = update(run, batch, step)
+            kl_obs = adapt_kl(run, batch)
+            row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
+            samples = []
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                row["eval_reward"], samples = evaluate_policy(run)
+            row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
+            row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
+            run.last = row
+            stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
+            log_step(run, row, samples, stopping)
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or stopping:
+                save(run, step)
+            if stopping:
+                run.log(f"stopped at step {step}; continue with: {resume_command(run)}")
+                break
+    finally:
+        run.bar.close()
+        run.tracking.close()
+    run.stopped = stopping
+    return summarize(run)
+
+
+def resume_command(run: Run) -> str:
+    """The command that continues the run from its checkpoint."""
+    return f"rlkernels train --resume {run.out_dir}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,8 +140,9 @@ def collect(run: Run, step: int) -> dict:
         chosen = run.rng.sample(run.train_set, cfg.prompts_per_step * world)
         prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
         first_group = (len(parts) * world + rank) * cfg.prompts_per_step
+        run.reward_context.state.global_step = step
         parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, cfg, run.rng,
-                                       run.reward_fn, first_group, run.place))
+                                       run.reward_fn, first_group, run.place, run.reward_context))
         if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
             break
         n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
@@ -265,6 +280,8 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
            "updates": updates["updates"], "skipped": updates["skipped"], "kl_coef": run.beta, "rollout_kl": kl_obs}
     if cfg.dynamic_sampling:
         row["gen_batches"] = b["gen_batches"]
+    for name, value in run.reward_context.log.take_metrics().items():  # log_metric: this rank's mean
+        row[name if name not in row else f"reward_fn/{name}"] = value
     for j, name in enumerate(run.reward_fn.names):  # over the rows each function scored (TRL's nanmean, nanstd)
         row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = nan_mean_std(b["reward_parts"][:, j])
     for k in sorted({k for m in collected for k in m}):
@@ -283,7 +300,7 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
 def evaluate_policy(run: Run) -> tuple:
     """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root)."""
     return sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set, run.reward_fn, run.cfg,
-                             run.place)
+                             run.place, context=run.reward_context)
 
 
 def log_completions(run: Run, step: int, samples: list) -> None:
@@ -315,6 +332,7 @@ def summarize(run: Run) -> dict:
                "eval_reward_after": eval_after, "final_reward_mean": last.get("reward_mean"),
                "final_kl": last.get("kl"), "final_entropy": last.get("entropy"), "skipped_steps": run.skipped_total,
                "wall_time_s": round(time.time() - run.t_start, 1), **run.place.describe(), "out": cfg.out,
+               "stopped_by": run.stop.signal if run.stopped else None,
                "config": dataclasses.asdict(cfg)}
     if run.master:
         write_file(os.path.join(cfg.out, "summary.json"), outputs.dumps(summary, indent=2), "w")

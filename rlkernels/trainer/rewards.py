@@ -11,6 +11,9 @@ Order: the `--reward` functions (or `train(reward_fn=...)`) in the order given, 
 """
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
 import functools
 import inspect
 import math
@@ -29,6 +32,94 @@ DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
 GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum
 
 
+# the keyword arguments TRL gives every reward function besides the dataset's columns (trl 1.16, GRPOTrainer)
+TRL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What a reward function sees of the run as TRL's `trainer_state` (transformers' TrainerState fields of the
+    same names): the step being rolled out (0 before RL) and the last one."""
+    global_step: int = 0
+    max_steps: int = 0
+
+
+class RewardLog:
+    """What reward functions send through TRL's `log_metric(name, value)` and `log_extra(column, values)`: the
+    metrics are averaged into the step's metrics row (TRL: over each logging step), the extra columns join the
+    evaluation's completions in completions.jsonl (TRL: its completions table)."""
+
+    def __init__(self):
+        self.metrics, self.extra = collections.defaultdict(list), collections.defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra[column].extend(values)
+
+    def take_metrics(self) -> dict:
+        out = {name: math.fsum(v) / len(v) for name, v in self.metrics.items() if v}
+        self.metrics.clear()
+        return out
+
+    def take_extra(self) -> dict:
+        out = dict(self.extra)
+        self.extra.clear()
+        return out
+
+
+class RewardContext:
+    """TRL's arguments to reward functions beyond the dataset's columns, for one run."""
+
+    def __init__(self, max_steps: int):
+        self.state, self.log = TrainerState(0, max_steps), RewardLog()
+
+    def kwargs(self, completion_ids) -> dict:
+        return {"completion_ids": completion_ids, "trainer_state": self.state, "log_extra": self.log.log_extra,
+                "log_metric": self.log.log_metric}
+
+
+def _parameters(fn):
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: per sample
+        return {}
+
+
+def check_signature(fn, what: str, columns, flag: str = "--reward") -> None:
+    """Refuse, before any model loads, a reward function that cannot be called as it will be: TRL's form (a
+    `completions` parameter) with a required parameter that is neither a column of the dataset nor one TRL
+    passes, or a column that TRL's own arguments would shadow; the per-sample form without room for
+    (prompt, completion, answer)."""
+    params = _parameters(fn)
+    if not params:
+        return
+    if "completions" in params:
+        clash = sorted(set(columns) & set(TRL_ARGS))
+        if clash:
+            raise ValueError(f"--dataset: column {clash[0]!r} has the name of an argument TRL passes to reward "
+                             f"functions ({', '.join(TRL_ARGS)}); rename the column for {flag} {what}")
+        for p in params.values():
+            required = p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            if required and p.name not in TRL_ARGS and p.name not in columns:
+                raise ValueError(f"{flag} {what}: parameter {p.name!r} is neither a column of the dataset "
+                                 f"({', '.join(columns) or 'none'}) nor an argument TRL passes ({', '.join(TRL_ARGS)})")
+        return
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_more = any(p.kind == p.VAR_POSITIONAL for p in params.values())
+    required = [p for p in params.values() if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if (len(positional) < 3 and not takes_more) or len(required) > 3 or any(p.kind == p.KEYWORD_ONLY for p in required):
+        raise ValueError(f"{flag} {what}: expected (prompt, completion, answer) -> float, or TRL's (prompts, "
+                         f"completions, **columns) -> list[float]; its parameters are ({', '.join(params)})")
+
+
+def _awaited(value):
+    """An async reward function's result (TRL awaits them too)."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
 def checked_reward(reward_fn, name: str, flag: str = "--reward"):
     """`rewards(examples, completions) -> list of floats or None` from `reward_fn`, given the examples (dicts of
     a dataset's columns, data.py) and their completions: per sample, `reward_fn(prompt, completion, answer) ->
@@ -37,12 +128,11 @@ def checked_reward(reward_fn, name: str, flag: str = "--reward"):
     as a keyword argument of per-completion lists; a conversation's completions as [{"role": "assistant",
     "content": text}], as TRL gives them). None is "not applicable". An error names `flag`, `name` and the
     prompt when it raises or returns anything but None or a finite number within float32 (a NaN reward would
-    silently train nothing)."""
-    try:
-        params = inspect.signature(reward_fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: per sample
-        params = {}
+    silently train nothing). TRL's form also gets `completion_ids`, `trainer_state`, `log_extra` and `log_metric`
+    (`context`), all of them if it takes **kwargs, else those it names; an async function is awaited."""
+    params = _parameters(reward_fn)
     trl_style = "completions" in params
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
 
     def value(r, prompt):
         if r is None:
@@ -58,18 +148,21 @@ def checked_reward(reward_fn, name: str, flag: str = "--reward"):
 
     def call(prompt, *args, **kwargs):
         try:
-            return reward_fn(*args, **kwargs)
+            return _awaited(reward_fn(*args, **kwargs))
         except Exception as e:
             raise ValueError(f"{flag}: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
 
-    def rewards(examples, completions):
+    def rewards(examples, completions, context=None):
         prompts = [ex["prompt"] for ex in examples]
         if not trl_style:
             return [value(call(p, p, c, ex.get("answer")), p) for p, c, ex in zip(prompts, completions, examples)]
         completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                        for p, c in zip(prompts, completions)]
-        columns = {k: [ex.get(k) for ex in examples] for k in examples[0] if k != "prompt"}
-        out = call(prompts[0], prompts=prompts, completions=completions, **columns)
+        kwargs = {k: [ex.get(k) for ex in examples] for k in examples[0] if k != "prompt"}
+        kwargs.update(context or {})
+        if not takes_all:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        out = call(prompts[0], prompts=prompts, completions=completions, **kwargs)
         if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
             raise ValueError(f"{flag}: {name} returned {reprlib.repr(out)} for {len(prompts)} completions; "
                              f"expected a list of {len(prompts)} numbers (TRL's signature)")
@@ -173,14 +266,15 @@ class Rewards:
             return " + ".join(self.names)
         return " + ".join(f"{w:g}·{n}" for w, n in zip(self.weights, self.names))
 
-    def score(self, examples, completions):
-        """(weighted sums, one list of values or None per function)."""
-        parts = [fn(examples, completions) for fn in self.fns]
+    def score(self, examples, completions, context=None):
+        """(weighted sums, one list of values or None per function); `context`: the rest of TRL's arguments
+        (completion_ids, trainer_state, log_extra, log_metric)."""
+        parts = [fn(examples, completions, context) for fn in self.fns]
         totals = [self._total(row, ex["prompt"], c) for row, ex, c in zip(zip(*parts), examples, completions)]
         return totals, parts
 
-    def __call__(self, examples, completions) -> List[float]:
-        return self.score(examples, completions)[0]
+    def __call__(self, examples, completions, context=None) -> List[float]:
+        return self.score(examples, completions, context)[0]
 
     def _total(self, row, prompt, completion) -> float:
         terms = [w * r for w, r in zip(self.weights, row) if r is not None]

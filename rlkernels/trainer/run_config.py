@@ -1,5 +1,5 @@
 """The trainer's flat config: one dataclass, overridden by a JSON or YAML file and by `--key value` flags
-(parsed by transformers.HfArgumentParser, with a small adapter: see `build_parser`). TRL's names are accepted
+(parsed by argparse from the dataclass's fields: see `build_parser`). TRL's names are accepted
 too (trl_names.py).
 
 Precedence: defaults < `--config FILE.json|FILE.yaml` < flags. On `--resume DIR` the checkpoint's config
@@ -19,9 +19,10 @@ import re
 import typing
 from typing import List, Optional
 
-from ..losses import presets
-from ..losses.presets import NAMES as ALGOS
-from . import device, nesting, trackers, trl_names
+from . import nesting, trackers, trl_names
+
+# `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
+# busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
 REWARD_FORMS = "exact | regex:PATTERN | package.module:function | path/to/file.py:function"
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
@@ -34,7 +35,7 @@ MODE_DEFAULTS = {"max_new_tokens": (4, 256), "temperature": (0.7, 1.0), "lr": (1
 
 
 def _field(default, help: str, **metadata):
-    """A Config field with its `--help` line (HfArgumentParser reads `metadata["help"]`)."""
+    """A Config field with its `--help` line (`build_parser` reads `metadata["help"]`)."""
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
@@ -52,6 +53,8 @@ class Config:
     seed: int = _field(0, "random seed (0 to 2**32 - 1)")
     threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks")
     resume: str = _field("", "a run folder (or checkpoint file) to continue exactly")
+    overwrite: bool = _field(False, "replace the run that --out holds (without it, such a folder is refused: "
+                                    "--resume continues it)")
     progress: bool = _field(True, "show a tqdm progress bar (--progress false to hide it)")
     device: str = _field("auto", "auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun cuda is "
                                  "cuda:LOCAL_RANK. A resumed run takes this from its own flags")
@@ -101,6 +104,8 @@ class Config:
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
     eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most")
+    eval_holdout: bool = _field(True, "hold the --eval-size prompts of --dataset out of training; false: evaluate on "
+                                      "training prompts (a TRL recipe that asks for no evaluation)")
     # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
     # point on every seed and has room to improve
     warmup_steps: int = _field(600, "demo: supervised warm-up steps before RL at most (fewer once --warmup-target is "
@@ -108,20 +113,30 @@ class Config:
     warmup_target: Optional[float] = _field(0.35, "demo model only: stop the warm-up once the held-out greedy reward "
                                                   "(accuracy) reaches this at two checks in a row, one every "
                                                   "--warmup-eval-every steps; none = all --warmup-steps")
-    warmup_eval_every: int = _field(10, "demo model only: warm-up steps between checks of --warmup-target")
+    # 5, not 10: checks 10 steps apart let seed 0 pass the target between two and stop at 0.63 (RESULTS.md)
+    warmup_eval_every: int = _field(5, "demo model only: warm-up steps between checks of --warmup-target")
     warmup_batch: int = _field(64, "demo model only: warm-up batch size")
     warmup_lr: float = _field(1e-3, "demo model only: warm-up learning rate")
     # RL
-    algo: str = _field("grpo", "a preset of rlkernels.presets: " + ", ".join(ALGOS))
+    algo: str = _field("grpo", "a preset of rlkernels.presets (docs/math.md §9: ppo, grpo, dr_grpo, dapo, gspo, cispo, "
+                               "sapo, vespo, ...; a wrong name lists them all), or one added by presets.register")
     steps: int = _field(150, "RL steps")
     prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
     num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)")
     max_new_tokens: Optional[int] = _mode_field("max_new_tokens", "completion length at most")
+    max_prompt_length: Optional[int] = _field(None, "with --model: a prompt longer than this many tokens keeps its last "
+                                                    "ones (TRL's max_prompt_length), said in the log; none = whole "
+                                                    "prompts (one beyond the model's context is an error)")
     temperature: Optional[float] = _mode_field("temperature", "sampling temperature")
     lr: Optional[float] = _mode_field("lr", "RL learning rate, in (0, 1]")
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
     lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine")
     weight_decay: float = _field(0.0, "AdamW weight decay")
+    adam_beta1: float = _field(0.9, "AdamW β1 of the RL optimizer")
+    adam_beta2: float = _field(0.98, "AdamW β2 of the RL optimizer (a TRL recipe: TRL's 0.999)")
+    adam_epsilon: float = _field(1e-8, "AdamW ε of the RL optimizer")
+    train_epochs: Optional[float] = _field(None, "TRL's num_train_epochs without max_steps: passes over the training "
+                                                 "prompts, which set --steps once --dataset is read")
     epochs: int = _field(1, "μ: optimisation passes over each rollout batch")
     minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
     max_grad_norm: float = _field(1.0, "gradient clipping norm")
@@ -129,6 +144,19 @@ class Config:
     kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL (> 0); none = fixed β")
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
     clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
+    # TRL's loss settings, as PolicyLossConfig's fields of these names (rlkernels.integrations.trl maps them alike)
+    delta: Optional[float] = _field(None, "the clip objectives: cap the unclipped ratio at δ (TRL's two-sided GRPO); "
+                                          "none = no cap")
+    top_entropy_quantile: float = _field(1.0, "train only the tokens in this top fraction of entropy (TRL's, the "
+                                              "80/20 rule); 1 = every token")
+    kl_bias_correction: bool = _field(False, "the KL term weighted by the importance ratio (TRL's "
+                                             "use_bias_correction_kl)")
+    sapo_tau_pos: Optional[float] = _field(None, "sapo: τ+ (TRL's sapo_temperature_pos); none = the preset's")
+    sapo_tau_neg: Optional[float] = _field(None, "sapo: τ- (TRL's sapo_temperature_neg); none = the preset's")
+    vespo_k_pos: Optional[float] = _field(None, "vespo: k+; none = the preset's")
+    vespo_lambda_pos: Optional[float] = _field(None, "vespo: λ+; none = the preset's")
+    vespo_k_neg: Optional[float] = _field(None, "vespo: k-; none = the preset's")
+    vespo_lambda_neg: Optional[float] = _field(None, "vespo: λ-; none = the preset's")
     entropy_coef: float = _field(0.0, "entropy bonus coefficient")
     scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
                                                 "none; none given = none for dr_grpo, else group")
@@ -172,7 +200,7 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
-CHOICES = {"algo": ALGOS, "critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
+CHOICES = {"critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
            "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
            "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none")}
 
@@ -242,7 +270,7 @@ def _convert_one(name: str, value, source: str, key: Optional[str] = None):
 _WHAT = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}  # for messages
 
 
-KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE]  # every name a flag or key may have
+KNOWN = [*FIELDS, *trl_names.RENAMED, *trl_names.OPTIONS, *trl_names.SAME_AS_HERE, *trl_names.IGNORED_WHY]  # every name a flag or key may have
 
 
 def _unknown(names: List[str], where: str) -> ValueError:
@@ -256,20 +284,21 @@ def _unknown(names: List[str], where: str) -> ValueError:
                                      "docs/trainer.md#trls-names)" if not close else ""))
 
 
-# ---- the command line: transformers.HfArgumentParser on Config ----------------------------------------------
-# Every field is a flag, `--reward-model` (HfArgumentParser also accepts `--reward_model`; `--help` shows the
-# hyphenated spelling), with its help line from the field's metadata. A small adapter on top of it keeps the
-# trainer's own semantics, which plain argparse lacks:
+# ---- the command line: argparse on Config's fields ----------------------------------------------------------
+# Every field is a flag, `--reward-model` (also `--reward_model`; `--help` shows the hyphenated spelling), with
+# its help line from the field's metadata; a bool that defaults to true also has `--no-FLAG`. On top of argparse:
 #   * values are converted by `convert` (the same code as for --config files): `none` for Optional fields,
 #     bools as true/false/yes/no/on/off/1/0, a bare bool flag is true, and the messages name the flag;
 #   * a list field takes every value up to the next flag, and a repeated flag adds to it (action="extend");
+#   * any other setting given twice, under one spelling or two (`--lr` and `--learning_rate`), is an error, as
+#     the same key twice in a --config file is;
 #   * a value that starts with one dash is a value (`--kl-coef -1e-3`, `--warmup-lr -inf`), never an option;
 #   * defaults are suppressed while parsing, so what was set explicitly is known (a resumed run keeps the
 #     rest from its checkpoint), and a --config file's values fill in under the flags;
 #   * parse errors are ValueErrors naming the flag (`main` prints them as one line and exits 2).
 DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_target", "warmup_eval_every", "warmup_batch",
              "warmup_lr")  # the built-in model/task (warmup_steps is TRL's learning-rate warm-up with --model)
-USAGE = "python -m rlkernels.train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
+USAGE = "rlkernels train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
 
 
 class _FlagError(Exception):
@@ -301,30 +330,29 @@ def _converter(name: str):
     return conv
 
 
-def build_parser(suppress_defaults: bool = False):
-    """The `transformers.HfArgumentParser` of Config, with `--config` and the adapter above."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(Config, prog="python -m rlkernels.train", usage=USAGE, allow_abbrev=False,
-                              formatter_class=_HelpFormatter)
+def build_parser(suppress_defaults: bool = False, prog: str = "rlkernels train"):
+    """The argparse parser of Config's fields, with `--config` and TRL's names."""
+    parser = argparse.ArgumentParser(prog=prog, usage=USAGE.replace("rlkernels train", prog), allow_abbrev=False,
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="a JSON or YAML (.yaml/.yml) file of config keys; flags override its values")
     parser._negative_number_matcher = re.compile(r"^-(?!-)")  # `-x` is a value (see above); argparse's own attribute
-    for action in parser._actions:
-        if action.dest not in FIELDS:
-            continue
-        action.option_strings.sort(key=lambda s: "_" in s)  # the hyphenated spelling first (usage, messages)
-        if action.option_strings[0].startswith("--no-"):  # HfArgumentParser's complement of a bool that defaults to true
-            action.help, action.default = f"the same as {_flag(action.dest)} false", argparse.SUPPRESS
-            continue
-        if action.type is not None:
-            action.type = _converter(action.dest)
-        if _base_type(action.dest)[0] is bool:
-            action.metavar = "true|false"
-        if action.dest in MULTI:
-            action.metavar = action.dest.upper()[:-1] if action.dest.endswith("s") else action.dest.upper()
-        if suppress_defaults:
-            action.default = argparse.SUPPRESS
+    for name, field in FIELDS.items():
+        spellings = [_flag(name)] + (["--" + name] if "_" in name else [])
+        default = argparse.SUPPRESS if suppress_defaults else \
+            (field.default_factory() if field.default is dataclasses.MISSING else field.default)
+        kwargs = dict(dest=name, type=_converter(name), default=default, help=field.metadata["help"])
+        if name in MULTI:
+            metavar = name.upper()[:-1] if name.endswith("s") else name.upper()
+            parser.add_argument(*spellings, nargs="+", action="extend", metavar=metavar, **kwargs)
+        elif _base_type(name)[0] is bool:
+            parser.add_argument(*spellings, nargs="?", const=True, metavar="true|false", **kwargs)
+            if field.default is True:
+                parser.add_argument("--no-" + name.replace("_", "-"), *(["--no_" + name] if "_" in name else []),
+                                    dest=name, action="store_false", default=argparse.SUPPRESS,
+                                    help=f"the same as {_flag(name)} false")
+        else:
+            parser.add_argument(*spellings, **kwargs)
     _add_trl_names(parser)
     return parser
 
@@ -353,6 +381,12 @@ def _add_trl_names(parser) -> None:
         else:
             group.add_argument(*spellings, dest=name, type=_converter(name), default=argparse.SUPPRESS,
                                metavar=name.upper(), help=help)
+    ignored = parser.add_argument_group("TRL's settings with no effect here", "accepted with any value and named "
+                                        "once in the log: " + "; ".join(f"{', '.join(names)} ({why})"
+                                                                        for why, names in trl_names.IGNORED.items()))
+    for name in trl_names.IGNORED_WHY:
+        ignored.add_argument(_flag(name), "--" + name, dest=name, nargs="*", default=argparse.SUPPRESS,
+                             help=argparse.SUPPRESS)
 
 
 def _parse_error(message: str) -> ValueError:
@@ -382,12 +416,28 @@ def parse_flags(argv: List[str]) -> dict:
         if not unknown:
             raise ValueError(f"unexpected argument {extra[0]!r}: flags look like --key value")
         raise _unknown(unknown, "flag")
+    _check_given_once(parser, argv)
     return vars(namespace)
 
 
-def help_text() -> str:
+def _check_given_once(parser, argv: List[str]) -> None:
+    """A setting given twice on the command line is an error, as in a --config file; list settings add up."""
+    seen = {}
+    for arg in argv:
+        spelling = arg.partition("=")[0]
+        action = parser._option_string_actions.get(spelling) if arg.startswith("--") else None
+        if action is None or (action.dest != "config" and _several(action.dest)):
+            continue
+        if action.dest in seen:
+            first = seen[action.dest]
+            twice = f"{spelling} is given twice" if first == spelling else f"{first} and {spelling} set the same option"
+            raise ValueError(f"{twice}; give it once")
+        seen[action.dest] = spelling
+
+
+def help_text(prog: str = "rlkernels train") -> str:
     """`--help`: every flag, hyphenated, with its help line and default."""
-    return build_parser().format_help()
+    return build_parser(prog=prog).format_help()
 
 
 def load_config_file(path: str) -> dict:
@@ -409,14 +459,20 @@ def load_config_file(path: str) -> dict:
                              f"or write the config as JSON") from None
         nesting.check(text, yaml_file, path)
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_keys_loader(yaml))
         except yaml.YAMLError as e:
             raise ValueError(f"--config: {path} is not valid YAML ({' '.join(str(e).split())})") from None
+        except _DuplicateKey as e:
+            raise ValueError(f"--config {path}: key {e.args[0]!r} is given twice; give it once") from None
     else:
         nesting.check(text, yaml_file, path)
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys_object)
         except json.JSONDecodeError as e:
+            raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
+        except _DuplicateKey as e:
+            raise ValueError(f"--config {path}: key {e.args[0]!r} is given twice; give it once") from None
+        except ValueError as e:  # e.g. an integer of more digits than int() converts
             raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a {kind} object of config keys")
@@ -426,28 +482,65 @@ def load_config_file(path: str) -> dict:
         if name not in FIELDS and trl_names.kind(name) is None:
             unknown.append(str(key))
             continue
+        if value is None and (trl_names.is_trl_name(str(key)) or key in trl_names.SAME_NAME):  # TRL's default
+            continue
         if name in out:
             raise ValueError(f"--config {path}: keys {keys[name]!r} and {key!r} set the same option")
-        out[name], keys[name] = convert(name, value, f"--config {path}", str(key)), key
+        keys[name] = key
+        out[name] = value if name in trl_names.IGNORED_WHY else convert(name, value, f"--config {path}", str(key))
     if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
         message = str(_unknown(unknown, f"--config {path}"))
         raise ValueError("; ".join([message, *trl_names.refused(out)]))
-    return out
+    return out, any(trl_names.is_trl_name(str(k)) for k in data)
 
 
-def from_args(argv: List[str]) -> tuple:
-    """(Config, the names set explicitly) from command-line arguments: defaults < `--config FILE` < flags."""
+class _DuplicateKey(Exception):
+    """A key given twice in one object of a config file (JSON and YAML would keep the last, silently)."""
+
+
+def _unique_keys_object(pairs) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _unique_keys_loader(yaml):
+    """yaml's SafeLoader, refusing a key given twice in a mapping."""
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise _DuplicateKey(key)
+            return super().construct_mapping(node, deep)
+    return Loader
+
+
+def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
+    """(Config, the names set explicitly) from command-line arguments: defaults < `--config FILE` < flags (a TRL
+    recipe: TRL's defaults < the file < flags). `notes`, if given, gets the lines the log should show: the TRL
+    settings given that have no effect here, and where a TRL recipe still trains otherwise than `trl grpo`."""
     flags = parse_flags(argv)
-    values = load_config_file(flags.pop("config")) if "config" in flags else {}
+    values, trl_recipe = load_config_file(flags.pop("config")) if "config" in flags else ({}, False)
     values.update(flags)
+    ignored = [k for k in values if k in trl_names.IGNORED_WHY]
+    for k in ignored:
+        values.pop(k)
+    if notes is not None and ignored:
+        notes.append(trl_names.ignored_line(ignored))
+    trl_recipe = trl_recipe and bool(values.get("model"))  # TRL's defaults are for a model, not the built-in demo
     if values.get("model") and "warmup_steps" in values:  # TRL's warmup_steps: the learning-rate warm-up
         if "lr_warmup_steps" in values:
             raise ValueError("--warmup-steps: with --model it is TRL's learning-rate warm-up, --lr-warmup-steps, "
                              "which is given too; give one of them")
         values["lr_warmup_steps"] = values.pop("warmup_steps")
     base = Config(model=values.get("model", ""))
-    values = trl_names.resolve(values, lambda name: getattr(base, name), set(flags),
-                               int(os.environ.get("WORLD_SIZE", 1)))
+    defaults = (lambda name: trl_names.TRL_DEFAULTS.get(name, getattr(base, name))) if trl_recipe else \
+        (lambda name: getattr(base, name))
+    values = trl_names.resolve(values, defaults, set(flags), int(os.environ.get("WORLD_SIZE", 1)), trl_recipe, notes)
     if values.get("model"):
         for name in DEMO_ONLY:
             if name in values:
@@ -464,7 +557,6 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) not in allowed:
             shown = ", ".join(a for a in allowed if a is not None)
             raise ValueError(f"{_flag(name)}: expected one of {shown}, got {getattr(cfg, name)!r}")
-    device.check(cfg.device, cfg.dtype)
     for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
         values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
         for v in values:
@@ -476,10 +568,23 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
+    if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
+        raise ValueError(f"--max-prompt-length: expected an int >= 1 or none, got {cfg.max_prompt_length}")
     for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
                  "eval_completions"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
+    if cfg.train_epochs is not None and not 0 < cfg.train_epochs <= 1e6:
+        raise ValueError(f"--train-epochs: expected a number in (0, 1e6], got {cfg.train_epochs}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{_flag(name)}: expected a number in [0, 1), got {getattr(cfg, name)}")
+    if not cfg.adam_epsilon > 0:
+        raise ValueError(f"--adam-epsilon: expected a number > 0, got {cfg.adam_epsilon}")
+    cpus = os.cpu_count() or 1
+    if cfg.threads > 4 * cpus:  # torch.set_num_threads(100000) crashes the process (SIGSEGV) on OpenMP builds
+        raise ValueError(f"--threads: expected at most 4 × the {cpus} CPUs of this machine ({4 * cpus}), "
+                         f"got {cfg.threads}")
     if not 0 <= cfg.seed < 2**32:  # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
         raise ValueError(f"--seed: expected an int from 0 to 2**32 - 1, got {cfg.seed}")
     if not cfg.dataset and cfg.digits > MAX_DIGITS:
@@ -526,12 +631,6 @@ def validate(cfg: Config) -> None:
                              f"of --tree-roots with at least 2 branches per tree, got {cfg.tree_roots}")
         if cfg.max_new_tokens < 2:
             raise ValueError("--max-new-tokens: --tree needs at least 2 (a prefix and a continuation)")
-    if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO forms GRPO-style advantages from rewards
-        own = ("--algo ppo (GAE on a critic)" if cfg.algo == "ppo" else "--tree (Tree-GRPO)" if cfg.tree else
-               f"--algo {cfg.algo} (a baseline of its own)" if presets.fields(cfg.algo).get("ratio") == "snis" else None)
-        if own:
-            raise ValueError(f"--multi-objective-aggregation normalize_then_sum: GDPO's advantages replace the group "
-                             f"normalisation of the GRPO family; {own} forms its advantages otherwise")
     if cfg.overlong_buffer and cfg.overlong_buffer >= cfg.max_new_tokens:
         raise ValueError(f"--overlong-buffer: expected < --max-new-tokens ({cfg.max_new_tokens}), got {cfg.overlong_buffer}")
     for name in cfg.report_to:
@@ -551,10 +650,12 @@ def validate(cfg: Config) -> None:
         raise ValueError("--scale-rewards: the GRPO family's option; --algo ppo's advantages come from GAE")
     for name in ("model", "reward_model"):
         path = getattr(cfg, name)
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
+        if path and not os.path.isfile(os.path.join(path, "config.json")) and not _in_hub_cache(path):
             what = "no such folder" if not os.path.isdir(path) else "a folder without config.json"
+            hub = (f"; as a Hugging Face Hub name it is not in the local cache either: fetch it first (`hf download "
+                   f"{path}`), then run again (offline)" if _HUB_NAME.match(path) and not os.path.isdir(path) else "")
             raise ValueError(f"{_flag(name)}: expected a local Hugging Face model folder (save_pretrained's, with "
-                             f"config.json), got {path!r}: {what}")
+                             f"config.json) or a Hub name in the local cache, got {path!r}: {what}{hub}")
     for name in ("dataset", "eval_dataset"):
         path = getattr(cfg, name)
         if path and not os.path.exists(path):
@@ -563,6 +664,75 @@ def validate(cfg: Config) -> None:
         raise ValueError("--dataset: required with --model (a file or folder of prompts)")
     if cfg.resume and not (os.path.isdir(cfg.resume) or os.path.isfile(cfg.resume)):
         raise ValueError(f"--resume: no such run folder or checkpoint {cfg.resume!r}")
+    _validate_preset_and_device(cfg)
+
+
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether `name` is a Hub model whose config.json the local Hugging Face cache holds (from_pretrained with
+    local_files_only loads it from there, offline)."""
+    if not _HUB_NAME.match(name) or os.path.isdir(name):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    found = try_to_load_from_cache(name, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    return isinstance(found, str)
+
+
+def _validate_preset_and_device(cfg: Config) -> None:
+    """The checks that import torch: the preset (presets.register adds names at run time) and the device."""
+    from ..losses import presets
+    from . import device
+
+    if cfg.algo not in presets.NAMES:
+        raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r}")
+    device.check(cfg.device, cfg.dtype)
+    try:  # the loss settings as PolicyLossConfig checks them (delta > 0, ...)
+        loss_config(cfg, cfg.num_generations)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the loss of --algo {cfg.algo}: {e}") from None
+    if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO forms GRPO-style advantages from rewards
+        own = ("--algo ppo (GAE on a critic)" if cfg.algo == "ppo" else "--tree (Tree-GRPO)" if cfg.tree else
+               f"--algo {cfg.algo} (a baseline of its own)" if presets.fields(cfg.algo).get("ratio") == "snis" else None)
+        if own:
+            raise ValueError(f"--multi-objective-aggregation normalize_then_sum: GDPO's advantages replace the group "
+                             f"normalisation of the GRPO family; {own} forms its advantages otherwise")
+
+
+def loss_config(cfg: Config, group_size: int):
+    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
+    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
+    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
+    from ..losses import presets
+
+    constant = presets.fields(cfg.algo).get("agg") == "constant"
+    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
+    over = {"entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:
+        over["kl_coef"] = cfg.kl_coef
+        if cfg.kl_coef > 0 and base.kl_estimator is None:
+            over["kl_estimator"] = "k3"
+    if base.ratio in ("group_expectation", "snis"):
+        over["group_size"] = group_size
+    over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
+    if cfg.top_entropy_quantile < 1.0:
+        over["top_entropy_quantile"] = cfg.top_entropy_quantile
+    if cfg.kl_bias_correction:
+        over["kl_bias_correction"] = True
+    return base.replace(**over)
+
+
+# the Config fields that are PolicyLossConfig's of the same name, none = the preset's
+LOSS_FIELDS = ("delta", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+               "vespo_lambda_neg")
 
 
 def describe(cfg: Config) -> str:
@@ -580,7 +750,7 @@ def describe(cfg: Config) -> str:
 RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
 # what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
 # a GPU resumes on a CPU machine)
-RESUME_FRESH = ("resume", "device")
+RESUME_FRESH = ("resume", "device", "overwrite")
 
 
 def run_dir(resume: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import random
 import time
@@ -14,13 +15,13 @@ import torch
 from tqdm.auto import tqdm
 
 from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
-from .checkpoint import load_checkpoint, unfit
-from .run_config import Config, describe, merge_resume, run_dir
-from .distributed import dist_info
+from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
+from .run_config import Config, describe, loss_config, merge_resume, run_dir
+from .distributed import all_sum, dist_info
 from .model import Critic, enable_checkpointing, output_head_of, parts
-from .run_folder import prepare_out_dir, write_file
+from .run_folder import CHECKPOINT, prepare_out_dir, write_file
 from .state import Run
-from .update import UpdateForward, loss_config, update_engine
+from .update import UpdateForward, update_engine
 
 
 def configure(config: Config, explicit: Optional[set], reward_fn, stop):
@@ -29,8 +30,11 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     t_start = time.time()
     saved = load_checkpoint(config.resume) if config.resume else None
     cfg = merge_resume(config, saved["config"], explicit) if saved else config
-    reward_fns = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
     rank, world = dist_info()
+    code = [spec for spec in cfg.reward if spec != "exact" and not spec.startswith("regex:")]
+    if saved and code and reward_fn is None and list(config.reward) != list(cfg.reward) and rank == 0:
+        print(f"--resume: the reward functions of {config.resume}'s checkpoint, imported now: {' '.join(code)}")
+    reward_fns = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
     if cfg.fsdp and world == 1:
         raise ValueError("--fsdp: shards the models over the processes of torchrun (torchrun --nproc-per-node N "
                          "-m rlkernels.train ... --fsdp), and this is one process; drop --fsdp (or --fsdp false)")
@@ -41,7 +45,8 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     run = Run(cfg, device.placement(cfg.device, cfg.dtype, world), rank, world, stop, saved, t_start)
     runs_on = run.place.describe()
     if run.master:
-        prepare_out_dir(cfg.out)
+        resuming = saved is not None and os.path.realpath(cfg.out) == os.path.realpath(run_dir(config.resume))
+        run.folder = prepare_out_dir(cfg.out, resuming, cfg.overwrite)
     layout = ("one process" if world == 1 else
               f"{'FSDP2' if cfg.fsdp else 'DDP'} over {world} processes ({runs_on['backend']})")
     run.log(f"rlkernels.train: {'resuming ' + cfg.resume + ' with ' if saved else ''}{describe(cfg)}\n"
@@ -56,10 +61,19 @@ def load_task(run: Run, reward_fns) -> None:
     cfg = run.cfg
     if cfg.dataset:
         run.train_set, run.eval_set, run.held_out = data.load(cfg)
+        if cfg.train_epochs is not None:  # TRL's num_train_epochs: the steps that pass over the prompts that often
+            per_step = cfg.prompts_per_step * run.world
+            steps = max(1, math.ceil(cfg.train_epochs * len(run.train_set) / per_step))
+            run.cfg = cfg = dataclasses.replace(cfg, steps=steps, train_epochs=None)
+            run.log(f"--steps {steps}: num_train_epochs over {len(run.train_set)} prompts, {per_step} a step")
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
     fns, weights = reward_fns
+    columns = [k for k in run.train_set[0] if k != "prompt"]
+    for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
+        rewards_lib.check_signature(f, what, columns, flag)
+    run.reward_context = rewards_lib.RewardContext(cfg.steps)
     for _, name, _, spec in fns:
         if name in ("exact", "regex") and spec.startswith(name) and not has_answers(run):
             raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
@@ -82,11 +96,32 @@ def warms_up(run: Run) -> bool:
     return bool(not run.saved and not run.cfg.model and run.cfg.warmup_steps)
 
 
+def check_prompt_lengths(run: Run) -> None:
+    """Prompts and completions within the model's context: a longer prompt is cut to its last
+    --max-prompt-length tokens (TRL's), said in the log; without that flag, a prompt too long is an error."""
+    cfg, tok = run.cfg, run.tok
+    tok.max_prompt_length = cfg.max_prompt_length
+    lengths = [len(tok._encode(ex["prompt"])) for ex in run.train_set + run.eval_set]
+    if cfg.max_prompt_length:
+        cut = sum(n > cfg.max_prompt_length for n in lengths)
+        if cut:
+            run.log(f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {cfg.max_prompt_length} "
+                    f"tokens: they keep their last {cfg.max_prompt_length} (as TRL's max_prompt_length)")
+    longest = min(max(lengths), cfg.max_prompt_length or max(lengths))
+    context = getattr(run.policy.config, "max_position_embeddings", None)
+    if context and longest + cfg.max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(cfg.max_prompt_length)}"
+                         f" is {longest} tokens, and {longest} + {cfg.max_new_tokens} is more than the "
+                         f"{context} positions of the model (max_position_embeddings); give --max-prompt-length "
+                         f"(a longer prompt keeps its last tokens) or a smaller --max-new-tokens")
+
+
 def load_policy(run: Run) -> None:
     """The tokenizer and the policy, on the run's device, its output head checked."""
     cfg, source = run.cfg, f" in {run.cfg.dataset}" if run.cfg.dataset else ""
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model)
+        check_prompt_lengths(run)
     else:
         run.tok = task.CharTokenizer()
         for ex in run.train_set[:1] + run.eval_set[:1]:
@@ -134,7 +169,8 @@ def warm_up(run: Run) -> None:
         opt.step()
         bar.update(1)
         if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
-            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place)[0]
+            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place,
+                                          context=run.reward_context)[0]
             bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
             in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
             if in_a_row == 2:
@@ -176,7 +212,8 @@ def build_update(run: Run) -> None:
     if run.ref is not None and sharding.is_sharded(run.policy):
         sharding.shard(run.ref, place.device)  # else every rank holds a whole copy of it
     run.params = [p for p in run.engine.parameters() if p.requires_grad]
-    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
 
 def restore(run: Run) -> None:
@@ -200,6 +237,11 @@ def restore(run: Run) -> None:
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise unfit(cfg.resume, e) from None
     run.log(f"resumed at step {run.start} from {cfg.resume}")
+    checkpoint = cfg.resume if os.path.isfile(cfg.resume) else os.path.join(cfg.resume, CHECKPOINT)
+    stale = run.master and export_is_stale(cfg.out, checkpoint)
+    if all_sum(float(stale)) > 0:  # killed after its checkpoint, before the model export: the export catches up
+        export_model(run)
+        run.log(f"exported the model of step {run.start} to {cfg.out} (the run stopped before writing it)")
 
 
 def open_logs(run: Run) -> None:

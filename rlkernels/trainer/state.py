@@ -27,6 +27,7 @@ class Run:
     eval_set: list = None
     held_out: str = ""  # what the eval set is, for the log
     reward_fn: Any = None
+    reward_context: Any = None  # rewards.RewardContext: TRL's trainer_state, log_metric, log_extra
     rng: Any = None  # prompt order, mini-batch order, tree cut depths
     policy: Any = None
     head_args: dict = None
@@ -43,6 +44,8 @@ class Run:
     start: int = 0  # the step a resumed run continues after
     eval_before: Optional[float] = None
     skipped_total: int = 0
+    stopped: bool = False  # by a signal, at a checkpoint (stop.py)
+    folder: Any = None  # run_folder.Claim of --out, on rank 0
     last: dict = dataclasses.field(default_factory=dict)  # the last metrics row
     tracking: Any = None
     bar: Any = None

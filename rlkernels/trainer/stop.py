@@ -1,9 +1,15 @@
 """Ctrl-C and SIGTERM (what batch schedulers send), from the start of a run to its end: the run goes on to the
 next point where a checkpoint resumes it exactly (the end of an RL step; before RL, the end of the warm-up and
-of the evaluation before RL), saves one and stops. A second signal interrupts at once (KeyboardInterrupt)."""
+of the evaluation before RL), saves one and stops. A second signal interrupts at once (KeyboardInterrupt). A stopped run exits 128 + the signal's number (130 for
+Ctrl-C, 143 for SIGTERM), as a process killed by it would, so that a scheduler can tell it from a finished one."""
 from __future__ import annotations
 
 import signal
+
+
+def exit_code(signal_name: str) -> int:
+    """The exit status of a run stopped by `signal_name` (a StopRequest's `signal`)."""
+    return 128 + signal.Signals[signal_name].value
 
 
 class StopRequest:
@@ -12,6 +18,7 @@ class StopRequest:
 
     def __init__(self, log):
         self.requested = False
+        self.signal = None  # the first signal's name: SIGINT (Ctrl-C) or SIGTERM
         self.until = "the set-up before RL"
         self._log = log
         self._old = {}
@@ -34,4 +41,5 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = True
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.signal = signal.Signals(signum).name
         self._log(f"\n{name}: finishing {self.until}, then saving a checkpoint ({name} again to abort)")

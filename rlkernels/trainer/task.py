@@ -76,11 +76,16 @@ class HFTokenizer:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.bos_id = tok.bos_token_id
         self.vocab_size = len(tok)
+        self.max_prompt_length = None  # TRL's max_prompt_length: a longer prompt keeps its last tokens
+
+    def encode(self, prompt) -> List[int]:
+        ids = self._encode(prompt)
+        return ids[-self.max_prompt_length:] if self.max_prompt_length else ids
 
     def hf(self):
         return self.tok
 
-    def encode(self, prompt) -> List[int]:
+    def _encode(self, prompt) -> List[int]:
         """A plain prompt with the tokenizer's special tokens, unless it already starts with its BOS (a
         pre-templated prompt); a conversation (a list of {"role", "content"}) through the chat template
         with the assistant's turn opened, whose text holds its own special tokens."""
@@ -149,6 +154,10 @@ def _load_function(spec: str) -> Callable:
         f = getattr(module, name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
+    except SyntaxError as e:
+        raise ValueError(f"--reward {spec}: {e.filename}, line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the module raised while it was imported
+        raise ValueError(f"--reward {spec}: importing {where} raised {type(e).__name__} ({e})") from None
     if not callable(f):
         raise ValueError(f"--reward: {spec!r} is not callable")
     return f

@@ -3,8 +3,16 @@ TRL recipe, accepted as flags and `--config` keys beside the trainer's own (docs
 
 * RENAMED: one of our settings under TRL's name (or an older name of ours): `--learning_rate` is `--lr`.
 * OPTIONS: TRL settings that set ours by a rule (`resolve`), with their types.
-* SAME_AS_HERE: TRL settings accepted when their value is what this trainer does anyway (`use_vllm: false`).
-Anything else in a recipe has no counterpart here: `resolve` names all of it in one error.
+* SAME_AS_HERE: TRL settings accepted when their value is what this trainer does anyway (`use_vllm: false`);
+  another value is refused, naming the setting and why.
+* IGNORED: settings with no effect on what this trainer trains (logging, the Hub, data loaders, speed-only
+  switches, vLLM's): accepted at any value and named once in the log.
+Together with the trainer's own fields of the same name (`seed`, `temperature`, `num_generations`, ...) these
+cover every GRPOConfig setting of TRL 1.16 (python_tests/test_trainer_trl_recipe.py checks it). A null value is
+TRL's default. Anything else in a recipe (ModelConfig's `attn_implementation`, say) is named in one error.
+
+A TRL recipe (a --config file with any of TRL's names) starts from TRL's defaults (TRL_DEFAULTS: GRPOConfig's
+batch, loss_type dapo, beta 0, no held-out split unless it asks for evaluation), not from this trainer's.
 
 A step here is one rollout batch (TRL: one generation batch); with TRL's defaults (`steps_per_generation` =
 `gradient_accumulation_steps`, `num_iterations` 1) TRL's `max_steps` counts the same steps.
@@ -13,8 +21,6 @@ from __future__ import annotations
 
 from typing import List
 
-from ..losses import presets
-
 RENAMED = {
     "output_dir": "out", "learning_rate": "lr", "beta": "kl_coef", "max_completion_length": "max_new_tokens",
     "max_steps": "steps", "num_iterations": "epochs", "save_steps": "ckpt_every", "eval_steps": "eval_every",
@@ -22,6 +28,8 @@ RENAMED = {
     "dataset_test_split": "eval_split", "reward_funcs": "reward", "reward_model_name_or_path": "reward_model",
     "torch_dtype": "dtype", "activation_checkpointing": "gradient_checkpointing",
     "prompts": "dataset",  # this trainer's name before --dataset read more than JSONL
+    "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
+    "use_bias_correction_kl": "kl_bias_correction",
 }
 # (type, help); list types take several values
 OPTIONS = {
@@ -58,20 +66,113 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "logging_strategy": (str, ("steps",), "metrics every --logging-steps steps"),
     "save_total_limit": (int, (1,), "a run folder keeps its last checkpoint"),
     "model_revision": (str, ("main",), "--model is a local folder, of one revision"),
+    # set to TRL's default, or to what this trainer always does
+    "optim": (str, ("adamw_torch_fused", "adamw_torch"), "the optimizer is torch's AdamW (--adam-beta1/2, --adam-epsilon)"),
+    "optim_args": (str, (None,), "the optimizer is torch's AdamW (--adam-beta1/2, --adam-epsilon)"),
+    "optim_target_modules": (str, (None,), "AdamW updates every trained parameter"),
+    "lr_scheduler_kwargs": (str, (None,), "--lr-scheduler-type takes no arguments"),
+    "label_smoothing_factor": (float, (0.0,), "the policy loss has no label smoothing"),
+    "neftune_noise_alpha": (float, (None,), "no noise is added to the embeddings"),
+    "train_sampling_strategy": (str, ("random",), "prompts are drawn in a seeded random order"),
+    "data_seed": (int, (None,), "the prompt order follows --seed"),
+    "shuffle_dataset": (bool, (True,), "prompts are drawn in a seeded random order"),
+    "model_init_kwargs": (str, (None,), "--model loads with from_pretrained's defaults (--dtype sets the compute dtype)"),
+    "trust_remote_code": (bool, (False,), "--model loads with the model classes of transformers"),
+    "router_aux_loss_coef": (float, (None,), "a mixture of experts' auxiliary loss is not added"),
+    "disable_dropout": (bool, (False,), "the policy trains with its own dropout"),
+    "cast_lm_head_to_fp32": (bool, (False, True), "the loss head computes its log-softmax in float32 either way"),
+    "num_generations_eval": (int, (None,), "evaluation is one greedy completion per prompt"),
+    "generation_kwargs": (str, (None,), _NEUTRAL_SAMPLING),
+    "chat_template_kwargs": (str, (None,), "conversations go through the tokenizer's chat template as is"),
+    "max_tool_calling_iterations": (int, (None,), "completions are sampled without tools"),
+    "sync_ref_model": (bool, (False,), "the reference model stays the initial policy"),
+    "use_adaptive_entropy": (bool, (False,), "--entropy-coef is fixed"),
+    "off_policy_mask_threshold": (float, (None,), "no off-policy sequence masking"),
+    "mask_truncated_completions": (bool, (False,), "truncated completions are trained like the others"),
+    "average_tokens_across_devices": (bool, (True,), "token means are over every process's tokens"),
+    "load_best_model_at_end": (bool, (False,), "the run folder keeps the last model"),
+    "resume_from_checkpoint": (str, (None,), "a run continues with --resume RUN_FOLDER (a folder of this trainer)"),
+    "deepspeed": (str, (None,), "under torchrun the trainer runs DDP, or FSDP2 with --fsdp"),
+    "fsdp_config": (str, (None,), "--fsdp shards each decoder layer with FSDP2's defaults"),
+    "use_transformers_continuous_batching": (bool, (False,), "rollouts use transformers' generate"),
+    "use_transformers_paged": (bool, (False,), "rollouts use transformers' generate"),
 }
+IGNORED = {  # why each group has no effect here
+    "logging, tracking and the Hub (metrics go to metrics.jsonl and --report-to)": (
+        "logging_first_step", "log_on_each_node", "logging_nan_inf_filter", "include_num_input_tokens_seen",
+        "log_level", "log_level_replica", "run_name", "project", "trackio_space_id", "trackio_bucket_id",
+        "trackio_static_space_id", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
+        "hub_revision", "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+        "log_completions_hub_repo", "skip_memory_metrics", "debug"),
+    "evaluation and checkpoint bookkeeping of transformers' Trainer": (
+        "do_train", "do_predict", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object",
+        "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics", "per_device_eval_batch_size",
+        "eval_delay", "eval_on_start", "metric_for_best_model", "greater_is_better", "save_only_model",
+        "save_on_each_node", "enable_jit_checkpoint", "ignore_data_skip", "restore_callback_states_from_checkpoint",
+        "bf16_full_eval", "fp16_full_eval"),
+    "data loading and process set-up": (
+        "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+        "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
+        "remove_unused_columns", "label_names", "length_column_name", "ddp_find_unused_parameters",
+        "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout",
+        "accelerator_config", "parallelism_config", "local_rank", "auto_find_batch_size", "full_determinism"),
+    "speed and memory only (the loss is rlkernels' either way)": (
+        "use_liger_kernel", "liger_kernel_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+        "tf32", "use_cache", "cache_implementation", "pad_to_multiple_of", "ds3_gather_for_generation",
+        "torch_empty_cache_steps", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+        "transformers_continuous_batching_config"),
+    "vLLM's (use_vllm is false here)": (
+        "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap"),
+    "options of settings this trainer leaves off (sync_ref_model, use_adaptive_entropy)": (
+        "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+        "entropy_target"),
+}
+# GRPOConfig's settings that are this trainer's fields under the same name (a null in a recipe: TRL's default)
+SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
+             "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
+             "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
+             "delta", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
+# GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
+TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
+                "lr": 1e-6, "lr_scheduler_type": "linear", "lr_warmup_steps": 0, "seed": 42, "logging_steps": 10,
+                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999, "kl_bias_correction": True}
+# where a TRL recipe still trains or reports otherwise than `trl grpo`, for its log line
+DIFFERENCES = ("a step is one rollout batch (TRL's max_steps counts optimizer steps: the same with steps_per_generation "
+               "= gradient_accumulation_steps and num_iterations 1)", "evaluation is the greedy reward of --eval-size "
+               "prompts before and after RL, and every --eval-every steps")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 TRL_BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
              "generation_batch_size")
 
 
 def kind(name: str):
-    """(type, optional) of a TRL option or a SAME_AS_HERE setting; None for other names."""
+    """(type, optional) of a TRL option, a SAME_AS_HERE or an IGNORED setting; None for other names."""
     if name in OPTIONS:
         return OPTIONS[name][0], True
     if name in SAME_AS_HERE:
         typ, accepted, _ = SAME_AS_HERE[name]
         return typ, None in accepted
+    if name in IGNORED_WHY:
+        return object, True  # any value, not converted
     return None
+
+
+def is_trl_name(key: str) -> bool:
+    """Whether a --config key is TRL's spelling of a setting, not this trainer's (which makes a TRL recipe)."""
+    return (key in RENAMED and key != "prompts") or key in OPTIONS or key in SAME_AS_HERE or key in IGNORED_WHY
+
+
+def ignored_line(names) -> str:
+    """The log line naming the IGNORED settings given, by group."""
+    groups = {}
+    for name in names:
+        groups.setdefault(IGNORED_WHY[name], []).append(name)
+    return "TRL settings with no effect here: " + "; ".join(f"{', '.join(n)} ({why})" for why, n in groups.items())
 
 
 def refused(values: dict) -> List[str]:
@@ -80,15 +181,27 @@ def refused(values: dict) -> List[str]:
             if k in SAME_AS_HERE and v not in SAME_AS_HERE[k][1]]
 
 
+def _preset_fields(algo: str) -> dict:
+    """The preset's fields, {} for a name that is none (validate names it); imports torch, so only when needed."""
+    from ..losses import presets
+
+    return presets.fields(algo) if algo in presets.NAMES else {}
+
+
 def _given_both(trl: str, ours: str) -> ValueError:
     return ValueError(f"{trl}: sets --{ours.replace('_', '-')}, which is given too; give one of them")
 
 
-def resolve(values: dict, defaults, flags=(), world: int = 1) -> dict:
+def resolve(values: dict, defaults, flags=(), world: int = 1, trl_recipe: bool = False, notes=None) -> dict:
     """`values` (our fields, TRL options and SAME_AS_HERE settings, converted) as our fields only;
     `defaults(name)` is a field's default where a rule needs it, `flags` the names given as flags (which win
-    over a --config file's TRL setting of the same field), `world` the number of processes."""
+    over a --config file's TRL setting of the same field), `world` the number of processes. A TRL recipe
+    (`trl_recipe`) gets GRPOConfig's defaults where ours differ; `notes` gets where it still differs."""
     trl = {k: values.pop(k) for k in list(values) if k in OPTIONS or k in SAME_AS_HERE}
+    if values.get("steps") == -1:  # TRL's max_steps -1: not set (num_train_epochs counts instead)
+        values.pop("steps")
+    if trl_recipe and "clip_low" not in values and "clip_high" not in values:
+        trl.setdefault("epsilon", 0.2)  # TRL's ε, also its upper one unless epsilon_high is given
     if refused(trl):
         raise ValueError("TRL settings this trainer cannot follow: " + "; ".join(refused(trl)))
 
@@ -115,7 +228,7 @@ def resolve(values: dict, defaults, flags=(), world: int = 1) -> dict:
 
     algo = values.get("algo") or defaults("algo")
     eps, eps_high = trl.get("epsilon"), trl.get("epsilon_high")
-    fields = presets.fields(algo) if algo in presets.NAMES else {}
+    fields = _preset_fields(algo) if eps is not None or eps_high is not None else {}
     if fields.get("objective") == "cispo":  # TRL's cispo caps the ratio at epsilon_high and reads no epsilon
         if eps_high is not None:
             set_field("clip_high", eps_high - 1.0, "epsilon_high")
@@ -137,25 +250,39 @@ def resolve(values: dict, defaults, flags=(), world: int = 1) -> dict:
     if trl.get("lora_target_modules"):
         set_field("lora_target", ",".join(trl["lora_target_modules"]), "lora_target_modules")
 
-    _batch(trl, values, set_field, world, defaults)
+    _batch(trl, values, set_field, world, defaults, trl_recipe)
+    epochs = trl.get("num_train_epochs", 3.0 if trl_recipe else None)  # TRL's default: 3 epochs
+    if "steps" not in values and epochs is not None:
+        if trl.get("warmup_ratio") is not None:
+            raise ValueError("warmup_ratio: a fraction of max_steps, which is not given (give max_steps, or "
+                             "warmup_steps)")
+        set_field("train_epochs", epochs, "num_train_epochs")
     steps = values.get("steps", defaults("steps"))
+    if trl.get("warmup_ratio") is not None and not 0 <= trl["warmup_ratio"] <= 1:
+        raise ValueError(f"warmup_ratio: expected a number in [0, 1] (a fraction of max_steps), got {trl['warmup_ratio']}")
     if trl.get("warmup_ratio") is not None:
         set_field("lr_warmup_steps", round(trl["warmup_ratio"] * steps), "warmup_ratio")
-    if trl.get("num_train_epochs") is not None and "steps" not in values:
-        raise ValueError("num_train_epochs: this trainer counts steps (rollout batches), not epochs; give max_steps "
-                         "(--steps)")
     if trl.get("eval_strategy") not in (None, "steps", "no"):
         raise ValueError(f"eval_strategy: expected steps or no, got {trl['eval_strategy']!r}")
-    if trl.get("eval_strategy") == "no" or trl.get("do_eval") is False:
+    eval_asked = trl.get("eval_strategy") == "steps" or trl.get("do_eval") is True or "eval_dataset" in values \
+        or "eval_split" in values
+    if trl.get("eval_strategy") == "no" or trl.get("do_eval") is False or (trl_recipe and not eval_asked):
         set_field("eval_every", steps, "eval_strategy")
+        if trl_recipe:  # TRL trains on every prompt when no evaluation is asked for
+            set_field("eval_holdout", False, "eval_strategy")
+    if trl_recipe:
+        for name, value in TRL_DEFAULTS.items():
+            values.setdefault(name, value)
+        if notes is not None:
+            notes.append("TRL recipe: trains as trl grpo does but " + "; ".join(DIFFERENCES))
     return values
 
 
-def _batch(trl, values, set_field, world, defaults) -> None:
-    """TRL's batch settings as --prompts-per-step (prompts per rollout batch per process) and --minibatches
-    (optimizer steps per pass over it)."""
+def _batch(trl, values, set_field, world, defaults, trl_recipe=False) -> None:
+    """TRL's batch settings (a TRL recipe: also its defaults) as --prompts-per-step (prompts per rollout batch per
+    process) and --minibatches (optimizer steps per pass over it)."""
     given = [k for k in TRL_BATCH if trl.get(k) is not None]
-    if not given:
+    if not given and (not trl_recipe or "prompts_per_step" in values or "minibatches" in values):
         return
     for k in given:
         if trl[k] < 1:
@@ -171,6 +298,7 @@ def _batch(trl, values, set_field, world, defaults) -> None:
         per_generation = trl.get("steps_per_generation") or accumulation
         rows, what = per_device * per_generation, "per_device_train_batch_size × steps_per_generation"
     generations = values.get("num_generations", defaults("num_generations"))
+    given = given or ["per_device_train_batch_size (TRL's default, 8)"]
     if rows != int(rows) or int(rows) % generations:
         raise ValueError(f"{given[0]}: {what} = {rows:g} completions per process is not a multiple of "
                          f"num_generations ({generations})")

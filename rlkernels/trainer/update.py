@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 import rlkernels
-from rlkernels import presets
 
 from . import model, sharding, timing
 from .run_config import Config
@@ -98,26 +97,6 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
 
 # metrics that are this rank's share of a global sum (Σ_rank / N_global): summed over ranks, not averaged
 SUMMED_METRICS = ("loss", "value_loss")
-
-def loss_config(cfg: Config, group_size: int):
-    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
-    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
-    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
-    constant = presets.fields(cfg.algo).get("agg") == "constant"
-    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
-    over = {"entropy_coef": cfg.entropy_coef}
-    if cfg.clip_low is not None:
-        over["clip_low"] = cfg.clip_low
-    if cfg.clip_high is not None:
-        over["clip_high"] = cfg.clip_high
-    if cfg.algo != "ppo" and cfg.kl_coef is not None:
-        over["kl_coef"] = cfg.kl_coef
-        if cfg.kl_coef > 0 and base.kl_estimator is None:
-            over["kl_estimator"] = "k3"
-    if base.ratio in ("group_expectation", "snis"):
-        over["group_size"] = group_size
-    return base.replace(**over)
-
 
 def lr_factor(cfg: Config, step: int) -> float:
     """The learning rate of RL step `step` (from 1) as a fraction of --lr: a linear ramp over --lr-warmup-steps,

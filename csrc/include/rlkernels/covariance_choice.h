@@ -12,9 +12,6 @@
 
 namespace rlk {
 
-// Mirrors rlkernels/kernels/token_loss_params.py (CHOOSE_*).
-enum CovarianceChoice : int { kChooseClipCov = 0, kChooseKlCov = 1 };
-
 template <typename T>
 struct CovarianceChoiceParams {
   int objective;      // a CovarianceChoice

@@ -9,15 +9,15 @@
 
 namespace rlk {
 
-// Row n (of N = B·T, in the order b·T + t) starts (n / T)·batch_stride + (n % T)·row_stride elements past
-// the first. A 2-D (N, V) tensor is B = 1, T = N (its batch stride is never used).
+// Row n = b·T + t (of N = B·T) starts b·batch_stride + t·row_stride elements past the first. A 2-D (N, V)
+// tensor is B = 1, T = N (its batch stride is never used). The CUDA kernels take (b, t) from their grid (a
+// 64-bit division would be a call and a stack frame there); the CPU divides.
 struct RowIndex {
   int64_t seq_len;  // T ≥ 1
   int64_t batch_stride;
   int64_t row_stride;
-  RLK_HOST_DEVICE int64_t operator()(int64_t n) const {
-    return (n / seq_len) * batch_stride + (n % seq_len) * row_stride;
-  }
+  RLK_HOST_DEVICE int64_t offset(int64_t b, int64_t t) const { return b * batch_stride + t * row_stride; }
+  RLK_HOST_DEVICE int64_t operator()(int64_t n) const { return offset(n / seq_len, n % seq_len); }
 };
 
 }  // namespace rlk

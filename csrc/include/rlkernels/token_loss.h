@@ -20,54 +20,9 @@
 #include <cstdint>
 
 #include "rlkernels/row_math.h"
+#include "rlkernels/token_loss_table.h"  // the ids, the statistics' columns, TokenLossParams<T>
 
 namespace rlk {
-
-// The ids of OBJECTIVES and KL_ESTIMATORS in rlkernels/kernels/token_loss_params.py (a test compares them).
-enum TokenObjective : int {
-  kClip = 0, kCispo = 1, kReinforce = 2, kSapo = 3, kDppoTv = 4, kDppoKl = 5, kDro = 6,
-  kClipCov = 7,  // kClip, and a chosen token has loss 0 and counts as clipped on A's side
-  kKlCov = 8,    // kClip (the params without bounds: −A·w), plus chosen·|ℓ − ℓ_old| on a chosen token
-  kTopr = 9,
-  kNumObjectives
-};
-enum KlEstimator : int {
-  kKlNone = 0, kKlK1 = 1, kKlK2 = 2, kKlK3 = 3,
-  kKlAbs = 4,          // verl's abs: |Δ| of the unclamped Δ
-  kKlLowVarKlPlus = 5,  // verl's low_var_kl+: the value clamp(k3(Δ_c), ±10), the gradient of ½(ℓ − ℓ_ref)²
-  kNumKlEstimators
-};
-// verl's low_var_kl clamps its k3 to ±10 (rlkernels/losses/kl.py LOW_VAR_KL_BOUND)
-constexpr double kLowVarKlBound = 10.0;
-enum TokenStat : int {
-  kStatLoss = 0,
-  kStatClipLow,
-  kStatClipHigh,
-  kStatRatio,
-  kStatApproxKl,
-  kStatKl,
-  kStatEntropy,
-  kNumStats
-};
-
-template <typename T>
-struct TokenLossParams {
-  int objective;          // a TokenObjective
-  T clip_low;             // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
-  T clip_high;            // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
-  T delta;                // the unclipped branch uses min(w, delta) (inf: none)
-  T dual_clip;            // for A < 0 the loss is min(loss, −dual_clip·A) (inf: none)
-  int kl_estimator;       // kKlNone, kKlK1, kKlK2, kKlK3: the estimator of the KL loss term
-  T kl_coef;              // β ≥ 0
-  T kl_clamp;             // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
-  bool kl_bias_correction;  // the KL term times the ratio w (differentiated through w too)
-  T entropy_coef;         // c_H
-  T log_ratio_clamp;      // c: ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
-  T sapo_tau_pos;         // SAPO's gate temperature τ where A > 0
-  T sapo_tau_neg;         // and where A ≤ 0
-  T ratio_cap;            // DPPO's weight is min(w, ratio_cap) (inf: none)
-  T dro_beta;             // DRO's β of the ½β(ℓ − ℓ_old)² penalty
-};
 
 // One token's inputs. `old_logp` is read only when has_old (else on-policy: ℓ_old = ℓ, without
 // gradient), `ref_logp` only when has_ref.
@@ -172,6 +127,48 @@ RLK_HOST_DEVICE inline bool passes_(T x, T lo, T hi) {
   return x >= lo && x <= hi;
 }
 
+// The clip family (docs/math.md §5), one token's surrogate s and ds = ∂s/∂ℓ: PPO's clipped surrogate
+// s = max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi), then for A < 0 the dual clip s = min(s, −dual_clip·A).
+// CLIP, Clip-Cov and KL-Cov are it as it stands (KL-Cov with every bound inf). GPPO (`preserve`, which has no δ): a
+// token the clip holds (w < lo with A < 0, w > hi with A > 0) has the value −β·bound·A and the gradient −β·bound·A
+// too, that of −β·bound·A·w/sg(w), where PPO's has none; β is beta_low below, beta_high above. `r_passes`: whether
+// the clamp of log w passes the gradient.
+template <typename T>
+struct ClipFamily {
+  T s, ds;
+  bool clipped_low, clipped_high;
+};
+template <typename T>
+RLK_HOST_DEVICE inline ClipFamily<T> clip_family(T w, bool r_passes, T adv, T lo, T hi, T delta, T dual_clip,
+                                                 bool preserve, T beta_low, T beta_high) {
+  ClipFamily<T> c;
+  c.clipped_low = w < lo && adv < T(0);
+  c.clipped_high = w > hi && adv > T(0);
+  const T neg_adv = -adv;
+  if (preserve && (c.clipped_low || c.clipped_high)) {
+    c.s = neg_adv * (c.clipped_low ? beta_low * lo : beta_high * hi);
+    c.ds = r_passes ? c.s : T(0);  // ∂(w/sg(w))/∂ℓ = 1 where the clamp of log w passes
+  } else {
+    // max(u, k); u on a tie (see the top). ∂u/∂w, ∂k/∂w, then through w: torch's exp multiplies by w, the
+    // clamp of log w passes it or gives 0.
+    const T u = neg_adv * (preserve ? w : min_(w, delta));
+    const T k = neg_adv * clamp_(w, lo, hi);
+    const T du = preserve || w <= delta ? neg_adv : T(0), dk = passes_(w, lo, hi) ? neg_adv : T(0);
+    const bool nan = u != u || k != k;
+    c.s = max_(u, k);
+    const T g = k > u ? dk : (nan ? du + dk : du);
+    c.ds = r_passes ? g * w : T(0);
+  }
+  if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
+    const T cap = -dual_clip * adv;
+    if (cap < c.s) {
+      c.s = cap;
+      c.ds = T(0);
+    }
+  }
+  return c;
+}
+
 template <typename T>
 RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenLossParams<T>& p) {
   TokenOut<T> out;
@@ -196,24 +193,14 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   const T lo = T(1) - p.clip_low, hi = T(1) + p.clip_high;
   const T w_clip = clamp_(w, lo, hi);
   bool clip_low = false, clip_high = false;
-  if (p.objective == kClip || p.objective == kClipCov || p.objective == kKlCov) {
-    const T neg_adv = -adv;
-    // max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi); u on a tie (see the top).
-    const T u = neg_adv * min_(w, p.delta);
-    const T k = neg_adv * w_clip;
-    const T du = w <= p.delta ? neg_adv : T(0), dk = passes_(w, lo, hi) ? neg_adv : T(0);  // ∂/∂w
-    const bool nan = u != u || k != k;
-    s = max_(u, k);
-    ds = through_w(k > u ? dk : (nan ? du + dk : du));
-    if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
-      const T cap = -p.dual_clip * adv;
-      if (cap < s) {
-        s = cap;
-        ds = through_w(T(0));
-      }
-    }
-    clip_low = (w < lo && adv < T(0)) || (p.objective == kClipCov && chosen && adv < T(0));
-    clip_high = (w > hi && adv > T(0)) || (p.objective == kClipCov && chosen && adv > T(0));
+  if (p.objective == kClip || p.objective == kClipCov || p.objective == kKlCov || p.objective == kGppo) {
+    const bool gppo = p.objective == kGppo;
+    const ClipFamily<T> clip = clip_family(w, r_passes, adv, lo, hi, p.delta, p.dual_clip, gppo,
+                                           gppo ? p.gppo_beta_low : T(1), gppo ? p.gppo_beta_high : T(1));
+    s = clip.s;
+    ds = clip.ds;
+    clip_low = clip.clipped_low || (p.objective == kClipCov && chosen && adv < T(0));
+    clip_high = clip.clipped_high || (p.objective == kClipCov && chosen && adv > T(0));
     if (p.objective == kClipCov && chosen) {  // the spec's where(chosen, 0, s): no gradient, whatever w and A
       s = T(0);
       ds = T(0);

@@ -14,7 +14,6 @@
 #include "rlkernels/covariance_choice.h"
 #include "rlkernels/op_args.h"
 #include "rlkernels/token_loss.h"
-#include "rlkernels/token_loss_layout.h"
 
 namespace rlk {
 
@@ -60,38 +59,24 @@ inline double check_scalar(const char* name, double value, double low, bool stri
   return value;
 }
 
-// `params` packed as rlkernels/kernels/token_loss_params.py PARAMS lays them out (rlkernels/token_loss_layout.h);
-// the ranges are those of its table.
+// `value` as the packed parameter at offset `at` (a TokenLossParam), checked against the range the table gives it
+// (rlkernels/token_loss_table.h, generated from the table rlkernels/_token_loss_table.py).
+inline double check_token_loss_param(int at, double value) {
+  const TokenLossParamRange& range = kTokenLossParamRanges[at];
+  if (range.count == 0) return check_scalar(range.name, value, range.low, range.strict, range.inf_ok);
+  RLK_CHECK_VALUE(value >= 0 && value < range.count && value == std::floor(value), range.name,  // an id or a bool
+                  ": expected an integer in [0, ", range.count, ") (", range.what,
+                  " in rlkernels/_token_loss_table.py), got ", value);
+  return value;
+}
+
+// `params` packed as PARAMS of rlkernels/_token_loss_table.py lays them out, each in its range.
 template <typename T>
 TokenLossParams<T> token_loss_params(c10::ArrayRef<double> params) {
   RLK_CHECK_VALUE(params.size() == kNumTokenLossParams, "params: expected ", int(kNumTokenLossParams),
-                  " values (rlkernels/kernels/token_loss_params.py PARAMS), got ", params.size());
-  const auto id = [&](const char* name, TokenLossParam at, int count, const char* table) {
-    const double v = params[at];
-    RLK_CHECK_VALUE(v >= 0 && v < count && v == std::floor(v), name, ": expected an integer in [0, ", count,
-                    ") (", table, " in rlkernels/kernels/token_loss_params.py), got ", v);
-    return static_cast<int>(v);
-  };
-  const auto bound = [&](const char* name, TokenLossParam at, double low, bool strict, bool inf_ok) {
-    return static_cast<T>(check_scalar(name, params[at], low, strict, inf_ok));
-  };
-  TokenLossParams<T> p;
-  p.objective = id("objective", kParamObjective, kNumObjectives, "the ids of OBJECTIVES");
-  p.clip_low = bound("clip_low", kParamClipLow, 0.0, false, true);
-  p.clip_high = bound("clip_high", kParamClipHigh, -1.0, true, true);
-  p.delta = bound("delta", kParamDelta, 0.0, true, true);
-  p.dual_clip = bound("dual_clip", kParamDualClip, 1.0, true, true);
-  p.kl_estimator = id("kl_estimator", kParamKlEstimator, kNumKlEstimators, "0 or the ids of KL_ESTIMATORS");
-  p.kl_coef = bound("kl_coef", kParamKlCoef, 0.0, false, false);
-  p.kl_clamp = bound("kl_clamp", kParamKlClamp, 0.0, true, true);
-  p.kl_bias_correction = id("kl_bias_correction", kParamKlBiasCorrection, 2, "a bool") != 0;
-  p.entropy_coef = bound("entropy_coef", kParamEntropyCoef, -INFINITY, true, false);
-  p.log_ratio_clamp = bound("log_ratio_clamp", kParamLogRatioClamp, 0.0, true, true);
-  p.sapo_tau_pos = bound("sapo_tau_pos", kParamSapoTauPos, 0.0, true, false);
-  p.sapo_tau_neg = bound("sapo_tau_neg", kParamSapoTauNeg, 0.0, true, false);
-  p.ratio_cap = bound("ratio_cap", kParamRatioCap, 0.0, true, true);
-  p.dro_beta = bound("dro_beta", kParamDroBeta, 0.0, false, false);
-  return p;
+                  " values (PARAMS of rlkernels/_token_loss_table.py), got ", params.size());
+  for (int at = 0; at < kNumTokenLossParams; ++at) check_token_loss_param(at, params[at]);
+  return unpack_token_loss_params<T>(params.data());
 }
 
 // covariance_choice's inputs besides `logp` (N,) (checked by the backend: device, dtype T) and its scalars. At most
@@ -120,9 +105,9 @@ CovarianceChoiceParams<T> covariance_choice_params(const at::Tensor& logp, const
                                    fraction,
                                    T(cov_lb),
                                    T(cov_ub),
-                                   T(check_scalar("clip_low", clip_low, 0.0, false, true)),
-                                   T(check_scalar("clip_high", clip_high, -1.0, true, true)),
-                                   T(check_scalar("log_ratio_clamp", log_ratio_clamp, 0.0, true, true)),
+                                   T(check_token_loss_param(kParamClipLow, clip_low)),
+                                   T(check_token_loss_param(kParamClipHigh, clip_high)),
+                                   T(check_token_loss_param(kParamLogRatioClamp, log_ratio_clamp)),
                                    T(scale)};
 }
 

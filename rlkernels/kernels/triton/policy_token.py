@@ -38,7 +38,7 @@ def _policy_token_fwd_kernel(
     tl.store(lse_parts_ptr + 2 * row, m)
     tl.store(lse_parts_ptr + 2 * row + 1, log_s)
 
-    # As prepare_batch does: a masked token enters the loss as zeros, so padding (NaN, inf)
+    # As the spec does (`LossInputs.masked`): a masked token enters the loss as zeros, so padding (NaN, inf)
     # never reaches the arithmetic, and every output below is 0 there.
     valid = tl.load(mask_ptr + row) != 0
     l = tl.where(valid, logp, 0.0)

@@ -17,35 +17,11 @@ import triton.language as tl
 
 from .. import token_loss_params as P
 
-# Globals read inside @triton.jit must be constexpr.
-CLIP = tl.constexpr(P.CLIP)
-CISPO = tl.constexpr(P.CISPO)
-SAPO = tl.constexpr(P.SAPO)
-DPPO_TV = tl.constexpr(P.DPPO_TV)
-DPPO_KL = tl.constexpr(P.DPPO_KL)
-DRO = tl.constexpr(P.DRO)
-TOPR = tl.constexpr(P.TOPR)
-CLIP_COV = tl.constexpr(P.CLIP_COV)
-KL_COV = tl.constexpr(P.KL_COV)
-KL_NONE = tl.constexpr(P.KL_NONE)
-KL_K1 = tl.constexpr(P.KL_K1)
-KL_K2 = tl.constexpr(P.KL_K2)
-KL_ABS = tl.constexpr(P.KL_ABS)
-KL_LOW_VAR_KL_PLUS = tl.constexpr(P.KL_LOW_VAR_KL_PLUS)
+# The table's constants, named as in it (token_loss_params.triton_constants): the objectives' ids (CLIP, GPPO, ...),
+# the KL estimators' (KL_NONE, KL_K1, ...) and the offsets into ``params`` of the real parameters (CLIP_LOW,
+# DUAL_CLIP, ...). Globals read inside @triton.jit must be constexpr.
+globals().update({name: tl.constexpr(value) for name, value in P.triton_constants().items()})
 LOW_VAR_KL_BOUND = tl.constexpr(P.LOW_VAR_KL_BOUND)
-# Offsets into ``params`` (token_loss_params.PARAMS)
-CLIP_LOW = tl.constexpr(P.OFFSET["clip_low"])
-CLIP_HIGH = tl.constexpr(P.OFFSET["clip_high"])
-DELTA = tl.constexpr(P.OFFSET["delta"])
-DUAL_CLIP = tl.constexpr(P.OFFSET["dual_clip"])
-KL_COEF = tl.constexpr(P.OFFSET["kl_coef"])
-KL_CLAMP = tl.constexpr(P.OFFSET["kl_clamp"])
-ENTROPY_COEF = tl.constexpr(P.OFFSET["entropy_coef"])
-LOG_RATIO_CLAMP = tl.constexpr(P.OFFSET["log_ratio_clamp"])
-SAPO_TAU_POS = tl.constexpr(P.OFFSET["sapo_tau_pos"])
-SAPO_TAU_NEG = tl.constexpr(P.OFFSET["sapo_tau_neg"])
-RATIO_CAP = tl.constexpr(P.OFFSET["ratio_cap"])
-DRO_BETA = tl.constexpr(P.OFFSET["dro_beta"])
 
 
 @triton.jit
@@ -91,6 +67,44 @@ def k3(x):
 
 
 @triton.jit
+def clip_family(w, r_passes, adv, params, PRESERVE: tl.constexpr):
+    """(s, ∂s/∂ℓ, clip_low, clip_high) of the clip family (docs/math.md §5): PPO's clipped surrogate
+    s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high)), then for A < 0 the dual clip min(s, −c·A). CLIP,
+    Clip-Cov and KL-Cov are it as it stands (KL-Cov with every bound inf). GPPO (PRESERVE, no δ): a token the clip holds
+    (w below the band with A < 0, above it with A > 0) has the value −β·bound·A and the gradient of
+    −β·bound·A·w/sg(w), −β·bound·A too, where PPO's has none (β₁ below, β₂ above)."""
+    ratio_low = 1.0 - params[CLIP_LOW]
+    ratio_high = 1.0 + params[CLIP_HIGH]
+    if PRESERVE:  # GPPO's unclipped branch is −A·w
+        unclipped = -adv * w
+        d_unclipped = -adv  # ∂/∂w
+    else:
+        delta = params[DELTA]
+        unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
+        d_unclipped = tl.where(w <= delta, -adv, 0.0)
+    w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
+    clipped = -adv * w_clipped
+    d_clipped = tl.where(passes, -adv, 0.0)
+    s = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
+    nan = (unclipped != unclipped) | (clipped != clipped)  # torch's max passes the gradient to both
+    ds = through_w(tl.where(clipped > unclipped, d_clipped, tl.where(nan, d_unclipped + d_clipped, d_unclipped)),
+                   w, r_passes)
+    held_low = (w < ratio_low) & (adv < 0)
+    held_high = (w > ratio_high) & (adv > 0)
+    if PRESERVE:
+        kept = -adv * tl.where(held_low, params[GPPO_BETA_LOW] * ratio_low, params[GPPO_BETA_HIGH] * ratio_high)
+        s = tl.where(held_low | held_high, kept, s)
+        ds = tl.where(held_low | held_high, tl.where(r_passes, kept, 0.0), ds)
+    # Dual clip: for A < 0, s = min(s, −c·A), a constant. The A ≥ 0 lanes get a finite stand-in, as inf·0 would be
+    # NaN in the unused lane.
+    bound = -params[DUAL_CLIP] * tl.where(adv < 0, adv, -1.0)
+    dual = (adv < 0) & (s > bound)
+    s = tl.where(dual, bound, s)
+    ds = tl.where(dual, 0.0, ds)
+    return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
+
+
+@triton.jit
 def surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE: tl.constexpr):
     """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, whether the clamp of its log passes the
     gradient and d = ℓ − ℓ_old; flags as 0/1."""
@@ -98,25 +112,8 @@ def surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE: tl.constex
     clip_high = params[CLIP_HIGH]
     ratio_low = 1.0 - clip_low
     ratio_high = 1.0 + clip_high
-    if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV):  # KL-Cov: the params have no bounds
-        # s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high))
-        delta = params[DELTA]
-        unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
-        d_unclipped = tl.where(w <= delta, -adv, 0.0)  # ∂/∂w
-        w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
-        clipped = -adv * w_clipped
-        d_clipped = tl.where(passes, -adv, 0.0)
-        s = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
-        nan = (unclipped != unclipped) | (clipped != clipped)  # torch's max passes the gradient to both
-        ds = tl.where(clipped > unclipped, d_clipped, tl.where(nan, d_unclipped + d_clipped, d_unclipped))
-        # Dual clip: for A < 0, s = min(s, −c·A). The A ≥ 0 lanes get a finite stand-in, as
-        # inf·0 would be NaN in the unused lane.
-        bound = -params[DUAL_CLIP] * tl.where(adv < 0, adv, -1.0)
-        dual = (adv < 0) & (s > bound)
-        s = tl.where(dual, bound, s)
-        ds = through_w(tl.where(dual, 0.0, ds), w, r_passes)
-        clip_low = tl.where((w < ratio_low) & (adv < 0), 1.0, 0.0)
-        clip_high = tl.where((w > ratio_high) & (adv > 0), 1.0, 0.0)
+    if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV) or (OBJECTIVE == GPPO):
+        s, ds, clip_low, clip_high = clip_family(w, r_passes, adv, params, OBJECTIVE == GPPO)
     elif OBJECTIVE == CISPO:
         # s = −sg(clamp(w))·A·ℓ: the clamped weight scales a REINFORCE gradient.
         scale = -clamp(w, ratio_low, ratio_high) * adv
@@ -223,7 +220,7 @@ def token_loss(
 ):
     """(s, ∂s/∂ℓ, clip_low, clip_high, ratio, approx_kl, kl) of one token, where
     s = surrogate + β·k − c_H·H; ∂s/∂H = −c_H. Masked tokens must come in as zeros (as
-    prepare_batch makes them). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
+    `LossInputs.masked` makes them in the spec). ``KL`` is KL_NONE when β = 0; ``ref_logp`` is read only if
     HAS_REF. ``chosen``: Clip-Cov's and KL-Cov's choice (`covariance_choice`), read by those only;
     ``is_weight``: ω ≥ 0, the surrogate's importance weight (1: none)."""
     log_ratio_clamp = params[LOG_RATIO_CLAMP]

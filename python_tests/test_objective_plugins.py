@@ -1,0 +1,159 @@
+"""Objectives registered by a user in plain PyTorch (`rlkernels.register_objective`): validated, listed, and run by
+`policy_loss` and both fused ops (their general path) with the values of the built-in objective they re-implement,
+checked against rlkernels/reference.py on fresh random inputs."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import presets, reference
+from rlkernels.losses import objectives
+
+from loss_inputs import random_loss_inputs
+
+
+def ppo_clip(*, ratio, advantages, config, **_):
+    """PPO's clipped surrogate, written as a user would."""
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    loss = torch.maximum(-advantages * ratio, -advantages * clipped)
+    w = ratio.detach()
+    return loss, (w < 1 - config.clip_low) & (advantages < 0), (w > 1 + config.clip_high) & (advantages > 0)
+
+
+@pytest.fixture
+def plugin():
+    rlkernels.register_objective("my_clip", ppo_clip, ratios=("token", "sequence"), clip=True)
+    presets.register("my_dapo", objective="my_clip", clip_low=0.2, clip_high=0.28, agg="token_mean")
+    yield
+    presets.unregister("my_dapo")
+    rlkernels.unregister_objective("my_clip")
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("ratio,builtin", [("token", "dapo"), ("sequence", "gspo")])
+def test_plugin_equals_the_builtin_it_rewrites(plugin, ratio, builtin):
+    base = presets.get(builtin)
+    mine = base.replace(objective="my_clip")
+    for seed in range(3):
+        inputs = random_loss_inputs(noise=0.3, per_token_adv=ratio == "token", seed=seed)
+        logp = inputs["logp"].double().requires_grad_(True)
+        kw = dict(old_logp=inputs["old_logp"].double())
+        want, _ = reference.policy_loss(logp, inputs["advantages"].double(), inputs["mask"], base, **kw)
+        got = rlkernels.policy_loss(logp, inputs["advantages"].double(), inputs["mask"], mine, **kw)
+        _close(got.loss, want)
+        (g1,) = torch.autograd.grad(got.loss, logp)
+        (g2,) = torch.autograd.grad(want, logp)
+        _close(g1, g2)
+        assert got.metrics["clip_frac"] == rlkernels.policy_loss(
+            logp, inputs["advantages"].double(), inputs["mask"], base, **kw).metrics["clip_frac"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_plugin_runs_on_both_fused_ops(plugin, backend):
+    if not rlkernels.backend_info()[backend]["available"]:
+        pytest.skip(rlkernels.backend_info()[backend]["reason"])
+    g = torch.Generator().manual_seed(7)
+    B, T, H, V = 3, 6, 8, 37
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    old = torch.log_softmax(hidden @ weight.detach().T, -1).gather(-1, targets[..., None])[..., 0] + \
+        0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    config = presets.get("my_dapo")
+    logits = hidden @ weight.T
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    want, _ = reference.policy_loss(logp, adv, mask, presets.dapo(), old_logp=old)
+    (want_grad,) = torch.autograd.grad(want, weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plug-in has no kernel entry by design: no general-path warning
+        fused = rlkernels.fused_policy_loss(hidden @ weight.T, targets, adv, mask, config, old_logp=old,
+                                            backend=backend)
+        linear = rlkernels.fused_linear_policy_loss(hidden, weight, targets, adv, mask, config, old_logp=old,
+                                                    backend=backend)
+    for out in (fused, linear):
+        _close(out.loss, want)
+        (grad,) = torch.autograd.grad(out.loss, weight)
+        _close(grad, want_grad)
+
+
+def test_plugin_is_listed_and_validated(plugin):
+    assert "my_clip" in objectives.names() and "my_clip" in objectives.taking("sequence")
+    assert "my_dapo" in presets.NAMES
+    with pytest.raises(TypeError, match="clip_low: expected a real number"):
+        presets.get("my_dapo", clip_low=None)  # clip=True: the bounds are required
+    with pytest.raises(ValueError, match="objective: 'my_clip' cannot be used with ratio='geometric'"):
+        presets.get("my_dapo", ratio="geometric")
+    with pytest.raises(ValueError, match="exists; pass replace=True"):
+        rlkernels.register_objective("my_clip", ppo_clip)
+    rlkernels.register_objective("my_clip", ppo_clip, ratios="token", clip=True, replace=True)
+    assert objectives.get("my_clip").ratios == ("token",)
+
+
+def test_registration_errors_name_the_argument():
+    with pytest.raises(ValueError, match="a built-in"):
+        rlkernels.register_objective("clip", ppo_clip, replace=True)
+    with pytest.raises(ValueError, match="name: expected an identifier"):
+        rlkernels.register_objective("my-loss", ppo_clip)
+    with pytest.raises(ValueError, match="ratios: expected a non-empty subset"):
+        rlkernels.register_objective("mine", ppo_clip, ratios=("geometric",))
+    with pytest.raises(TypeError, match="surrogate: expected a callable"):
+        rlkernels.register_objective("mine", 3)
+    with pytest.raises(ValueError, match="objective: expected one of"):
+        rlkernels.PolicyLossConfig(objective="never_registered")
+    with pytest.raises(ValueError, match="a built-in"):
+        rlkernels.unregister_objective("clip")
+    assert "mine" not in objectives.names()
+
+
+def test_a_wrong_output_names_the_objective():
+    rlkernels.register_objective("bad_shape", lambda *, logp, **_: logp.sum(-1))
+    try:
+        inputs = random_loss_inputs(noise=0.1, seed=0)
+        with pytest.raises(ValueError, match=r"objective 'bad_shape': its surrogate must return a floating \(B, T\)"):
+            rlkernels.policy_loss(inputs["logp"], inputs["advantages"], inputs["mask"],
+                                  rlkernels.PolicyLossConfig(objective="bad_shape", clip_low=None, clip_high=None))
+    finally:
+        rlkernels.unregister_objective("bad_shape")
+
+
+def test_plugin_trains_the_demo(plugin, tmp_path):
+    """The bundled trainer takes a registered preset as --algo: a short run of the demo's task trains with it."""
+    import json
+    import math
+    import os
+
+    from rlkernels.trainer import Config, train
+
+    summary = train(Config(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
+                           prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=2, eval_every=5,
+                           progress=False, algo="my_dapo", out=str(tmp_path)))
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert summary["algo"] == "my_dapo" and [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_plugin_is_a_verl_loss(plugin):
+    """`rlkernels_my_dapo` under verl: the same loss and gradient as `rlkernels_dapo`, verl's settings mapped alike."""
+    verl = pytest.importorskip("rlkernels.integrations.verl")
+    pytest.importorskip("verl")
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(4, 9, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(4, 9, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 9, generator=g) > 0.2
+    config = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3}
+    out = {}
+    for name in ("my_dapo", "dapo"):
+        loss, _ = verl.policy_loss_fn(name)(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
+                                            loss_agg_mode="token-mean", config=config)
+        out[name] = (loss, *torch.autograd.grad(loss, logp))
+    _close(out["my_dapo"][0], out["dapo"][0])
+    _close(out["my_dapo"][1], out["dapo"][1])

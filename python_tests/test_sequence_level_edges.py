@@ -1,0 +1,76 @@
+"""Sequence-level losses at the edges of what they accept (`ops/_sequence_step.py` and the kernel parameters it
+builds): one row, a clip bound past the range of exp, a sampled token of probability 0. On every backend,
+`fused_policy_loss` equals its definition `policy_loss(token_logprobs(...))` (torch backend) in loss, ∂logits
+and metrics, as `test_fused_policy_loss.py` checks on ordinary inputs.
+"""
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import _backend
+
+from loss_inputs import preset
+
+BACKENDS = ["torch", "cpu"] + (["triton"] if _backend.backend_info()["triton"]["available"]
+                               and _backend._device_ok("triton", torch.device("cpu")) else [])
+V = 11
+
+
+def _inputs(B, T, seed):
+    """Logits (B, T, V), targets, a ragged mask with every row non-empty, and the loss arguments."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,), generator=g)[:, None]
+    logp = rlkernels.token_logprobs(logits, targets, backend="torch")
+    noise = torch.randn(2, B, T, generator=g)
+    kw = dict(old_logp=logp + 0.05 * noise[0], ref_logp=logp + 0.3 * noise[1],
+              rewards=torch.randint(0, 2, (B,), generator=g).float())
+    return logits, targets, torch.randn(B, generator=g), mask, kw
+
+
+def _check_against_the_definition(config, logits, targets, adv, mask, kw, backend):
+    x = logits.clone().requires_grad_(True)
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend=backend, **kw)
+    fused.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    logp, entropy = rlkernels.token_logprobs(y, targets, return_entropy=True, backend="torch")
+    spec = rlkernels.policy_loss(logp, adv, mask, config, entropy=entropy, **kw)
+    spec.loss.backward()
+    torch.testing.assert_close(fused.loss, spec.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+    for key in spec.metrics:
+        torch.testing.assert_close(fused.metrics[key], spec.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+    return fused
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gspo_token_with_one_row(backend):
+    """B = 1: the row's sequence log-ratio broadcast over its tokens is a stride-0 expand; the kernels take it
+    contiguous (the cpu backend once raised "logp: expected a contiguous tensor")."""
+    logits, targets, adv, mask, kw = _inputs(1, 6, seed=0)
+    _check_against_the_definition(preset("gspo_token"), logits, targets, adv, mask, kw, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip_high", [710.0, 1e6])
+def test_gmpo_with_a_clip_bound_past_the_range_of_exp(backend, clip_high):
+    """ε_high ≥ 710: e^ε_high overflows a double (the cpu and triton backends once raised OverflowError); the
+    bound then never binds, as in the definition."""
+    logits, targets, adv, mask, kw = _inputs(4, 5, seed=1)
+    out = _check_against_the_definition(preset("gmpo", clip_high=clip_high), logits, targets, adv, mask, kw,
+                                        backend)
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["gspo", "gmpo", "luspo", "fspo", "gepo", "vespo"])
+def test_a_sampled_token_of_probability_0(backend, name):
+    """A sampled token whose logit is −inf (ℓ = −inf, within the mask): the definition's loss is a number
+    (VESPO's is −∞, from its REINFORCE surrogate −φ·A·ℓ); the cpu and triton backends once gave NaN, from
+    0·(−∞) in the KL and entropy terms' call."""
+    logits, targets, adv, mask, kw = _inputs(4, 5, seed=2)
+    logits[1, 0, targets[1, 0]] = float("-inf")
+    config = preset(name, group_size=2) if name == "gepo" else preset(name)
+    out = _check_against_the_definition(config, logits, targets, adv, mask, kw, backend)
+    assert not torch.isnan(out.loss)
