@@ -58,8 +58,21 @@ def host_us(call, parent, reps: int = 50, warmup: int = 5):
     return statistics.median(times) * 1e6, min(times) * 1e6
 
 
+def kernel_us(call, parent, reps: int = 20) -> float:
+    """Microseconds per call spent inside the extension's kernels (`rlkernels_C::` ops, their self time in
+    torch.profiler): on the cpu backend the kernels run on the host, and their work grows with the B·T rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            parent.grad = None
+            call()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("rlkernels_C::")) / reps
+
+
 def sweep(preset: str = "grpo", backend: Optional[str] = "cpu", batches=BATCHES, reps: int = 50):
-    """Rows (B, sliced ops, syncs, sliced (median, min) µs, contiguous ops, contiguous (median, min) µs)."""
+    """Rows (B, sliced ops, syncs, sliced (median, min) µs, sliced kernels' µs, contiguous ops, contiguous
+    (median, min) µs)."""
     rows = []
     for B in batches:
         row = [B]
@@ -67,17 +80,23 @@ def sweep(preset: str = "grpo", backend: Optional[str] = "cpu", batches=BATCHES,
             call, parent = loss_call(preset, B, sliced, backend=backend)
             call()  # op registration and lazy imports are not part of the count
             c = launches.count(call)
-            row += [c.ops, c.syncs, host_us(call, parent, reps)] if sliced else [c.ops, host_us(call, parent, reps)]
+            if sliced:
+                row += [c.ops, c.syncs, host_us(call, parent, reps), kernel_us(call, parent)]
+            else:
+                row += [c.ops, host_us(call, parent, reps)]
         rows.append(row)
     return rows
 
 
 def table(rows) -> str:
-    base = rows[0][3][0]
-    lines = [f"| B | ops | syncs | µs per call, median | min | median × B = {rows[0][0]}'s | contiguous: ops | median | min |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {B} | {ops} | {syncs} | {us[0]:.0f} | {us[1]:.0f} | {us[0] / base:.2f} | {c_ops} | {c_us[0]:.0f} | "
-              f"{c_us[1]:.0f} |" for B, ops, syncs, us, c_ops, c_us in rows]
+    """The host's own time per call is the minimum less the kernels' time (their work on the B·T rows)."""
+    base = rows[0][3][1] - rows[0][4]
+    lines = ["| B | ops | syncs | µs per call, median | min | kernels | min less kernels "
+             f"| × B = {rows[0][0]}'s | contiguous: ops | median | min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {B} | {ops} | {syncs} | {us[0]:.0f} | {us[1]:.0f} | {k:.0f} | {us[1] - k:.0f} | "
+              f"{(us[1] - k) / base:.2f} | {c_ops} | {c_us[0]:.0f} | {c_us[1]:.0f} |"
+              for B, ops, syncs, us, k, c_ops, c_us in rows]
     return "\n".join(lines)
 
 

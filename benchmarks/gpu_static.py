@@ -6,7 +6,8 @@ occupancy and instructions per logit.
 
 prints one markdown table (kernel, backend, arch, dtype, configuration, registers, stack and spill bytes,
 128-bit global loads, widest global load, resident threads per SM, instructions per logit) and exits 1
-when a kernel uses local memory (a stack frame or spills), a streaming kernel issues no 128-bit global
+when a Triton variant fails to compile twice (a failure is retried once, in a fresh pool; the other rows are
+kept), a kernel uses local memory (a stack frame or spills), a streaming kernel issues no 128-bit global
 load, or a streaming kernel misses issue 23's limits (below); the failures are named on stderr. --json
 writes the rows as a list of objects whose keys are kernel, backend, arch, dtype, configuration,
 registers, spill_bytes (stores + loads), threads_per_sm, instructions_per_element (null for a kernel
@@ -543,10 +544,25 @@ def _compile_job(job_and_tool):
         raise RuntimeError(f"{job.kernel} {job.arch} {job.dtype} {job.config}: {e}") from e
 
 
-def triton_rows(jobs, cuobjdump, workers):
-    with tempfile.TemporaryDirectory(prefix="gpu_static_triton_") as cache, \
-            ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(cache,)) as pool:
-        return list(pool.map(_compile_job, [(job, cuobjdump) for job in jobs]))
+def triton_rows(jobs, cuobjdump, workers, attempts=2):
+    """(rows in the jobs' order, [(job, error)] of the jobs that failed every attempt). A job that raises, or whose
+    worker died (a killed process breaks the whole pool), is compiled again in a fresh pool, up to `attempts` times
+    in all: one transient failure costs that job a retry, not the sweep its rows."""
+    done, pending, errors = {}, list(enumerate(jobs)), {}
+    for _ in range(attempts):
+        if not pending:
+            break
+        with tempfile.TemporaryDirectory(prefix="gpu_static_triton_") as cache, \
+                ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(cache,)) as pool:
+            futures = [(i, job, pool.submit(_compile_job, (job, cuobjdump))) for i, job in pending]
+            pending = []
+            for i, job, future in futures:
+                try:
+                    done[i] = future.result()
+                except Exception as e:  # noqa: BLE001 - any failure of one job is that job's
+                    errors[i] = e
+                    pending.append((i, job))
+    return [done[i] for i in sorted(done)], [(job, errors[i]) for i, job in pending]
 
 
 # --- CUDA ------------------------------------------------------------------------------------------------
@@ -687,7 +703,10 @@ def main(argv: Optional[list] = None) -> int:
             if missing:
                 notes.append(f"Triton skipped: {missing}")
             else:
-                rows += triton_rows(triton_jobs(args.arch, args.dtype, args.quick), cuobjdump, args.jobs)
+                triton, failed_jobs = triton_rows(triton_jobs(args.arch, args.dtype, args.quick), cuobjdump, args.jobs)
+                rows += triton
+                notes += [f"FAILED to compile (twice): {job.kernel} {job.arch} {job.dtype} {job.config}: {error}"
+                          for job, error in failed_jobs]
         if cuda is not None:
             rows += [r for r in cuda.result() if r.dtype in args.dtype or r.dtype == "-"]
 
@@ -706,6 +725,7 @@ def main(argv: Optional[list] = None) -> int:
         with open(args.json, "w") as f:
             json.dump([r.to_json() for r in rows], f, indent=1)
     failures = [f"{r.kernel} ({r.backend} {r.arch} {r.dtype} {r.config}): {p}" for r in rows for p in r.problems()]
+    failures += [n for n in notes if n.startswith("FAILED")]
     print(f"gpu_static: {len(rows)} kernels in {time.monotonic() - start:.0f} s, {len(failures)} failures",
           file=sys.stderr)
     for failure in failures:

@@ -120,3 +120,29 @@ def test_full_sweep(tmp_path, capsys):
     compiled = {b for b, has in (("triton", HAS_TRITON), ("cuda", HAS_NVCC)) if has}
     assert {(r.kernel, r.arch) for r in rows if r.elementwise} == {
         (k, a) for b in compiled for k in ELEMENTWISE[b] for a in ("sm_80", "sm_90")}
+
+
+def _flaky_compile(job, cuobjdump):
+    """A stand-in for compile_triton: job "flaky" fails on its first try (a marker file remembers it across worker
+    processes), "broken" always, "killed" takes its worker down once (the whole pool breaks), the others pass."""
+    marker = os.path.join(cuobjdump, job.config)
+    if job.config == "broken" or (job.config in ("flaky", "killed") and not os.path.exists(marker)):
+        open(marker, "w").close()
+        if job.config == "killed":
+            os._exit(1)
+        raise RuntimeError(f"{job.config} failed")
+    return job.config
+
+
+def test_sweep_survives_a_transient_failure(tmp_path, monkeypatch):
+    """One job failing once (or killing its worker) is retried; one failing twice is reported, the rest kept."""
+    from types import SimpleNamespace
+
+    from benchmarks import gpu_static
+
+    monkeypatch.setattr(gpu_static, "compile_triton", _flaky_compile)
+    jobs = [SimpleNamespace(kernel="k", arch="sm_90", dtype="bf16", config=c)
+            for c in ("a", "flaky", "b", "broken", "killed", "c")]
+    rows, failed = gpu_static.triton_rows(jobs, str(tmp_path), workers=2)
+    assert rows == ["a", "flaky", "b", "killed", "c"]
+    assert [(job.config, "broken failed" in str(error)) for job, error in failed] == [("broken", True)]

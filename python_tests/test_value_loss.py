@@ -25,10 +25,11 @@ def test_matches_reference(agg, clip, dtype):
     for seed in range(3):
         values, old, returns, mask = _inputs(seed=seed, dtype=dtype)
         v = values.clone().requires_grad_(True)
-        out = rlkernels.value_loss(v, old, returns, mask, clip=clip, agg=agg)
+        length = dict(norm_length=9) if agg == "constant" else {}
+        out = rlkernels.value_loss(v, old, returns, mask, clip=clip, agg=agg, **length)
         (grad,) = torch.autograd.grad(out.loss, v)
         v_ref = values.clone().requires_grad_(True)
-        loss_ref, metrics_ref = reference.value_loss(v_ref, old, returns, mask, clip=clip, agg=agg)
+        loss_ref, metrics_ref = reference.value_loss(v_ref, old, returns, mask, clip=clip, agg=agg, **length)
         (grad_ref,) = torch.autograd.grad(loss_ref, v_ref)
         torch.testing.assert_close(out.loss, loss_ref)
         torch.testing.assert_close(grad, grad_ref)
@@ -57,3 +58,21 @@ def test_empty_mask_and_bad_inputs():
         rlkernels.value_loss(values, old, returns, mask, clip=-0.1)
     with pytest.raises(ValueError, match="agg"):
         rlkernels.value_loss(values, old, returns, mask, agg="mean")
+
+
+def test_constant_aggregation_does_not_change_with_padding():
+    """agg="constant" divides by norm_length (required), so padding the batch changes nothing (it divided by the
+    padded T: 0.50 / 0.25 / 0.15 for the same tokens); a count whose inverse overflows is refused, not inf."""
+    values, old, returns, mask = _inputs(T=6)
+    losses = []
+    for pad in (0, 6, 14):
+        z = torch.zeros(values.shape[0], pad, dtype=values.dtype)
+        padded = [torch.cat([x, z], 1) for x in (values, old, returns)]
+        m = torch.cat([mask, torch.zeros(mask.shape[0], pad, dtype=torch.bool)], 1)
+        losses.append(rlkernels.value_loss(*padded, m, agg="constant", norm_length=8).loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    torch.testing.assert_close(losses[2], losses[0])
+    with pytest.raises(ValueError, match="norm_length"):
+        rlkernels.value_loss(values, old, returns, mask, agg="constant")
+    with pytest.raises(ValueError, match="num_items: expected a count"):
+        rlkernels.value_loss(values.float(), old.float(), returns.float(), mask, num_items=1e-45)

@@ -480,7 +480,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
 # §12 value loss
 
 def value_loss(values, old_values, returns, mask, clip=0.2, agg="token_mean", *,
-               num_items=None, num_seqs=None):
+               num_items=None, num_seqs=None, norm_length=None):
     """½ · agg(max((V - R̂)², (clip(V, V_old ± ε) - R̂)²)); metric vf_clip_frac."""
     dt = _dtype(values)
     values, old_values, returns = values.to(dt), old_values.to(dt), returns.to(dt)
@@ -498,7 +498,7 @@ def value_loss(values, old_values, returns, mask, clip=0.2, agg="token_mean", *,
         sq_clipped = (torch.maximum(torch.minimum(v, v_old + clip), v_old - clip) - R) ** 2
         row_losses.append(0.5 * torch.maximum(sq, sq_clipped))
         clipped.append(sq_clipped > sq)
-    loss = _aggregate(row_losses, agg, T, values[valid].sum() * 0, num_items, num_seqs)
+    loss = _aggregate(row_losses, agg, T, values[valid].sum() * 0, num_items, num_seqs, norm_length)
     return loss, {"vf_clip_frac": _masked_metric(clipped, dt)}
 
 

@@ -94,6 +94,9 @@ class Kernels(Protocol):
             DRO:       s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
             TOPR:      s = −A·ℓ where A ≥ 0, −clamp(w, 0, 1)·A·ℓ where A < 0 (the clamped w is a constant);
                        clip_high = w > 1 and A < 0
+            GPPO:      CLIP without δ, except that a token the clip holds (CLIP's clip_low or clip_high) has
+                       s = −β·b·A·w/sg(w), b its bound (1 − ε_low, 1 + ε_high) and β gppo_beta_low / _high:
+                       CLIP's value at β = 1, the gradient −β·b·A; then the dual clip; CLIP's flags
             ω:         s and ∂s/∂ℓ of the surrogate above times ω; clip_low = clip_high = false where ω = 0
             KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                        is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)

@@ -82,7 +82,7 @@ class LossInputs:
         old_logp, ref_logp = float_input("old_logp", old_logp), float_input("ref_logp", ref_logp)
         if config.kl_coef > 0 and ref_logp is None:
             raise ValueError(f"ref_logp: required when kl_coef > 0 (kl_coef={config.kl_coef})")
-        num_items, num_seqs = _count("num_items", num_items, dtype), _count("num_seqs", num_seqs, dtype)
+        num_items, num_seqs = count("num_items", num_items, dtype), count("num_seqs", num_seqs, dtype)
         adv, adv_row = _advantages(advantages, mask, config, shape, dtype, device, what)
         if config.ratio == "snis":
             if rewards is None:
@@ -155,7 +155,7 @@ def takes_loss_args(fn: Callable) -> Callable:
     return with_loss_args
 
 
-def _count(name, x, dtype):
+def count(name, x, dtype):
     """A global count of the aggregation (None: the call's own), > 0 with a finite inverse in `dtype`."""
     if x is None:
         return None
