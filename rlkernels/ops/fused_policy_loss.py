@@ -145,7 +145,8 @@ class _WrittenBy:
 class _OneTensor:
     """The pass over one logits tensor, one launch per kernel (`_loss_step.LogitsPass`; per block only for a
     view whose dims do not collapse into two strides, `_rows.logits_rows`). Its gradient is deferred to
-    the backward, one kernel pass over the logits from `per_row` = (lse_parts, H, ∂loss/∂ℓ, ∂loss/∂H or None)."""
+    the backward, one kernel pass over the logits from `per_row` = (lse_parts, H, ∂loss/∂ℓ, ∂loss/∂H or None),
+    or, with `written`, written by `fused` itself (the two-pass row)."""
 
     def __init__(self, kernels, blocks, targets: Tensor, temperature: float, written: Optional[_WrittenBy] = None):
         self.kernels, self.blocks, self.targets, self.temperature = kernels, blocks, targets, temperature
