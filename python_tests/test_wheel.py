@@ -59,8 +59,10 @@ def test_pip_install_into_a_fresh_environment_with_torch(wheel, tmp_path):
     with open(os.path.join(purelib, "this-env.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-index", str(wheel[0]))
-    probe = ("import json, rlkernels, rlkernels._C; "
-             "print(json.dumps({'file': rlkernels.__file__, 'cpu': rlkernels.backend_info()['cpu']['available']}))")
+    # rlkernels._C is a torch extension: backend_info imports torch, then it (`import rlkernels` alone imports
+    # neither, so that the command line starts without torch)
+    probe = ("import json, rlkernels; info = rlkernels.backend_info()['cpu']; "
+             "print(json.dumps({'file': rlkernels.__file__, 'cpu': info['available'], 'reason': info['reason']}))")
     got = json.loads(_run(python, "-c", probe, cwd=tmp_path).stdout.strip().splitlines()[-1])
-    assert got["file"].startswith(str(venv)) and got["cpu"], got
+    assert got["file"].startswith(str(venv)) and got["cpu"] and "compiled extension rlkernels._C" in got["reason"], got
     assert "rlkernels train" in _run(str(venv / "bin" / "rlkernels"), "--help", cwd=tmp_path).stdout
