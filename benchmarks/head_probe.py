@@ -90,23 +90,9 @@ def design(gemms, n, vocab, hidden) -> str:
 def run_variant(n, vocab, hidden, dtype, device, **kw) -> str:
     """One line: the design `fused_linear_policy_loss(..., **kw)` ran (GRPO, forward + backward, 8 rows of n / 8
     tokens), its extra peak above the inputs and their gradients over the n·V logits, and its time."""
-    import rlkernels
-    from rlkernels import presets
-
     from . import measure
 
-    b, t = 8, n // 8
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(b, t, hidden, generator=g).to(device, dtype).requires_grad_(True)
-    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(device, dtype).requires_grad_(True)
-    targets = torch.randint(0, vocab, (b, t), generator=g).to(device)
-    adv, old = torch.randn(b, generator=g).to(device), (-torch.rand(b, t, generator=g)).to(device)
-    mask = torch.ones(b, t, dtype=torch.bool, device=device)
-
-    def step():
-        rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.grpo(), old_logp=old, ref_logp=old,
-                                           **kw).loss.backward()
-
+    step, h, w = measure.linear_step(n, hidden, vocab, dtype, device, **kw)
     step()  # compiles, registers, warms the allocator
     h.grad = w.grad = None
     with GemmLog() as log:

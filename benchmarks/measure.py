@@ -113,12 +113,10 @@ def matmul_rate(device, dtype, size: int = 2048) -> float:
     return 2 * size ** 3 / best
 
 
-def hidden_path_extra(n: int, hidden: int, vocab: int, dtype: torch.dtype, preset: str = "grpo", device="cpu",
-                      **design) -> float:
-    """Extra peak of one forward + backward of `fused_linear_policy_loss` (B = 8 rows of n / 8 tokens, the loss
-    scaled by 2.5 so that stored gradients are scaled too) above its inputs and their gradients, over the
-    n·V logits it avoids (in `dtype`). `design`: `memory_budget`, `chunk_size`."""
-    fix_malloc_threshold()  # first: no freed block may stay in the heap, reused unseen
+def linear_step(n: int, hidden: int, vocab: int, dtype: torch.dtype, device="cpu", preset: str = "grpo",
+                scale: float = 1.0, **design):
+    """(step, h, w): one forward + backward of `fused_linear_policy_loss` on fresh inputs (B = 8 rows of n / 8
+    tokens), its loss times `scale`; `design`: `memory_budget`, `chunk_size`."""
     import rlkernels
     from rlkernels import presets
 
@@ -134,11 +132,21 @@ def hidden_path_extra(n: int, hidden: int, vocab: int, dtype: torch.dtype, prese
     def step():
         out = rlkernels.fused_linear_policy_loss(h, w, targets, adv, mask, presets.get(preset), old_logp=old,
                                                  ref_logp=old, **design)
-        (2.5 * out.loss).backward()
+        (scale * out.loss).backward()
 
+    return step, h, w
+
+
+def hidden_path_extra(n: int, hidden: int, vocab: int, dtype: torch.dtype, preset: str = "grpo", device="cpu",
+                      **design) -> float:
+    """Extra peak of one forward + backward of `fused_linear_policy_loss` (`linear_step`, the loss scaled by 2.5
+    so that stored gradients are scaled too) above its inputs and their gradients, over the n·V logits it avoids
+    (in `dtype`). `design`: `memory_budget`, `chunk_size`."""
+    fix_malloc_threshold()  # first: no freed block may stay in the heap, reused unseen
+    step, h, w = linear_step(n, hidden, vocab, dtype, device, preset, scale=2.5, **design)
     step()  # lazy initialisation, outside the measurement
     grads = (h.numel() + w.numel()) * h.element_size()
-    return (extra_peak_bytes(step, [h, w], device) - grads) / (n * vocab * h.element_size())
+    return (extra_peak_bytes(step, [h, w], torch.device(device)) - grads) / (n * vocab * h.element_size())
 
 
 def main(argv=None):
