@@ -130,8 +130,8 @@ class PolicyLossConfig:
             )
         check_int("group_size", self.group_size, 1, optional=True)
         if self.ratio_cap is not None and "ratio_cap" not in objective.fields:
-            readers = [name for name in objectives.names() if "ratio_cap" in objectives.get(name).fields]
-            raise ValueError(f"ratio_cap: only valid with objective in {readers}, got {self.objective!r}")
+            raise ValueError(f"ratio_cap: only valid with objective in {list(objectives.reading('ratio_cap'))}, "
+                             f"got {self.objective!r}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             check_real(name, getattr(self, name), 0.0, lo_open=True)
             if getattr(self, name) > 1:
@@ -178,10 +178,9 @@ class PolicyLossConfig:
                 continue
             check_real(name, value, lo, lo_open=True)
             if name not in objective.fields or self.ratio not in _RATIO_SPACE_CLIP:
-                readers = [n for n in objectives.names() if name in objectives.get(n).fields]
                 raise ValueError(
-                    f"{name}: only valid with objective in {readers} and ratio in {_RATIO_SPACE_CLIP}, "
-                    f"got objective={self.objective!r}, ratio={self.ratio!r}"
+                    f"{name}: only valid with objective in {list(objectives.reading(name))} and ratio in "
+                    f"{_RATIO_SPACE_CLIP}, got objective={self.objective!r}, ratio={self.ratio!r}"
                 )
 
     def rejection_tests(self):

@@ -73,6 +73,11 @@ def taking(ratio: str) -> Tuple[str, ...]:
     return tuple(name for name, o in _REGISTRY.items() if ratio in o.surrogates)
 
 
+def reading(field: str) -> Tuple[str, ...]:
+    """The objectives that read config field `field` (`Objective.fields`)."""
+    return tuple(name for name, o in _REGISTRY.items() if field in o.fields)
+
+
 # ---- the built-in objectives (docs/math.md §5) ------------------------------------------------------------
 _declare(Objective("clip", {
     "token": s.at(s.token_ratio, s.clip), "sequence": s.at(s.sequence_ratio, s.clip),

@@ -67,10 +67,14 @@ def sequence_token_ratio(b: Batch, cfg) -> torch.Tensor:
     return torch.exp(_sequence_log_ratio(b, cfg).detach()[:, None] + b.logp - b.logp.detach())
 
 
+def _trajectory_log_ratio(b: Batch, cfg) -> torch.Tensor:
+    """log π(τ)/μ(τ) = clamp(Σ_t m (ℓ − ℓ_old)) (B,), the raw sequence log-ratio."""
+    return masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+
+
 def trajectory_ratio(b: Batch, cfg) -> torch.Tensor:
-    """π(τ)/μ(τ) = exp(clamp(Σ_t m (ℓ − ℓ_old))), the raw sequence ratio, on each token of its row (B, T)."""
-    return b.per_token(torch.exp(masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp,
-                                                                                   cfg.log_ratio_clamp)))
+    """π(τ)/μ(τ), the raw sequence ratio, on each token of its row (B, T)."""
+    return b.per_token(torch.exp(_trajectory_log_ratio(b, cfg)))
 
 
 def at(weight, surrogate):
@@ -233,7 +237,7 @@ def kl_cov(w, b: Batch, cfg) -> Surrogate:
 
 def fspo(b: Batch, cfg) -> Surrogate:
     """FSPO: the raw sequence log-ratio, clipped to a band that grows as √L."""
-    s = masked_sum_rows(b.logp - b.old_logp, b.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    s = _trajectory_log_ratio(b, cfg)
     root = b.lengths.to(s.dtype).sqrt()
     low, high = -cfg.fspo_c_low * root, cfg.fspo_c_high * root
     adv = b.inputs.adv_row
