@@ -5,7 +5,8 @@ Every RL step (the functions below, in the order train() calls them):
                      score them: Σ weight·reward over the reward functions and a reward model (rewards.py)
   2. behaviour_logp  one no-grad forward of the policy (and of the reference) over the sampled rows: the
                      behaviour log-probs ℓ_old under the same temperature
-  3. advantages      group-normalised (GRPO family), GDPO, Tree-GRPO, or GAE on a critic (PPO)
+  3. advantages      --adv-estimator's (verl's names: estimators.py), or --algo's: group-normalised (GRPO
+                     family), GDPO, Tree-GRPO, or GAE on a critic (PPO)
   4. update          μ = `epochs` passes over `minibatches` mini-batches of whole prompt groups, the loss
                      through `loss_head` (model.py: the fused rlkernels ops), one optimizer step each
   5. metrics_row, evaluate_policy, log_step, save: the step's metrics, evals, logs and checkpoints
@@ -21,10 +22,9 @@ from typing import Optional
 
 import torch
 
-from rlkernels import advantages as adv_lib
-from rlkernels import presets, sampling
+from rlkernels import presets
 
-from . import generation, outputs, rewards as rewards_lib, run_folder, sharding, startup, stop as stop_lib
+from . import estimators, generation, outputs, run_folder, sharding, startup, stop as stop_lib
 from .checkpoint import save
 from .run_config import Config, validate
 from .distributed import all_sum, dist_info, nan_mean_std
@@ -141,7 +141,7 @@ def collect(run: Run, step: int) -> dict:
         prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
         first_group = (len(parts) * world + rank) * cfg.prompts_per_step
         run.reward_context.state.global_step = step
-        parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, cfg, run.rng,
+        parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, run.sampling, run.rng,
                                        run.reward_fn, first_group, run.place, run.reward_context))
         if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
             break
@@ -167,7 +167,8 @@ def behaviour_logp(run: Run, b: dict) -> dict:
     checks it equals generate's own τ-softmax of the logits), the reference's, and the policy's hidden states."""
     rows = b["train_rows"]
     batch = {k: b[k][rows] for k in ("seq", "attn", "targets", "mask", "rewards", "group_ids", "lengths", "parts")}
-    batch["tree_ids"] = b["tree_ids"][rows] if b["tree_ids"] is not None else None
+    for k in ("tree_ids", "baselines"):
+        batch[k] = b[k][rows] if b[k] is not None else None
     P, seq, attn = b["P"], batch["seq"], batch["attn"]
     with run.place.autocast():
         batch["old_logp"], batch["hidden"] = sharding.gathered(run.engine, token_logp, run.policy, seq, attn, P,
@@ -178,44 +179,15 @@ def behaviour_logp(run: Run, b: dict) -> dict:
 
 
 def advantages(run: Run, batch: dict) -> tuple:
-    """(advantages, values, returns): GAE on the critic's values (PPO), Tree-GRPO, none (SNIS builds its own
-    baseline), GDPO (normalize_then_sum) or the GRPO family's group normalisation."""
-    cfg, rewards, group_ids, lengths = run.cfg, batch["rewards"], batch["group_ids"], batch["lengths"]
-    if cfg.algo == "ppo":
-        # per-token reward = −β·k1(π_old ‖ π_ref) at every token, + R at the last token; GAE(γ, λ) on the
-        # critic's values; returns are the value targets
+    """(advantages, values, returns) of the estimator (estimators.py): GAE on the critic's values (PPO), or one of
+    the rewards alone."""
+    values = None
+    if run.adv.estimator == "gae":
         with torch.no_grad(), run.place.autocast():
             values = sharding.gathered(run.engine, run.critic, batch["hidden"], batch["seq"], batch["attn"],
                                        batch["P"])
-        mask, old_logp, ref_logp = batch["mask"], batch["old_logp"], batch["ref_logp"]
-        kl_tok = (old_logp - ref_logp) if ref_logp is not None else torch.zeros_like(old_logp)
-        tok_reward = -run.beta * kl_tok * mask
-        last_tok = (lengths - 1).clamp(min=0)
-        tok_reward[torch.arange(len(rewards), device=rewards.device), last_tok] += rewards * (lengths > 0)
-        adv, returns = adv_lib.gae(tok_reward, values, mask, cfg.gamma, cfg.lam)
-        return adv, values, returns
-    if cfg.tree:  # Tree-GRPO: the prompt-level plus the tree-level normalised reward
-        return adv_lib.tree_grpo(rewards, group_ids, batch["tree_ids"]), None, None
-    if run.loss_cfg.ratio == "snis":
-        return None, None, None
-    if cfg.multi_objective_aggregation == "normalize_then_sum":
-        # GDPO: each reward normalised in its group, their weighted sum over the batch. DAPO's overlong
-        # penalty is one more reward of weight 1 here (in TRL it is a reward function)
-        fn_rewards, weights = batch["parts"], run.reward_fn.weights
-        if cfg.overlong_buffer:
-            penalty = sampling.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-            fn_rewards = torch.cat([fn_rewards, penalty[:, None].to(fn_rewards.dtype)], 1)
-            weights = weights + [1.0]
-        return rewards_lib.normalize_then_sum(fn_rewards, weights, group_ids, nan_mean_std).float(), None, None
-    # GRPO family: each reward against its prompt group, divided by the group's std, the batch's or
-    # nothing (Dr. GRPO's default); the batch's is over every rank's rewards, as TRL's over its processes
-    scale = cfg.scale_rewards or ("none" if cfg.algo == "dr_grpo" else "group")
-    std = nan_mean_std(rewards.double())[1] if scale == "batch" else None
-    adv = adv_lib.group_normalized(rewards, group_ids, scale="group" if scale == "group" else None
-                                   ) if len(rewards) else rewards
-    if std is not None:
-        adv = adv / (std + 1e-6)  # group_normalized's ε
-    return adv, None, None
+    adv, returns = estimators.advantages(run.adv, batch, run.reward_fn.weights, values, run.beta)
+    return adv, values, returns
 
 
 def update(run: Run, batch: dict, step: int) -> dict:
@@ -299,8 +271,8 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
 
 def evaluate_policy(run: Run) -> tuple:
     """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root)."""
-    return sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set, run.reward_fn, run.cfg,
-                             run.place, context=run.reward_context)
+    return sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set, run.reward_fn,
+                             run.sampling, run.place, context=run.reward_context)
 
 
 def log_completions(run: Run, step: int, samples: list) -> None:

@@ -34,6 +34,19 @@ MODE_DEFAULTS = {"max_new_tokens": (4, 256), "temperature": (0.7, 1.0), "lr": (1
                  "prompts_per_step": (32, 8), "eval_size": (256, 64)}
 
 
+# verl 0.9.1's advantage estimators (its AdvantageEstimator) that the trainer forms with rlkernels.advantages, and
+# those it cannot, with why; the *_vectorized ones are verl's second implementations of the same estimator
+ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo")
+ADV_REFUSED = {name: "needs Σ_v π_v² of each sampled token under the behaviour policy, which the trainer's fused "
+                     "loss head never forms (it does not materialise the distribution)"
+               for name in ("optimal_token_baseline", "tir_optimal_token_baseline")}
+# a statistic over the whole batch (whitening, GPG's α): under torchrun each rank holds only its own rows
+ADV_BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gdpo")
+# the estimators --scale-rewards applies to (verl's norm_adv_by_std_in_grpo: group or none; grpo also batch)
+ADV_SCALED = (None, "grpo", "grpo_vectorized", "grpo_passk", "gdpo")
+
+
 def _field(default, help: str, **metadata):
     """A Config field with its `--help` line (`build_parser` reads `metadata["help"]`)."""
     if isinstance(default, list):
@@ -120,6 +133,10 @@ class Config:
     # RL
     algo: str = _field("grpo", "a preset of rlkernels.presets (docs/math.md §9: ppo, grpo, dr_grpo, dapo, gspo, cispo, "
                                "sapo, vespo, ...; a wrong name lists them all), or one added by presets.register")
+    plugin: List[str] = _field([], "Python files (path/to/file.py) or modules imported before the config is "
+                                   "checked: one that registers an objective or a preset (rlkernels."
+                                   "register_objective, presets.register) makes it an --algo; several as --plugin A B",
+                               action="extend")
     steps: int = _field(150, "RL steps")
     prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
     num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)")
@@ -160,12 +177,15 @@ class Config:
     entropy_coef: float = _field(0.0, "entropy bonus coefficient")
     scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
                                                 "none; none given = none for dr_grpo, else group")
+    adv_estimator: Optional[str] = _field(None, "the advantages, as verl's algorithm.adv_estimator: "
+                                                "" + " | ".join(ADV_ESTIMATORS) + "; none = --algo's own (gae for ppo, "
+                                                "Tree-GRPO with --tree, grpo otherwise)")
     loss_path: str = _field("linear", "linear (from hidden states, no logits) | fused (fused_policy_loss) | split")
     # PPO critic
     critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)")
     vf_coef: float = _field(0.5, "PPO value-loss coefficient")
     vf_clip: Optional[float] = _field(0.2, "PPO value clip (> 0); none = unclipped")
-    gamma: float = _field(1.0, "PPO discount, in [0, 1]")
+    gamma: float = _field(1.0, "discount of PPO's GAE and of --adv-estimator reinforce_plus_plus, in [0, 1]")
     lam: float = _field(0.95, "PPO GAE λ, in [0, 1]")
     # options
     pods_keep: int = _field(0, "> 0: PODS, keep m of the num_generations rollouts per prompt")
@@ -557,6 +577,7 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) not in allowed:
             shown = ", ".join(a for a in allowed if a is not None)
             raise ValueError(f"{_flag(name)}: expected one of {shown}, got {getattr(cfg, name)!r}")
+    _validate_adv_estimator(cfg)
     for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
         values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
         for v in values:
@@ -667,6 +688,33 @@ def validate(cfg: Config) -> None:
     _validate_preset_and_device(cfg)
 
 
+def _validate_adv_estimator(cfg: Config) -> None:
+    """--adv-estimator against the other settings that form advantages (the preset's ratio is checked later)."""
+    name = cfg.adv_estimator
+    if name is None:
+        return
+    if name in ADV_REFUSED:
+        raise ValueError(f"--adv-estimator {name}: {ADV_REFUSED[name]}; choose one of {', '.join(ADV_ESTIMATORS)}")
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"--adv-estimator: expected one of {', '.join(ADV_ESTIMATORS)} or none, got {name!r}")
+    if (name == "gae") != (cfg.algo == "ppo"):
+        raise ValueError(f"--adv-estimator {name}: GAE needs a critic's values, and only --algo ppo trains a critic "
+                         f"(whose advantages are GAE's); got --algo {cfg.algo}")
+    if cfg.tree:
+        raise ValueError(f"--adv-estimator {name}: --tree forms Tree-GRPO's advantages; give one of them")
+    if cfg.multi_objective_aggregation == "normalize_then_sum" and name not in ("grpo", "grpo_vectorized"):
+        raise ValueError(f"--adv-estimator {name}: --multi-objective-aggregation normalize_then_sum forms GDPO's "
+                         f"advantages (TRL's); verl's GDPO is --adv-estimator gdpo alone")
+    if cfg.scale_rewards is not None and (name not in ADV_SCALED or (cfg.scale_rewards == "batch" and
+                                                                     name not in ("grpo", "grpo_vectorized"))):
+        raise ValueError(f"--scale-rewards {cfg.scale_rewards}: not an option of --adv-estimator {name} (group "
+                         f"or none for grpo_passk and gdpo, any for grpo)")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if name in ADV_BATCH_WIDE and world > 1:
+        raise ValueError(f"--adv-estimator {name}: normalises over the whole batch, and under torchrun each of the "
+                         f"{world} processes holds a part of it; run it in one process")
+
+
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name
 
 
@@ -686,15 +734,26 @@ def _in_hub_cache(name: str) -> bool:
 def _validate_preset_and_device(cfg: Config) -> None:
     """The checks that import torch: the preset (presets.register adds names at run time) and the device."""
     from ..losses import presets
-    from . import device
+    from ..losses.config import SEQUENCE_RATIOS
+    from . import device, plugins
 
+    plugins.load(cfg.plugin)  # what they register is a valid --algo
     if cfg.algo not in presets.NAMES:
-        raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r}")
+        raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r} (a preset of your own: "
+                         f"presets.register it in a --plugin file)")
     device.check(cfg.device, cfg.dtype)
     try:  # the loss settings as PolicyLossConfig checks them (delta > 0, ...)
         loss_config(cfg, cfg.num_generations)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the loss of --algo {cfg.algo}: {e}") from None
+    ratio = presets.fields(cfg.algo).get("ratio")
+    if cfg.adv_estimator == "reinforce_plus_plus" and cfg.gamma < 1 and ratio in SEQUENCE_RATIOS:
+        raise ValueError(f"--adv-estimator reinforce_plus_plus: with --gamma {cfg.gamma} each token gets its own "
+                         f"advantage, and the sequence ratio of --algo {cfg.algo} needs one per completion; give "
+                         f"--gamma 1")
+    if cfg.adv_estimator is not None and ratio == "snis":
+        raise ValueError(f"--adv-estimator {cfg.adv_estimator}: --algo {cfg.algo} (SNIS) takes the rewards and forms "
+                         f"its own baseline, not advantages")
     if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO forms GRPO-style advantages from rewards
         own = ("--algo ppo (GAE on a critic)" if cfg.algo == "ppo" else "--tree (Tree-GRPO)" if cfg.tree else
                f"--algo {cfg.algo} (a baseline of its own)" if presets.fields(cfg.algo).get("ratio") == "snis" else None)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from . import data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
+from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
 from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
 from .run_config import Config, describe, loss_config, merge_resume, run_dir
 from .distributed import all_sum, dist_info
@@ -43,6 +43,7 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     torch.set_num_threads(cfg.threads or (1 if not cfg.model else max(1, min(4, os.cpu_count() or 1) // world)))
     cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
     run = Run(cfg, device.placement(cfg.device, cfg.dtype, world), rank, world, stop, saved, t_start)
+    run.sampling = config_parts.sampling(cfg)
     runs_on = run.place.describe()
     if run.master:
         resuming = saved is not None and os.path.realpath(cfg.out) == os.path.realpath(run_dir(config.resume))
@@ -169,7 +170,7 @@ def warm_up(run: Run) -> None:
         opt.step()
         bar.update(1)
         if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
-            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, cfg, place,
+            reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, run.sampling, place,
                                           context=run.reward_context)[0]
             bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
             in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
@@ -187,6 +188,7 @@ def build_update(run: Run) -> None:
     cfg, saved, place = run.cfg, run.saved, run.place
     algo_ppo = cfg.algo == "ppo"
     run.loss_cfg = loss_config(cfg, cfg.pods_keep or cfg.num_generations)
+    run.adv = config_parts.advantages(cfg, run.loss_cfg.ratio)
     # PPO: β in the reward
     run.beta = (0.05 if cfg.kl_coef is None else cfg.kl_coef) if algo_ppo else run.loss_cfg.kl_coef
     if run.beta > 0:

@@ -31,8 +31,10 @@ class Run:
     rng: Any = None  # prompt order, mini-batch order, tree cut depths
     policy: Any = None
     head_args: dict = None
+    sampling: Any = None  # config_parts.Sampling: what generation.py reads of the config
     # the update
     loss_cfg: Any = None
+    adv: Any = None  # config_parts.Advantages: the estimator and its settings
     beta: float = 0.0  # the KL coefficient: PPO's adapts
     ref: Any = None
     critic: Any = None

@@ -7,16 +7,13 @@ rewards given as `exact`, `regex:PATTERN`, `package.module:function` or `path/to
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import random
 import re
-import sys
 from typing import Callable, List, Tuple
 
 import torch
 
+from . import plugins
 from .run_config import REWARD_FORMS
 
 
@@ -141,17 +138,7 @@ def _load_function(spec: str) -> Callable:
     """`path/to/file.py:function`, `package.module:function`, or TRL's dotted `package.module.function`."""
     where, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise ImportError(f"no such file {where!r}")
-            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:  # as TRL's scripts: modules beside the run
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(where)
-        f = getattr(module, name)
+        f = getattr(plugins.import_source(where), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
     except SyntaxError as e:
