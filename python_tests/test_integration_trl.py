@@ -22,7 +22,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import plugin_objectives  # noqa: E402
+import rlkernels  # noqa: E402
 from doc_blocks import block  # noqa: E402
+from rlkernels import presets  # noqa: E402
 from rlkernels.integrations import trl as rk_trl  # noqa: E402
 from rlkernels.integrations.trl import RLKernelsGRPOTrainer  # noqa: E402
 
@@ -389,3 +392,70 @@ def test_moe_auxiliary_loss_matches_trl(dataset, tmp_path):
         assert aux[-1] > 0 and abs(aux[-2] - aux[-1]) <= 1e-6 * aux[-1]
 
     _each_loss_matches_trl(trainer, aux_logged)
+
+
+# ---- a user's objective and preset (python_tests/plugin_objectives.py): loss_type="rlkernels_<preset>" -------------
+@pytest.mark.parametrize("preset,beta", [("my_dapo", 0.04), ("my_seq", 0.0)])
+def test_a_users_preset_is_a_trl_loss_type(model_id, dataset, tmp_path, preset, beta):
+    """Every micro-batch of a real run with `loss_type="rlkernels_<preset>"`: loss and gradient of every parameter
+    equal the preset called directly (`fused_policy_loss` on the model's own logits, TRL's β as its KL and TRL's
+    normaliser: the token mean over an accumulation window for `token_mean`, the mean over its B·G rows for
+    `seq_mean_token_mean`)."""
+    with plugin_objectives.registered(preset):
+        args = _config(tmp_path, loss_type=f"rlkernels_{preset}", beta=beta)
+        trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=args, train_dataset=dataset)
+        ours_fn, seen = trainer._compute_loss, []
+        config = presets.get(preset, **(dict(kl_estimator="k3", kl_coef=beta) if beta else {}))
+
+        def checked(model, inputs):
+            params = [p for p in model.parameters() if p.requires_grad]
+            ours = ours_fn(model, inputs)
+            ours_grads = _grads(ours, params)
+            prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+            mask = inputs["completion_mask"].bool()
+            logits = model(input_ids=torch.cat([prompt, completion], 1),
+                           attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)).logits
+            rows, accum = mask.shape[0], args.gradient_accumulation_steps
+            # num_items_in_batch counts the tokens of a whole generation (steps_per_generation micro-batches)
+            counts = (dict(num_items=float(inputs["num_items_in_batch"]) * accum / args.steps_per_generation)
+                      if config.agg == "token_mean" else dict(num_seqs=float(rows * accum)))
+            direct = rlkernels.fused_policy_loss(
+                logits[:, -completion.size(1) - 1:-1] / trainer.temperature, completion, inputs["advantages"], mask,
+                config, old_logp=inputs.get("old_per_token_logps"), ref_logp=inputs.get("ref_per_token_logps"),
+                **counts)
+            assert direct.loss.abs() > 1e-6, "a vacuous comparison"
+            torch.testing.assert_close(ours.detach(), direct.loss.detach(), rtol=1e-5, atol=1e-7)
+            for p, a, b in zip(params, ours_grads, _grads(direct.loss, params)):
+                if b is not None:
+                    assert (a - b).abs().max().item() <= 1e-5 * (b.abs().max().item() + 1e-12)
+            seen.append("old_per_token_logps" in inputs)
+            return ours_fn(model, inputs)  # a fresh graph for the training step
+
+        trainer._compute_loss = checked
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    assert not [w for w in caught if "TRL computes this loss itself" in str(w.message)]
+    assert len(seen) == 4 and any(seen), "2 steps × 2 micro-batches, some off-policy"
+
+
+def test_a_users_preset_errors_name_the_setting(model_id, dataset, tmp_path):
+    """An unknown preset, one TRL cannot feed (whole prompt groups) and one unregistered after the trainer was built:
+    ValueErrors naming loss_type (and the registered presets), at construction where they can be; TRL's own loss
+    types keep their meaning (`rk_trl.preset_of` is None for them)."""
+    def build(loss_type, trainer_class=RLKernelsGRPOTrainer):
+        return trainer_class(model=model_id, reward_funcs=reward_fn, args=_config(tmp_path, loss_type=loss_type),
+                             train_dataset=dataset)
+
+    with plugin_objectives.registered("my_dapo"):
+        with pytest.raises(ValueError, match=r"loss_type: expected one of TRL's .*'my_dapo'.*got 'rlkernels_nope'"):
+            build("rlkernels_nope")
+        with pytest.raises(ValueError, match=r"loss_type: expected one of TRL's .*got 'rlkernels_nope'"):
+            rk_trl.patch_trl_grpo_trainer(build("rlkernels_nope", GRPOTrainer))
+        with pytest.raises(ValueError, match=r"loss_type='rlkernels_gepo'.*ratio='group_expectation'"):
+            build("rlkernels_gepo")
+        trainer = build("rlkernels_my_dapo")
+        assert rk_trl.loss_config(trainer)[0] == presets.get("my_dapo", kl_estimator="k3", kl_coef=0.04)
+    with pytest.raises(ValueError, match=r"loss_type: expected one of TRL's .*got 'rlkernels_my_dapo'"):
+        rk_trl.loss_config(trainer)
+    assert all(rk_trl.preset_of(t) is None for t in rk_trl._AGG)

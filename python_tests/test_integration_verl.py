@@ -12,6 +12,8 @@ core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 
+import plugin_objectives  # noqa: E402
+import rlkernels  # noqa: E402
 from doc_blocks import block  # noqa: E402
 from rlkernels import presets  # noqa: E402
 from rlkernels.integrations import verl as rk_verl  # noqa: E402
@@ -394,3 +396,63 @@ def test_vespo_reads_verls_vespo_keys():
     with pytest.raises(ValueError, match=r"policy_loss\.vespo\.k_neg"):
         fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
            config={"policy_loss": {"vespo": {"k_neg": "x"}}})
+
+
+# ---- a user's objective and preset, registered from outside rlkernels (python_tests/plugin_objectives.py) ----------
+@pytest.fixture
+def verl_registry(monkeypatch):
+    """verl's registry of policy losses as a test found it, put back afterwards (`register()` wraps it)."""
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", dict(core_algos.POLICY_LOSS_REGISTRY))
+
+
+# (preset, verl's loss_agg_mode for the preset's agg)
+PLUGIN_CASES = [("my_dapo", "token-mean"), ("my_seq", "seq-mean-token-mean")]
+
+
+@pytest.mark.parametrize("preset,mode", PLUGIN_CASES)
+@pytest.mark.parametrize("order", ["preset_first", "register_first"])
+def test_a_users_preset_is_a_verl_loss_in_either_order(verl_registry, preset, mode, order):
+    """`loss_mode=rlkernels_<preset>` for a preset of a user's objective, registered before `register()` or after it:
+    verl's loss and gradient equal the preset called directly (`policy_loss`, verl's clip ratios as its clip), on
+    fresh random inputs; unregistered, verl no longer finds it; registered again, it does."""
+    with plugin_objectives.registered(preset, preset=False):
+        if order == "register_first":
+            rk_verl.register()
+        plugin_objectives.register_preset(preset)
+        if order == "preset_first":
+            rk_verl.register()
+        cfg = _actor_config(clip_ratio_low=0.1, clip_ratio_high=0.3, loss_agg_mode=mode)
+        for seed in range(2):
+            logp, old, adv, mask, _ = _inputs(spread=1.0, seed=seed)
+            loss, grad, metrics = _loss_and_grad(core_algos.get_policy_loss_fn(f"rlkernels_{preset}"), logp, old,
+                                                 adv, mask, mode, cfg, None)
+            direct = rlkernels.policy_loss(logp, adv, mask, presets.get(preset, clip_low=0.1, clip_high=0.3),
+                                           old_logp=old)
+            (direct_grad,) = torch.autograd.grad(direct.loss, logp)
+            assert loss.abs() > 1e-6 and grad.abs().sum() > 1e-6, "a vacuous comparison"
+            torch.testing.assert_close(loss, direct.loss.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, direct_grad, rtol=1e-12, atol=1e-12)
+            assert metrics["actor/pg_clipfrac"] == pytest.approx(float(direct.metrics["clip_frac"]))
+        presets.unregister(preset)
+        with pytest.raises(ValueError, match=f"Unsupported loss mode: rlkernels_{preset}"):
+            core_algos.get_policy_loss_fn(f"rlkernels_{preset}")
+        plugin_objectives.register_preset(preset)
+        assert core_algos.get_policy_loss_fn(f"rlkernels_{preset}").__name__ == f"rlkernels_{preset}"
+
+
+def test_verl_lists_a_users_preset(verl_registry):
+    """verl's error for an unknown loss_mode lists the users' presets among its modes; verl's own losses, registered
+    before or after `register()`, stay; `register(presets=[...])` registers only those."""
+    rk_verl.register()
+    core_algos.register_policy_loss("my_own_verl_loss")(core_algos.get_policy_loss_fn("vanilla"))
+    with plugin_objectives.registered("my_dapo"):
+        with pytest.raises(ValueError, match="Unsupported loss mode: rlkernels_nope") as err:
+            core_algos.get_policy_loss_fn("rlkernels_nope")
+        assert "'rlkernels_my_dapo'" in str(err.value) and "'vanilla'" in str(err.value)
+        assert core_algos.get_policy_loss_fn("my_own_verl_loss") is core_algos.get_policy_loss_fn("vanilla")
+        assert rk_verl.register(presets=["my_dapo"], prefix="mine_") == ["mine_my_dapo"]
+        assert core_algos.get_policy_loss_fn("mine_my_dapo").__name__ == "rlkernels_my_dapo"
+        with pytest.raises(ValueError, match="Unsupported loss mode: mine_dapo"):
+            core_algos.get_policy_loss_fn("mine_dapo")
+    with pytest.raises(ValueError, match="preset: expected one of"):
+        rk_verl.register(presets=["my_dapo"])  # unregistered now

@@ -13,23 +13,13 @@ from rlkernels import presets, reference
 from rlkernels.losses import objectives
 
 from loss_inputs import random_loss_inputs
-
-
-def ppo_clip(*, ratio, advantages, config, **_):
-    """PPO's clipped surrogate, written as a user would."""
-    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
-    loss = torch.maximum(-advantages * ratio, -advantages * clipped)
-    w = ratio.detach()
-    return loss, (w < 1 - config.clip_low) & (advantages < 0), (w > 1 + config.clip_high) & (advantages > 0)
+from plugin_objectives import ppo_clip, registered
 
 
 @pytest.fixture
 def plugin():
-    rlkernels.register_objective("my_clip", ppo_clip, ratios=("token", "sequence"), clip=True)
-    presets.register("my_dapo", objective="my_clip", clip_low=0.2, clip_high=0.28, agg="token_mean")
-    yield
-    presets.unregister("my_dapo")
-    rlkernels.unregister_objective("my_clip")
+    with registered("my_dapo"):  # my_clip (token and sequence ratios) and a DAPO-like preset of it
+        yield
 
 
 def _close(a, b):

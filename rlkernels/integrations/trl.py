@@ -33,6 +33,17 @@ accumulation steps in training (1 in evaluation):
 | `sapo` | `objective="sapo"`, τ± = `sapo_temperature_pos/neg`, `seq_mean_token_mean` | as `grpo` | `sapo` |
 | `luspo` | clip as `grpo`, `seq_mean_token_sum` | as `grpo` | `luspo` (TRL's ε) |
 | `vespo` | `ratio="sequence_sum"`, `objective="vespo"`, TRL's `vespo_k_*`/`vespo_lambda_*` | as `dapo` | `vespo` |
+| `rlkernels_<preset>` | the preset as declared (a user's too: `presets.register`), its `agg` | by its `agg`: `token_mean` as `dapo`, `seq_mean_*` as `grpo`, `constant` as `dr_grpo` (`norm_length` default `max_completion_length`) | itself |
+
+`loss_type="rlkernels_<preset>"` selects any registered preset, a user's plug-in objective included (TRL does not
+check `loss_type`, so `GRPOConfig`, recipes and `rlkernels trl grpo --loss_type` take it). The preset chooses the
+loss: its objective, ratio, clip and aggregation; TRL's `epsilon`, `epsilon_high`, `delta`,
+`importance_sampling_level` and `sapo_*` / `vespo_*` are its own loss types' settings and do not apply. TRL supplies
+the rest, as for its own loss types: β (the preset's KL replaced by TRL's k3 with `kl_coef = beta`, none at β = 0,
+when TRL has no reference model), the entropy bonus, the off-policy and top-entropy masks, vLLM's IS weights and the
+counts. An unknown preset is a ValueError when the trainer is built; so are the presets whose ratio needs whole
+prompt groups in each micro-batch (`gepo`, `snis`: TRL shuffles rows across micro-batches), and the batches TRL would
+otherwise compute itself (below): TRL has no such loss.
 
 The entropy bonus is mapped for every loss type: TRL normalises it as a token mean of its own,
 `entropy_agg="token_mean"` with c_H = coef / G, over the high-entropy tokens alone with
@@ -70,7 +81,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _versions
+from . import PRESET_PREFIX, _versions
 
 _versions.check("trl")
 from trl import GRPOTrainer  # noqa: E402
@@ -78,6 +89,7 @@ from trl import GRPOTrainer  # noqa: E402
 # TRL's own methods, which the fallbacks below call: `apply()` replaces them on the class itself
 _TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrainer._compute_loss
 
+from .. import presets as _presets
 from ..losses import PolicyLossConfig
 from ..losses.spec import high_entropy_tokens, vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
@@ -88,23 +100,59 @@ _AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constan
         "cispo": "token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum", "vespo": "token_mean"}
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# the TRL loss type whose normaliser a preset's aggregation takes (`_counts`)
+_AGG_COUNTS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum": "grpo", "constant": "dr_grpo"}
+# ratios that need a whole prompt group in each micro-batch
+_GROUPED = ("group_expectation", "snis")
 # keyword arguments of a causal LM's forward that belong to its head, not to the backbone
 _HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head", "return_dict")
 
 
+def preset_of(loss_type) -> Optional[str]:
+    """The preset `loss_type="rlkernels_<preset>"` selects; None for TRL's own loss types."""
+    if not (isinstance(loss_type, str) and loss_type.startswith(PRESET_PREFIX)):
+        return None
+    name = loss_type[len(PRESET_PREFIX):]
+    if name not in _presets.NAMES:
+        raise ValueError(f"loss_type: expected one of TRL's {tuple(_AGG)} or {PRESET_PREFIX}<preset> with a registered "
+                         f"preset (presets.register), one of {_presets.NAMES}; got {loss_type!r}")
+    return name
+
+
+def _loss_type_error(loss_type, why) -> ValueError:
+    return ValueError(f"loss_type={loss_type!r}: rlkernels cannot compute it here because of {why}, and TRL has no "
+                      "such loss to fall back on")
+
+
 def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
-    """(the `PolicyLossConfig` equal to the trainer's loss, "") or (None, why TRL's own loss is kept)."""
+    """(the `PolicyLossConfig` equal to the trainer's loss, "") or (None, why TRL's own loss is kept). A preset
+    (`rlkernels_<preset>`) has no TRL loss to keep: what would keep TRL's is a ValueError."""
     args, loss_type = trainer.args, trainer.loss_type
     level = trainer.importance_sampling_level
+    preset = preset_of(loss_type)
     reasons = [
-        (loss_type not in _AGG, f"loss_type={loss_type!r}"),
+        (preset is None and loss_type not in _AGG, f"loss_type={loss_type!r}"),
         (getattr(trainer, "aux_loss_enabled", False) and moe_aux_loss_function(_models(trainer)[0]) is None,
          "a MoE auxiliary loss the model does not form with load_balancing_loss_func"),
-        (level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
+        (preset is None and level not in ("token", "sequence"), f"importance_sampling_level={level!r}"),
     ]
     for hit, why in reasons:
+        if hit and preset is not None:
+            raise _loss_type_error(loss_type, why)
         if hit:
             return None, why
+    kl = dict(kl_estimator=None, kl_coef=0.0)
+    if trainer.beta != 0.0:
+        kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
+                  kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)),
+                  kl_bias_ratio="sequence" if level == "sequence" else "token")  # TRL's coef_1 at either level
+    masks = {}  # of the policy term (docs/math.md §7)
+    if trainer.off_policy_mask_threshold is not None:
+        masks["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
+    if trainer.top_entropy_quantile < 1.0:
+        masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
+    if preset is not None:
+        return _preset_config(trainer, preset, {**kl, **masks}), ""
     ratio = level
     if loss_type == "cispo":
         clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
@@ -116,22 +164,32 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
                     vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
     else:
         clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
-    kl = {}
-    if trainer.beta != 0.0:
-        kl = dict(kl_estimator="k3", kl_coef=float(trainer.beta),
-                  kl_bias_correction=bool(getattr(args, "use_bias_correction_kl", False)),
-                  kl_bias_ratio="sequence" if level == "sequence" else "token")  # TRL's coef_1 at either level
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
-    masks = {}  # of the policy term (docs/math.md §7)
-    if trainer.off_policy_mask_threshold is not None:
-        masks["off_policy_mask"] = float(trainer.off_policy_mask_threshold)
-    if trainer.top_entropy_quantile < 1.0:
-        masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     try:
         cfg = PolicyLossConfig(ratio=ratio, agg=_AGG[loss_type], **clip, **kl, **norm, **masks)
     except (TypeError, ValueError) as err:  # e.g. delta <= 0, which TRL does not check
         return None, str(err)
     return cfg, ""
+
+
+def _preset_config(trainer, preset, trl_fields) -> PolicyLossConfig:
+    """`preset` as declared, with TRL's KL and masks (`trl_fields`) and, for a constant divisor the preset leaves
+    open, TRL's `max_completion_length` (as its `dr_grpo`)."""
+    fields = _presets.fields(preset)
+    if fields.get("ratio") in _GROUPED:
+        raise _loss_type_error(trainer.loss_type, f"ratio={fields['ratio']!r}, which needs whole prompt groups in "
+                                                  "each micro-batch (TRL shuffles rows across them)")
+    if fields.get("agg") == "constant" and fields.get("norm_length") is None:
+        trl_fields = {**trl_fields, "norm_length": trainer.max_completion_length}
+    try:
+        return _presets.get(preset, **trl_fields)
+    except (TypeError, ValueError) as err:
+        raise _loss_type_error(trainer.loss_type, f"TRL's settings: {err}") from None
+
+
+def _normaliser(trainer, cfg) -> str:
+    """The TRL loss type whose normaliser (`_counts`) and logging the loss takes: its own, or a preset's by `agg`."""
+    return trainer.loss_type if preset_of(trainer.loss_type) is None else _AGG_COUNTS[cfg.agg]
 
 
 def _quantile_group(trainer):
@@ -308,6 +366,8 @@ def compute_loss(self, model, inputs):
     cfg, why = loss_config(self)
     if cfg is None or any(inputs.get(k) is not None for k in _MULTIMODAL):
         why = why or "multimodal inputs"
+        if preset_of(self.loss_type) is not None:
+            raise _loss_type_error(self.loss_type, why)
         warned = self.__dict__.setdefault("_rlkernels_warned", set())
         if why not in warned:
             warned.add(why)
@@ -321,7 +381,8 @@ def compute_loss(self, model, inputs):
     mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
     mask = mask.bool()
     keep = completion_ids.size(1)
-    counts = _counts(self, self.loss_type, mask, inputs)
+    loss_type = _normaliser(self, cfg)
+    counts = _counts(self, loss_type, mask, inputs)
     entropy_coef = _entropy_coef(self)
     if entropy_coef:
         cfg = cfg.replace(entropy_coef=entropy_coef, entropy_agg="token_mean")
@@ -342,7 +403,7 @@ def compute_loss(self, model, inputs):
     moe = {"output_router_logits": True} if getattr(self, "aux_loss_enabled", False) else {}
     with self.accelerator.autocast():
         out = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_head=head, **moe)
-    _log_metrics(self, out["loss"], out["metrics"], out["entropy"], mask, cfg)
+    _log_metrics(self, loss_type, out["loss"], out["metrics"], out["entropy"], mask, cfg)
     _log_ratio_metrics(self, out["logp"], inputs, mask, cfg, is_weights)
     loss = out["loss"]
     if moe:  # TRL's MoE auxiliary loss, scaled for gradient accumulation as TRL scales it
@@ -353,7 +414,7 @@ def compute_loss(self, model, inputs):
     return loss
 
 
-def _log_metrics(self, loss, metrics, entropy, mask, cfg):
+def _log_metrics(self, loss_type, loss, metrics, entropy, mask, cfg):
     """TRL's KL, entropy and entropy-bonus metrics, as token-weighted means over all processes (and TRL's
     adaptive entropy coefficient moved as TRL moves it)."""
     mode = "train" if self.model.training else "eval"
@@ -366,7 +427,7 @@ def _log_metrics(self, loss, metrics, entropy, mask, cfg):
         bonus_sum = torch.where(bonus_mask, entropy, 0.0).sum()
         # cfg's c_H: the applied coef / G
         policy_loss = loss.detach() + cfg.entropy_coef * bonus_sum / bonus_count.clamp(min=1.0)
-        if self.loss_type not in ("cispo", "dapo", "vespo"):  # TRL logs these before its accumulation divisor
+        if loss_type not in ("cispo", "dapo", "vespo"):  # TRL logs these before its accumulation divisor
             policy_loss = policy_loss * accum
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         if getattr(self, "use_adaptive_entropy", False) and mode == "train":
@@ -435,13 +496,20 @@ def _log_ratio_metrics(self, logp, inputs, mask, cfg, is_weights):
     self._metrics[mode]["clip_ratio/high_max"].append(extreme_row_mean(high, torch.max))
 
 
+def _prepare(trainer) -> None:
+    """Give the trainer's models the rlkernels keyword, and check a preset's `loss_type` now, not at the first step."""
+    for module in _models(trainer):
+        _install_forward(module)
+    if preset_of(trainer.loss_type) is not None:
+        loss_config(trainer)
+
+
 class RLKernelsGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose log-probs and loss come from rlkernels' hidden-state path (module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for module in _models(self):
-            _install_forward(module)
+        _prepare(self)
 
     _get_per_token_logps_and_entropies = get_per_token_logps_and_entropies
     _compute_loss = compute_loss
@@ -451,8 +519,7 @@ def patch_trl_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
     """Make an existing `GRPOTrainer` compute log-probs and loss like `RLKernelsGRPOTrainer`; returns it."""
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
-    for module in _models(trainer):
-        _install_forward(module)
+    _prepare(trainer)
     trainer._get_per_token_logps_and_entropies = types.MethodType(get_per_token_logps_and_entropies, trainer)
     trainer._compute_loss = types.MethodType(compute_loss, trainer)
     return trainer
@@ -468,8 +535,7 @@ def apply() -> None:
     @functools.wraps(trl_init)
     def __init__(self, *args, **kwargs):
         trl_init(self, *args, **kwargs)
-        for module in _models(self):
-            _install_forward(module)
+        _prepare(self)
 
     GRPOTrainer.__init__ = __init__
     GRPOTrainer._get_per_token_logps_and_entropies = get_per_token_logps_and_entropies
@@ -477,4 +543,4 @@ def apply() -> None:
     GRPOTrainer._rlkernels_applied = True
 
 
-__all__ = ["apply", "RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config"]
+__all__ = ["apply", "RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config", "preset_of"]

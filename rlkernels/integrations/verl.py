@@ -1,7 +1,10 @@
 """rlkernels' policy losses as verl policy losses: `actor.policy_loss.loss_mode=rlkernels_<preset>`.
 
 `register()` adds one verl policy loss per preset of docs/math.md §9 (`rlkernels_ppo`,
-`rlkernels_grpo`, ..., `rlkernels_snis`) to `verl.trainer.ppo.core_algos`'s registry. Each has
+`rlkernels_grpo`, ..., `rlkernels_snis`) to `verl.trainer.ppo.core_algos`'s registry, and one per preset a
+user registers (`presets.register`, e.g. for an objective of `register_objective`), before or after `register()`:
+verl's registry then resolves `rlkernels_<name>` when verl looks it up, so `presets.unregister` removes it too
+(with Ray, the worker's setup hook registers the plug-in as well, then calls `register()`). Each has
 verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
 rollout_is_weights)` and returns what verl's own losses return: `(pg_loss, metrics)`.
 verl computes `log_prob` in its actor; these losses are the `[B, T]` math (`policy_loss`), so
@@ -68,6 +71,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import presets as _presets
+from . import PRESET_PREFIX as PREFIX
 from .._checks import check_mask, check_real, check_tensor
 from . import _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
@@ -75,7 +79,6 @@ from ..losses import rollout_is_weights as is_weights_of  # verl's argument take
 from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
-PREFIX = "rlkernels_"
 # presets whose clip (if any) is not verl's clip_ratio_low/high
 _NO_CLIP_FIELDS = ("fspo", "snis", "gpg", "sapo", "kl_cov", "dro", "vespo")
 _GROUPED = ("group_expectation", "snis")
@@ -393,28 +396,67 @@ def _rejection_mask(current, rollout, mask, options: str, thresholds):
     return kept
 
 
+class _PresetLosses(dict):
+    """verl's registry of policy losses (`core_algos.POLICY_LOSS_REGISTRY`, which `register_policy_loss` writes and
+    `get_policy_loss_fn` reads with `in`, `[]` and `keys()`), in which `prefix + name` is a verl loss for every
+    preset `presets.NAMES` holds when verl looks it up: registered after `register()` or before, and gone once
+    unregistered. An entry stored under the same name (verl's, or `register(presets=[...])`'s) wins."""
+
+    def __init__(self, entries):
+        super().__init__(entries)
+        self.prefixes = {}  # prefix -> overrides of the register() call that made it
+
+    def _loss(self, key) -> Optional[Callable]:
+        for prefix, overrides in self.prefixes.items():
+            if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] in _presets.NAMES:
+                return policy_loss_fn(key[len(prefix):], **overrides)
+        return None
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or self._loss(key) is not None
+
+    def __missing__(self, key):
+        loss = self._loss(key)
+        if loss is None:
+            raise KeyError(key)
+        return loss
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def keys(self) -> list:
+        presets = [prefix + name for prefix in self.prefixes for name in _presets.NAMES]
+        return list(dict.fromkeys([*super().keys(), *presets]))
+
+
 def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = False,
              **overrides) -> list:
-    """Register `prefix + name` for each preset (default: all) with verl; returns the names registered.
-    `fused_kernels=True`: also route verl's fused-kernel log-prob/entropy path (`use_fused_kernels=True`)
-    through rlkernels' hidden-state op (`verl_fused.patch_fused_kernels`); off by default, so that
-    registering the losses changes nothing else in verl."""
+    """Register `prefix + name` for each preset (default: all, those a user registers later included: see
+    `_PresetLosses`) with verl; returns the names registered. `fused_kernels=True`: also route verl's fused-kernel
+    log-prob/entropy path (`use_fused_kernels=True`) through rlkernels' hidden-state op
+    (`verl_fused.patch_fused_kernels`); off by default, so that registering the losses changes nothing else in verl."""
     _versions.check("verl")
-    from verl.trainer.ppo.core_algos import register_policy_loss
+    from verl.trainer.ppo import core_algos
 
     if fused_kernels:
         patch_fused_kernels()
-    names = []
     chosen = list(_presets.NAMES if presets is None else presets)
-    for preset in chosen:
-        register_policy_loss(prefix + preset)(policy_loss_fn(preset, **overrides))
-        names.append(prefix + preset)
+    names = [prefix + preset for preset in chosen]
+    if presets is None:  # resolved at lookup (these overrides win over an earlier call's, as a re-registration)
+        if not isinstance(core_algos.POLICY_LOSS_REGISTRY, _PresetLosses):
+            core_algos.POLICY_LOSS_REGISTRY = _PresetLosses(core_algos.POLICY_LOSS_REGISTRY)
+        core_algos.POLICY_LOSS_REGISTRY.prefixes[prefix] = overrides
+        for name in names:
+            core_algos.POLICY_LOSS_REGISTRY.pop(name, None)
+    else:
+        for preset, name in zip(chosen, names):
+            core_algos.register_policy_loss(name)(policy_loss_fn(preset, **overrides))
     for mode, preset in VERL_MODES.items():  # verl's own names for the same losses
         if preset in chosen:
-            register_policy_loss(prefix + mode)(verl_mode_fn(mode, **overrides))
+            core_algos.register_policy_loss(prefix + mode)(verl_mode_fn(mode, **overrides))
             names.append(prefix + mode)
     if {"gpg", "ppo"} <= set(chosen):  # bypass_mode's two losses
-        register_policy_loss(prefix + "bypass_mode")(bypass_mode_fn(**overrides))
+        core_algos.register_policy_loss(prefix + "bypass_mode")(bypass_mode_fn(**overrides))
         names.append(prefix + "bypass_mode")
     return names
 
