@@ -456,3 +456,24 @@ def test_verl_lists_a_users_preset(verl_registry):
             core_algos.get_policy_loss_fn("mine_dapo")
     with pytest.raises(ValueError, match="preset: expected one of"):
         rk_verl.register(presets=["my_dapo"])  # unregistered now
+
+
+def test_docs_plugin_block_is_a_verl_loss(verl_registry):
+    """docs/integrations.md's plug-in, run as written after `register()`: `rlkernels_my_gspo` is verl's loss, equal to
+    the preset called directly."""
+    rk_verl.register()
+    try:
+        exec(block("plugin", "docs/integrations.md"), {})
+        logp, old, adv, mask, _ = _inputs(spread=1.0, seed=4)
+        mode = "seq-mean-token-mean"
+        loss, grad, _ = _loss_and_grad(core_algos.get_policy_loss_fn("rlkernels_my_gspo"), logp, old, adv, mask, mode,
+                                       _actor_config(loss_agg_mode=mode), None)
+        direct = rlkernels.policy_loss(logp, adv, mask, presets.get("my_gspo"), old_logp=old).loss
+        assert loss.abs() > 1e-6
+        torch.testing.assert_close(loss, direct.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, torch.autograd.grad(direct, logp)[0], rtol=1e-12, atol=1e-12)
+    finally:
+        if "my_gspo" in presets.NAMES:
+            presets.unregister("my_gspo")
+        if "soft_trust" in rlkernels.losses.objectives.names():
+            rlkernels.unregister_objective("soft_trust")
