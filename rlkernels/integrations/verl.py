@@ -71,9 +71,8 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import presets as _presets
-from . import PRESET_PREFIX as PREFIX
 from .._checks import check_mask, check_real, check_tensor
-from . import _versions
+from . import PRESET_PREFIX as PREFIX, _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
 from ..losses import rollout_is_weights as is_weights_of  # verl's argument takes the name
 from ..losses.spec import masked_mean
@@ -406,27 +405,28 @@ class _PresetLosses(dict):
         super().__init__(entries)
         self.prefixes = {}  # prefix -> overrides of the register() call that made it
 
-    def _loss(self, key) -> Optional[Callable]:
+    def _preset(self, key) -> Optional[Tuple[str, dict]]:
+        """(preset, overrides) that `key` names now, or None."""
         for prefix, overrides in self.prefixes.items():
             if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] in _presets.NAMES:
-                return policy_loss_fn(key[len(prefix):], **overrides)
+                return key[len(prefix):], overrides
         return None
 
     def __contains__(self, key) -> bool:
-        return super().__contains__(key) or self._loss(key) is not None
+        return super().__contains__(key) or self._preset(key) is not None
 
     def __missing__(self, key):
-        loss = self._loss(key)
-        if loss is None:
+        found = self._preset(key)
+        if found is None:
             raise KeyError(key)
-        return loss
+        return policy_loss_fn(found[0], **found[1])
 
     def get(self, key, default=None):
         return self[key] if key in self else default
 
     def keys(self) -> list:
-        presets = [prefix + name for prefix in self.prefixes for name in _presets.NAMES]
-        return list(dict.fromkeys([*super().keys(), *presets]))
+        looked_up = [prefix + name for prefix in self.prefixes for name in _presets.NAMES]
+        return list(dict.fromkeys([*super().keys(), *looked_up]))
 
 
 def register(presets: Optional[Iterable[str]] = None, prefix: str = PREFIX, fused_kernels: bool = False,
