@@ -300,7 +300,7 @@ def test_recorded_logprobs_match_the_sampler():
     torch.manual_seed(0)
     cfg = Config(**{**TINY, "temperature": 0.7})
     tok = task.CharTokenizer()
-    model = task.tiny_model(cfg, tok, 6).eval()
+    model = task.tiny_model(tok, 6, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, max_new_tokens=cfg.max_new_tokens).eval()
     ids, attn = task.left_pad([tok.encode("1+2="), tok.encode("13+4=")], tok.pad_id)  # left padding
     out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=0.7, top_k=None, top_p=1.0,
                          max_new_tokens=3, min_new_tokens=3, pad_token_id=tok.pad_id, eos_token_id=-1,

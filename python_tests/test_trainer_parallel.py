@@ -33,7 +33,7 @@ def _setup(algo, path="linear", critic=None, lora=False):
     torch.manual_seed(0)
     cfg = Config(**{**TINY, "algo": algo, "loss_path": path, "max_grad_norm": 1e6})
     tok = task.CharTokenizer()
-    model = task.tiny_model(cfg, tok, P)
+    model = task.tiny_model(tok, P, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, max_new_tokens=cfg.max_new_tokens)
     seq = torch.randint(3, tok.vocab_size, (B, P + T))
     attn = torch.ones_like(seq)
     mask = torch.ones(B, T, dtype=torch.bool)

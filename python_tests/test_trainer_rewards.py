@@ -30,7 +30,7 @@ def never_reward(prompts, completions, **kwargs):
 
 
 def combined(cfg, reward_fn=None):
-    return rewards.build(*rewards.reward_functions(cfg, reward_fn), cfg.reward_model, CPU)
+    return rewards.build(*rewards.reward_functions(cfg.reward, cfg.reward_model, cfg.reward_weights, reward_fn), cfg.reward_model, CPU)
 
 
 def examples(prompts, answers, **columns):
@@ -67,15 +67,15 @@ def test_weighted_sum_beyond_float32_is_an_error():
 
 
 def test_names_and_default():
-    fns, weights = rewards.reward_functions(Config())
+    fns, weights = rewards.reward_functions([], "", [])
     assert [n for _, n, _, _ in fns] == ["exact"] and weights == [1.0]
     specs = ["regex:(\\d+)", "module:test_trainer_rewards:length_reward"]
-    fns, weights = rewards.reward_functions(Config(reward=specs))
+    fns, weights = rewards.reward_functions(specs, "", [])
     assert [n for _, n, _, _ in fns] == ["regex", "length_reward"] and weights == [1.0, 1.0]
-    fns, _ = rewards.reward_functions(Config(reward_model="/some/rm", reward_weights=[0.5]))
+    fns, _ = rewards.reward_functions([], "/some/rm", [0.5])
     assert fns == []  # only the reward model (added by build)
     with pytest.raises(ValueError, match="^reward_fn: expected a callable or a list of callables"):
-        rewards.reward_functions(Config(), [length_reward, "exact"])
+        rewards.reward_functions([], "", [], [length_reward, "exact"])
 
 
 @pytest.mark.parametrize("argv, expected", [

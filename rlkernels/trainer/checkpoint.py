@@ -52,7 +52,7 @@ def save(run: Run, step: int) -> None:
     ref_state = sharding.full_state_dict(run.ref) if run.ref is not None and not cfg.model else None
     if not run.master:
         return
-    save_checkpoint(os.path.join(cfg.out, CHECKPOINT), {
+    save_checkpoint(os.path.join(run.logs.out, CHECKPOINT), {
         "config": dataclasses.asdict(cfg), "step": step, "kl_coef": run.beta,
         "model": model_state, "critic": critic_state, "ref": ref_state,
         "optimizer": optimizer_state, "eval_reward_before": run.eval_before,
@@ -70,8 +70,9 @@ def export_model(run: Run, model_state=None) -> None:
     if not run.master:
         return
     plain = run.policy if run.meta_policy is None else sharding.with_weights(run.meta_policy, model_state)
-    with run_folder.writing(run.cfg.out):
-        export.save_pretrained(plain, run.tok, run.cfg.out, merge_lora=run.cfg.merge_lora)
+    out = run.logs.out
+    with run_folder.writing(out):
+        export.save_pretrained(plain, run.tok, out, merge_lora=run.cfg.merge_lora)
 
 
 def export_is_stale(out: str, checkpoint: str) -> bool:

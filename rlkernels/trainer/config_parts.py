@@ -6,6 +6,7 @@ several of them (the estimator that --algo implies, Dr. GRPO's scale, ReMax's gr
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 def take(part, cfg, **derived):
@@ -15,8 +16,34 @@ def take(part, cfg, **derived):
 
 
 @dataclasses.dataclass(frozen=True)
+class Data:
+    """data.py: the prompts of --dataset and those held out."""
+    dataset: str
+    dataset_split: str
+    prompt_column: str
+    eval_dataset: str
+    eval_split: str
+    eval_size: int
+    eval_holdout: bool
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """startup.warm_up: the demo's supervised warm-up."""
+    warmup_steps: int
+    warmup_target: Optional[float]
+    warmup_eval_every: int
+    warmup_batch: int
+    warmup_lr: float
+    progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Sampling:
-    """generation.py: rollouts, their rewards' shaping and filtering, and the greedy evaluation."""
+    """loop.collect and generation.py: rollouts, their rewards' shaping and filtering, the greedy evaluation."""
+    prompts_per_step: int
+    max_gen_batches: int
     num_generations: int
     max_new_tokens: int
     temperature: float
@@ -27,6 +54,34 @@ class Sampling:
     dynamic_sampling: bool
     eval_completions: int
     greedy_baseline: bool  # ReMax: each prompt's greedy completion is scored too
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimization:
+    """loop.update and update.py: the epochs over a step's rows, the optimizer step, the learning-rate schedule."""
+    lr: float
+    lr_warmup_steps: int
+    lr_scheduler_type: str
+    steps: int
+    epochs: int
+    minibatches: int
+    max_grad_norm: float
+    vf_clip: Optional[float]
+    vf_coef: float
+    kl_target: Optional[float]  # PPO's adaptive β (None for the GRPO family, whose β is fixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logging:
+    """loop.py and startup.open_logs: the run folder, what is logged and when, evals and checkpoints."""
+    out: str
+    algo: str
+    steps: int
+    logging_steps: int
+    eval_every: int
+    ckpt_every: int
+    report_to: tuple
+    progress: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +106,14 @@ def estimator(cfg, ratio: str) -> str:
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         return "trl_gdpo"
     return cfg.adv_estimator or "grpo"
+
+
+def attach(run, cfg) -> None:
+    """The parts of `cfg` on `run` (again after the set-up changes the config: --train-epochs sets --steps)."""
+    run.cfg = cfg
+    run.data, run.warmup, run.sampling = take(Data, cfg), take(Warmup, cfg), sampling(cfg)
+    run.optim = take(Optimization, cfg, kl_target=cfg.kl_target if cfg.algo == "ppo" else None)
+    run.logs = take(Logging, cfg, report_to=tuple(cfg.report_to))
 
 
 def sampling(cfg) -> Sampling:

@@ -72,23 +72,24 @@ def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: s
     return out
 
 
-def load(cfg) -> Tuple[List[dict], List[dict], str]:
-    """(train examples, held-out examples, a line that says where the held-out ones come from)."""
-    train = examples(cfg.dataset, cfg.dataset_split, cfg.prompt_column, "--dataset", "--dataset-split")
-    if cfg.eval_dataset or cfg.eval_split:
-        source, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split or "train"
-        flag = "--eval-dataset" if cfg.eval_dataset else "--dataset"
-        held_out = examples(source, split, cfg.prompt_column, flag, "--eval-split")[:cfg.eval_size]
+def load(source) -> Tuple[List[dict], List[dict], str]:
+    """(train examples, held-out examples, a line that says where the held-out ones come from); `source`: a
+    config_parts.Data (or what has its fields)."""
+    train = examples(source.dataset, source.dataset_split, source.prompt_column, "--dataset", "--dataset-split")
+    if source.eval_dataset or source.eval_split:
+        where, split = source.eval_dataset or source.dataset, source.eval_split or "train"
+        flag = "--eval-dataset" if source.eval_dataset else "--dataset"
+        held_out = examples(where, split, source.prompt_column, flag, "--eval-split")[:source.eval_size]
         if not train or not held_out:
-            raise ValueError(f"{'--dataset' if not train else flag}: no prompts in {source!r}")
-        return train, held_out, f"{len(held_out)} held-out prompts from {source} ({split})"
+            raise ValueError(f"{'--dataset' if not train else flag}: no prompts in {where!r}")
+        return train, held_out, f"{len(held_out)} held-out prompts from {where} ({split})"
     if len(train) < 2:
-        raise ValueError(f"--dataset: {cfg.dataset!r} needs at least 2 prompts (some are held out), has {len(train)}")
-    random.Random(cfg.seed + 12345).shuffle(train)
-    if not cfg.eval_holdout:  # a TRL recipe without evaluation: every prompt trains, a few are also evaluated
-        evaluated = train[:cfg.eval_size]
-        return train, evaluated, (f"{len(evaluated)} of the {len(train)} training prompts of {cfg.dataset} evaluated "
+        raise ValueError(f"--dataset: {source.dataset!r} needs at least 2 prompts (some are held out), has {len(train)}")
+    random.Random(source.seed + 12345).shuffle(train)
+    if not source.eval_holdout:  # a TRL recipe without evaluation: every prompt trains, a few are also evaluated
+        evaluated = train[:source.eval_size]
+        return train, evaluated, (f"{len(evaluated)} of the {len(train)} training prompts of {source.dataset} evaluated "
                                   f"(not held out: the recipe asks for no evaluation)")
-    k = min(cfg.eval_size, len(train) // 2)
-    return train[k:], train[:k], (f"{k} of the {len(train)} prompts of {cfg.dataset} held out for evaluation "
+    k = min(source.eval_size, len(train) // 2)
+    return train[k:], train[:k], (f"{k} of the {len(train)} prompts of {source.dataset} held out for evaluation "
                                   f"(--eval-size; --eval-dataset for a separate set)")

@@ -79,10 +79,10 @@ def _train(run: Run, reward_fns, stop) -> dict:
     if run.eval_before is None:
         run.eval_before, samples = evaluate_policy(run)
     run.log(f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}; "
-            f"loss {_loss_text(run.cfg.algo, run.loss_cfg)}")
+            f"loss {_loss_text(run.logs.algo, run.loss_cfg)}")
     startup.open_logs(run)
     log_completions(run, 0, samples)
-    cfg = run.cfg
+    logs = run.logs
     run.policy.train()
     stop.until = "this step"
     stopping = all_sum(float(stop.requested)) > 0  # a signal before RL: a checkpoint where RL starts
@@ -90,7 +90,7 @@ def _train(run: Run, reward_fns, stop) -> dict:
         if stopping:
             save(run, run.start)
             run.log(f"stopped before step {run.start + 1}; continue with: {resume_command(run)}")
-        for step in range(run.start + 1, cfg.steps + 1):
+        for step in range(run.start + 1, logs.steps + 1):
             if stopping:
                 break
             t0 = time.time()
@@ -101,14 +101,14 @@ def _train(run: Run, reward_fns, stop) -> dict:
             kl_obs = adapt_kl(run, batch)
             row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
             samples = []
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step % logs.eval_every == 0 or step == logs.steps:
                 row["eval_reward"], samples = evaluate_policy(run)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
             run.last = row
             stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
             log_step(run, row, samples, stopping)
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or stopping:
+            if step % logs.ckpt_every == 0 or step == logs.steps or stopping:
                 save(run, step)
             if stopping:
                 run.log(f"stopped at step {step}; continue with: {resume_command(run)}")
@@ -133,25 +133,25 @@ def collect(run: Run, step: int) -> dict:
     on (`train_rows`). Dynamic sampling (DAPO) drops the groups whose rewards are all equal, then samples more
     prompts while some rank has fewer than prompts_per_step groups, up to max_gen_batches rollouts; the
     decision is global, so the ranks stay in step."""
-    cfg, rank, world = run.cfg, run.rank, run.world
+    part, rank, world = run.sampling, run.rank, run.world
     run.policy.eval()
     parts = []
     while True:
-        chosen = run.rng.sample(run.train_set, cfg.prompts_per_step * world)
-        prompts = chosen[rank * cfg.prompts_per_step:(rank + 1) * cfg.prompts_per_step]
-        first_group = (len(parts) * world + rank) * cfg.prompts_per_step
+        chosen = run.rng.sample(run.train_set, part.prompts_per_step * world)
+        prompts = chosen[rank * part.prompts_per_step:(rank + 1) * part.prompts_per_step]
+        first_group = (len(parts) * world + rank) * part.prompts_per_step
         run.reward_context.state.global_step = step
         parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, run.sampling, run.rng,
                                        run.reward_fn, first_group, run.place, run.reward_context))
-        if not cfg.dynamic_sampling or len(parts) == cfg.max_gen_batches:
+        if not part.dynamic_sampling or len(parts) == part.max_gen_batches:
             break
         n_kept = len(set(torch.cat([p["group_ids"] for p in parts]).tolist()))
-        if all_sum(float(n_kept < cfg.prompts_per_step)) == 0:
+        if all_sum(float(n_kept < part.prompts_per_step)) == 0:
             break
     b = concat_rows(parts, run.tok.pad_id)
     train_rows = torch.arange(len(b["rewards"]), device=b["rewards"].device)
-    if cfg.dynamic_sampling:  # the first prompts_per_step groups kept; none when a rank has none
-        first_groups = b["group_ids"].unique()[:cfg.prompts_per_step]
+    if part.dynamic_sampling:  # the first prompts_per_step groups kept; none when a rank has none
+        first_groups = b["group_ids"].unique()[:part.prompts_per_step]
         train_rows = train_rows[torch.isin(b["group_ids"], first_groups)]
         if all_sum(float(len(train_rows) == 0)) > 0:
             train_rows = train_rows[:0]
@@ -195,19 +195,19 @@ def update(run: Run, batch: dict, step: int) -> dict:
     {"collected": each step's metrics, "skipped", "updates", "groups": over all ranks}. The learning rate ramps
     up linearly over the first --lr-warmup-steps steps: a fresh AdamW state after the supervised warm-up
     otherwise takes too large first steps."""
-    cfg, group_ids = run.cfg, batch["group_ids"]
+    opt, group_ids = run.optim, batch["group_ids"]
     for g in run.optimizer.param_groups:
-        g["lr"] = cfg.lr * lr_factor(cfg, step)
+        g["lr"] = opt.lr * lr_factor(opt, step)
     run.policy.train()
     trained = {k: batch[k] for k in ("seq", "attn", "targets", "mask", "old_logp", "ref_logp", "group_ids",
                                      "rewards", "advantages", "values", "returns")}
     groups = sorted(set(group_ids.tolist()))
     out = dict(collected=[], skipped=0, updates=0, groups=int(all_sum(len(groups))))
-    for epoch in range(cfg.epochs):
+    for epoch in range(opt.epochs):
         order = groups[:]
         run.rng.shuffle(order)
-        per = max(1, math.ceil(len(order) / cfg.minibatches)) if order else 1
-        for mb in range(cfg.minibatches):
+        per = max(1, math.ceil(len(order) / opt.minibatches)) if order else 1
+        for mb in range(opt.minibatches):
             gsel = torch.tensor(order[mb * per:(mb + 1) * per], dtype=group_ids.dtype, device=group_ids.device)
             rows = torch.isin(group_ids, gsel).nonzero().squeeze(-1)
             mbatch = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in trained.items()}
@@ -216,7 +216,7 @@ def update(run: Run, batch: dict, step: int) -> dict:
             num_seqs = all_sum((mbatch["mask"].sum(-1) > 0).sum())
             if num_items == 0:
                 continue
-            m, bad = minibatch_update(run.engine, run.optimizer, run.params, mbatch, batch["P"], cfg, run.place,
+            m, bad = minibatch_update(run.engine, run.optimizer, run.params, mbatch, batch["P"], opt, run.place,
                                       num_items=num_items, num_seqs=num_seqs)
             if bad:
                 out["skipped"] += 1
@@ -234,15 +234,15 @@ def adapt_kl(run: Run, batch: dict) -> float:
         return 0.0
     old_logp, ref_logp, mask = batch["old_logp"], batch["ref_logp"], batch["mask"]
     kl_obs = all_sum(((old_logp - ref_logp) * mask).sum()) / max(all_sum(mask.sum()), 1)
-    if run.cfg.algo == "ppo" and run.cfg.kl_target is not None:
-        err = max(-0.2, min(0.2, kl_obs / run.cfg.kl_target - 1))
+    if run.optim.kl_target is not None:
+        err = max(-0.2, min(0.2, kl_obs / run.optim.kl_target - 1))
         run.beta *= 1 + err * len(batch["rewards"]) * run.world / 10000
     return kl_obs
 
 
 def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs: float) -> dict:
     """The step's metrics row, over all ranks (the eval and wall-clock fields are added by train())."""
-    cfg, score, all_lengths, collected = run.cfg, b["score"], b["all_lengths"], updates["collected"]
+    score, all_lengths, collected = b["score"], b["all_lengths"], updates["collected"]
     run.skipped_total += updates["skipped"]
     n_rows = all_sum(len(score))
     row = {"step": step, "reward_mean": all_sum(score.sum()) / max(n_rows, 1),
@@ -250,7 +250,7 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
            "response_len": all_sum(all_lengths.float().sum()) / max(all_sum(len(all_lengths)), 1),
            "rows_trained": int(all_sum(len(batch["rewards"]))), "groups": updates["groups"],
            "updates": updates["updates"], "skipped": updates["skipped"], "kl_coef": run.beta, "rollout_kl": kl_obs}
-    if cfg.dynamic_sampling:
+    if run.sampling.dynamic_sampling:
         row["gen_batches"] = b["gen_batches"]
     for name, value in run.reward_context.log.take_metrics().items():  # log_metric: this rank's mean
         row[name if name not in row else f"reward_fn/{name}"] = value
@@ -285,8 +285,8 @@ def log_completions(run: Run, step: int, samples: list) -> None:
 
 def log_step(run: Run, row: dict, samples: list, stopping: bool) -> None:
     """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
-    step, cfg = row["step"], run.cfg
-    if run.master and (step % cfg.logging_steps == 0 or "eval_reward" in row or step == cfg.steps or stopping):
+    step, logs = row["step"], run.logs
+    if run.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping):
         write_file(run.metrics_path, outputs.dumps(row) + "\n", "a")
         run.tracking.metrics(row)
     log_completions(run, step, samples)
@@ -298,22 +298,22 @@ def log_step(run: Run, row: dict, samples: list, stopping: bool) -> None:
 
 def summarize(run: Run) -> dict:
     """The summary after RL (an eval unless the last step made one): summary.json, the table, the plot."""
-    cfg, last = run.cfg, run.last
+    logs, last = run.logs, run.last
     eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate_policy(run)[0]
-    summary = {"algo": cfg.algo, "steps": last.get("step", run.start), "eval_reward_before": run.eval_before,
+    summary = {"algo": logs.algo, "steps": last.get("step", run.start), "eval_reward_before": run.eval_before,
                "eval_reward_after": eval_after, "final_reward_mean": last.get("reward_mean"),
                "final_kl": last.get("kl"), "final_entropy": last.get("entropy"), "skipped_steps": run.skipped_total,
-               "wall_time_s": round(time.time() - run.t_start, 1), **run.place.describe(), "out": cfg.out,
+               "wall_time_s": round(time.time() - run.t_start, 1), **run.place.describe(), "out": logs.out,
                "stopped_by": run.stop.signal if run.stopped else None,
-               "config": dataclasses.asdict(cfg)}
+               "config": dataclasses.asdict(run.cfg)}
     if run.master:
-        write_file(os.path.join(cfg.out, "summary.json"), outputs.dumps(summary, indent=2), "w")
-        with run_folder.writing(cfg.out):
-            plotted = outputs.plot(outputs.read_metrics(run.metrics_path), os.path.join(cfg.out, "metrics.png"),
-                                  f"rlkernels.train --algo {cfg.algo}", run.reward_fn.label, run.eval_before)
+        write_file(os.path.join(logs.out, "summary.json"), outputs.dumps(summary, indent=2), "w")
+        with run_folder.writing(logs.out):
+            plotted = outputs.plot(outputs.read_metrics(run.metrics_path), os.path.join(logs.out, "metrics.png"),
+                                  f"rlkernels.train --algo {logs.algo}", run.reward_fn.label, run.eval_before)
         run.log(outputs.summary_table(summary))
-        run.log(f"files in {cfg.out}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model and "
-                f"its tokenizer (from_pretrained)" + "".join(f", {name} logs" for name in cfg.report_to
+        run.log(f"files in {logs.out}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model and "
+                f"its tokenizer (from_pretrained)" + "".join(f", {name} logs" for name in logs.report_to
                                                              if name != "none")
                 + (", metrics.png" if plotted else " (no plot: matplotlib is not installed)"))
     return summary

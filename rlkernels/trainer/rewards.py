@@ -26,7 +26,7 @@ import torch
 
 from .._groups import group_gather, group_index, group_sum
 from . import task
-from .run_config import FLOAT32_MAX, Config
+from .run_config import FLOAT32_MAX
 
 DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
 GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum
@@ -288,25 +288,26 @@ class Rewards:
         return total
 
 
-def reward_functions(cfg: Config, reward_fn=None) -> tuple:
+def reward_functions(specs, reward_model: str, weights, reward_fn=None) -> tuple:
     """([(callable, metric name, flag, what errors call it)], weights) for the run, without loading the reward model
-    (the caller adds it): checks the number of `--reward-weights` now, before any work."""
+    (the caller adds it): `specs`, `reward_model`, `weights` are --reward's, --reward-model's, --reward-weights'. Checks
+    the number of weights now, before any work."""
     if reward_fn is not None:
         given = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
         if not given or not all(callable(f) for f in given):
             raise ValueError(f"reward_fn: expected a callable or a list of callables, got {reprlib.repr(reward_fn)}")
         fns = [(f, _name(f), "--reward", getattr(f, "__qualname__", repr(f))) for f in given]
     else:
-        specs = cfg.reward or (() if cfg.reward_model else (DEFAULT_REWARD,))
+        specs = specs or (() if reward_model else (DEFAULT_REWARD,))
         fns = []
         for spec in specs:
             f = task.make_reward(spec)
             fns.append((f, _spec_name(spec, f), "--reward", spec))
-    n = len(fns) + bool(cfg.reward_model)
-    weights = list(cfg.reward_weights) or [1.0] * n
+    n = len(fns) + bool(reward_model)
+    weights = list(weights) or [1.0] * n
     if len(weights) != n:
         what = f"{len(fns)} reward function{'s' if len(fns) != 1 else ''}"
-        what += (" and --reward-model" if cfg.reward_model else "") + (", in that order" if n > 1 else "")
+        what += (" and --reward-model" if reward_model else "") + (", in that order" if n > 1 else "")
         raise ValueError(f"--reward-weights: expected {n} weight{'s' if n != 1 else ''} (one per reward: {what}), "
                          f"got {len(weights)}")
     return fns, weights

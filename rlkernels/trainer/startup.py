@@ -34,7 +34,7 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     code = [spec for spec in cfg.reward if spec != "exact" and not spec.startswith("regex:")]
     if saved and code and reward_fn is None and list(config.reward) != list(cfg.reward) and rank == 0:
         print(f"--resume: the reward functions of {config.resume}'s checkpoint, imported now: {' '.join(code)}")
-    reward_fns = rewards_lib.reward_functions(cfg, reward_fn)  # a wrong count of weights: now
+    reward_fns = rewards_lib.reward_functions(cfg.reward, cfg.reward_model, cfg.reward_weights, reward_fn)  # a wrong count of weights: now
     if cfg.fsdp and world == 1:
         raise ValueError("--fsdp: shards the models over the processes of torchrun (torchrun --nproc-per-node N "
                          "-m rlkernels.train ... --fsdp), and this is one process; drop --fsdp (or --fsdp false)")
@@ -43,7 +43,7 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     torch.set_num_threads(cfg.threads or (1 if not cfg.model else max(1, min(4, os.cpu_count() or 1) // world)))
     cfg = dataclasses.replace(cfg, out=cfg.out or time.strftime("runs/%Y%m%d-%H%M%S"))
     run = Run(cfg, device.placement(cfg.device, cfg.dtype, world), rank, world, stop, saved, t_start)
-    run.sampling = config_parts.sampling(cfg)
+    config_parts.attach(run, cfg)
     runs_on = run.place.describe()
     if run.master:
         resuming = saved is not None and os.path.realpath(cfg.out) == os.path.realpath(run_dir(config.resume))
@@ -59,32 +59,32 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
 def load_task(run: Run, reward_fns) -> None:
     """The prompts and the reward, before any model loads (so their errors come first), then the seeds.
     The task's own seeded shuffle draws no global random numbers."""
-    cfg = run.cfg
-    if cfg.dataset:
-        run.train_set, run.eval_set, run.held_out = data.load(cfg)
+    cfg, source = run.cfg, run.data
+    if source.dataset:
+        run.train_set, run.eval_set, run.held_out = data.load(source)
         if cfg.train_epochs is not None:  # TRL's num_train_epochs: the steps that pass over the prompts that often
-            per_step = cfg.prompts_per_step * run.world
+            per_step = run.sampling.prompts_per_step * run.world
             steps = max(1, math.ceil(cfg.train_epochs * len(run.train_set) / per_step))
-            run.cfg = cfg = dataclasses.replace(cfg, steps=steps, train_epochs=None)
+            config_parts.attach(run, dataclasses.replace(cfg, steps=steps, train_epochs=None))
             run.log(f"--steps {steps}: num_train_epochs over {len(run.train_set)} prompts, {per_step} a step")
     else:
-        run.train_set, run.eval_set = task.addition_task(cfg.digits, cfg.eval_size, cfg.seed)
+        run.train_set, run.eval_set = task.addition_task(cfg.digits, source.eval_size, source.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
     fns, weights = reward_fns
     columns = [k for k in run.train_set[0] if k != "prompt"]
     for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
         rewards_lib.check_signature(f, what, columns, flag)
-    run.reward_context = rewards_lib.RewardContext(cfg.steps)
+    run.reward_context = rewards_lib.RewardContext(run.logs.steps)
     for _, name, _, spec in fns:
         if name in ("exact", "regex") and spec.startswith(name) and not has_answers(run):
             raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
-                             f"{cfg.dataset} lack; give --reward a function, or --reward-model")
+                             f"{source.dataset} lack; give --reward a function, or --reward-model")
     # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
     run.reward_fn = rewards_lib.build(fns, weights, cfg.reward_model, run.place)
     # model init and data order are identical on every rank; sampling differs per rank (`restore`)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    run.rng = random.Random(cfg.seed)
+    random.seed(source.seed)
+    torch.manual_seed(source.seed)
+    run.rng = random.Random(source.seed)
 
 
 def has_answers(run: Run) -> bool:
@@ -94,32 +94,33 @@ def has_answers(run: Run) -> bool:
 
 def warms_up(run: Run) -> bool:
     """Whether the demo's supervised warm-up runs (a resumed run loads the weights instead)."""
-    return bool(not run.saved and not run.cfg.model and run.cfg.warmup_steps)
+    return bool(not run.saved and not run.cfg.model and run.warmup.warmup_steps)
 
 
 def check_prompt_lengths(run: Run) -> None:
     """Prompts and completions within the model's context: a longer prompt is cut to its last
     --max-prompt-length tokens (TRL's), said in the log; without that flag, a prompt too long is an error."""
-    cfg, tok = run.cfg, run.tok
-    tok.max_prompt_length = cfg.max_prompt_length
+    tok, limit, new_tokens = run.tok, run.cfg.max_prompt_length, run.sampling.max_new_tokens
+    tok.max_prompt_length = limit
     lengths = [len(tok._encode(ex["prompt"])) for ex in run.train_set + run.eval_set]
-    if cfg.max_prompt_length:
-        cut = sum(n > cfg.max_prompt_length for n in lengths)
+    if limit:
+        cut = sum(n > limit for n in lengths)
         if cut:
-            run.log(f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {cfg.max_prompt_length} "
-                    f"tokens: they keep their last {cfg.max_prompt_length} (as TRL's max_prompt_length)")
-    longest = min(max(lengths), cfg.max_prompt_length or max(lengths))
+            run.log(f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {limit} "
+                    f"tokens: they keep their last {limit} (as TRL's max_prompt_length)")
+    longest = min(max(lengths), limit or max(lengths))
     context = getattr(run.policy.config, "max_position_embeddings", None)
-    if context and longest + cfg.max_new_tokens > context:
-        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(cfg.max_prompt_length)}"
-                         f" is {longest} tokens, and {longest} + {cfg.max_new_tokens} is more than the "
+    if context and longest + new_tokens > context:
+        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(limit)}"
+                         f" is {longest} tokens, and {longest} + {new_tokens} is more than the "
                          f"{context} positions of the model (max_position_embeddings); give --max-prompt-length "
                          f"(a longer prompt keeps its last tokens) or a smaller --max-new-tokens")
 
 
 def load_policy(run: Run) -> None:
     """The tokenizer and the policy, on the run's device, its output head checked."""
-    cfg, source = run.cfg, f" in {run.cfg.dataset}" if run.cfg.dataset else ""
+    cfg, source = run.cfg, f" in {run.data.dataset}" if run.data.dataset else ""
+    per_step = run.sampling.prompts_per_step
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model)
         check_prompt_lengths(run)
@@ -128,22 +129,23 @@ def load_policy(run: Run) -> None:
         for ex in run.train_set[:1] + run.eval_set[:1]:
             run.tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
         prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
-    if cfg.prompts_per_step * run.world > len(run.train_set):
+    if per_step * run.world > len(run.train_set):
         ranks = f" × {run.world} ranks" if run.world > 1 else ""
-        raise ValueError(f"--prompts-per-step: {cfg.prompts_per_step}{ranks} is more than the {len(run.train_set)} "
+        raise ValueError(f"--prompts-per-step: {per_step}{ranks} is more than the {len(run.train_set)} "
                          f"training prompts{source} (after {len(run.eval_set)} held out for eval)")
     if warms_up(run):
         run.stop.until = "the warm-up and the evaluation before RL"
         if not has_answers(run):
             raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which "
-                             f"--dataset {cfg.dataset} lacks; give --warmup-steps 0")
-        if cfg.warmup_batch > len(run.train_set):
-            raise ValueError(f"--warmup-batch: {cfg.warmup_batch} is more than the {len(run.train_set)} training "
+                             f"--dataset {run.data.dataset} lacks; give --warmup-steps 0")
+        if run.warmup.warmup_batch > len(run.train_set):
+            raise ValueError(f"--warmup-batch: {run.warmup.warmup_batch} is more than the {len(run.train_set)} training "
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")
     if not cfg.model:
-        run.policy = task.tiny_model(cfg, run.tok, prompt_len)
+        run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                                     max_new_tokens=run.sampling.max_new_tokens)
     run.policy.to(run.place.device)  # built on the CPU, so a seed gives the same weights on every device
-    run.head_args = output_head_of(run.policy, cfg.temperature, run.place)
+    run.head_args = output_head_of(run.policy, run.sampling.temperature, run.place)
     if cfg.gradient_checkpointing:
         enable_checkpointing(run.policy)
     run.policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
@@ -154,13 +156,13 @@ def load_policy(run: Run) -> None:
 
 def warm_up(run: Run) -> None:
     """The demo model's supervised warm-up, until the held-out reward reaches --warmup-target twice in a row."""
-    cfg, policy, place = run.cfg, run.policy, run.place
+    w, policy, place = run.warmup, run.policy, run.place
     policy.train()
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(policy.parameters(), lr=w.warmup_lr, weight_decay=0.0, betas=(0.9, 0.98))
     in_a_row, reached = 0, None  # checks at or above the target in a row: one alone can be a fluctuation
-    bar = tqdm(total=cfg.warmup_steps, desc="warm-up", disable=not (cfg.progress and run.master), dynamic_ncols=True)
-    for it in range(1, cfg.warmup_steps + 1):
-        sup = task.supervised_batch(run.tok, run.rng.sample(run.train_set, cfg.warmup_batch))
+    bar = tqdm(total=w.warmup_steps, desc="warm-up", disable=not (w.progress and run.master), dynamic_ncols=True)
+    for it in range(1, w.warmup_steps + 1):
+        sup = task.supervised_batch(run.tok, run.rng.sample(run.train_set, w.warmup_batch))
         ids, attn, labels = (t.to(place.device) for t in sup)
         with place.autocast():
             loss = policy(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -169,11 +171,11 @@ def warm_up(run: Run) -> None:
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         bar.update(1)
-        if cfg.warmup_target is not None and it % cfg.warmup_eval_every == 0 and it < cfg.warmup_steps:
+        if w.warmup_target is not None and it % w.warmup_eval_every == 0 and it < w.warmup_steps:
             reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, run.sampling, place,
                                           context=run.reward_context)[0]
-            bar.set_postfix(eval=f"{reached:.3f}", target=cfg.warmup_target)
-            in_a_row = in_a_row + 1 if reached >= cfg.warmup_target else 0
+            bar.set_postfix(eval=f"{reached:.3f}", target=w.warmup_target)
+            in_a_row = in_a_row + 1 if reached >= w.warmup_target else 0
             if in_a_row == 2:
                 break
     bar.close()
@@ -210,20 +212,20 @@ def build_update(run: Run) -> None:
     run.meta_policy = sharding.meta_copy(run.policy) if cfg.fsdp and run.master else None
     # the engine before the optimizer: under FSDP it shards the parameters the optimizer and a checkpoint load into
     run.engine = update_engine(UpdateForward(run.policy, run.critic, run.loss_cfg, run.head_args, cfg.loss_path),
-                               place, find_unused=cfg.dynamic_sampling, fsdp=cfg.fsdp)
+                               place, find_unused=run.sampling.dynamic_sampling, fsdp=cfg.fsdp)
     if run.ref is not None and sharding.is_sharded(run.policy):
         sharding.shard(run.ref, place.device)  # else every rank holds a whole copy of it
     run.params = [p for p in run.engine.parameters() if p.requires_grad]
-    run.optimizer = torch.optim.AdamW(run.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    run.optimizer = torch.optim.AdamW(run.params, lr=run.optim.lr, weight_decay=cfg.weight_decay,
                                       betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
 
 def restore(run: Run) -> None:
     """A resumed run: the weights, optimizer, step, β and every random state of its checkpoint. A new run: one
     sampling stream per rank."""
-    saved, cfg = run.saved, run.cfg
+    saved, resume, out = run.saved, run.cfg.resume, run.logs.out
     if not saved:
-        torch.manual_seed(cfg.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
+        torch.manual_seed(run.data.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
         return
     try:
         sharding.load_state_dict(run.policy, saved["model"])
@@ -237,30 +239,32 @@ def restore(run: Run) -> None:
         device.set_rng_state(saved["rng"]["torch"][run.rank], cuda_rngs[run.rank] if cuda_rngs else None,
                              run.place.device)
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise unfit(cfg.resume, e) from None
-    run.log(f"resumed at step {run.start} from {cfg.resume}")
-    checkpoint = cfg.resume if os.path.isfile(cfg.resume) else os.path.join(cfg.resume, CHECKPOINT)
-    stale = run.master and export_is_stale(cfg.out, checkpoint)
+        raise unfit(resume, e) from None
+    run.log(f"resumed at step {run.start} from {resume}")
+    checkpoint = resume if os.path.isfile(resume) else os.path.join(resume, CHECKPOINT)
+    stale = run.master and export_is_stale(out, checkpoint)
     if all_sum(float(stale)) > 0:  # killed after its checkpoint, before the model export: the export catches up
         export_model(run)
-        run.log(f"exported the model of step {run.start} to {cfg.out} (the run stopped before writing it)")
+        run.log(f"exported the model of step {run.start} to {out} (the run stopped before writing it)")
 
 
 def open_logs(run: Run) -> None:
     """metrics.jsonl and completions.jsonl (a resumed run keeps the rows up to its checkpoint, read from the
     run's folder, also when --out moves it), the --report-to trackers and the progress bar."""
-    cfg, history = run.cfg, []
+    logs, history = run.logs, []
     if run.master:
         if run.saved:
-            history = outputs.truncate_metrics(os.path.join(run_dir(cfg.resume), "metrics.jsonl"), run.metrics_path,
+            before = run_dir(run.cfg.resume)
+            history = outputs.truncate_metrics(os.path.join(before, "metrics.jsonl"), run.metrics_path,
                                               run.start)
-            outputs.truncate_metrics(os.path.join(run_dir(cfg.resume), "completions.jsonl"), run.completions_path,
+            outputs.truncate_metrics(os.path.join(before, "completions.jsonl"), run.completions_path,
                                     run.start)
         else:
             write_file(run.metrics_path, "", "w")
             write_file(run.completions_path, "", "w")
     # a resumed run's summary counts the steps before its checkpoint too
     run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
-    run.tracking = trackers.Trackers(cfg.report_to if run.master else [], cfg.out, cfg, run.start + 1)
-    run.bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
-                   disable=not (cfg.progress and run.master), dynamic_ncols=True, desc=cfg.algo)
+    run.tracking = trackers.Trackers(logs.report_to if run.master else [], logs.out, dataclasses.asdict(run.cfg),
+                                     run.start + 1)
+    run.bar = tqdm(range(run.start, logs.steps), initial=run.start, total=logs.steps,
+                   disable=not (logs.progress and run.master), dynamic_ncols=True, desc=logs.algo)

@@ -31,7 +31,12 @@ class Run:
     rng: Any = None  # prompt order, mini-batch order, tree cut depths
     policy: Any = None
     head_args: dict = None
-    sampling: Any = None  # config_parts.Sampling: what generation.py reads of the config
+    # the parts of `cfg` that the steps take (config_parts.py)
+    data: Any = None
+    warmup: Any = None
+    sampling: Any = None
+    optim: Any = None
+    logs: Any = None
     # the update
     loss_cfg: Any = None
     adv: Any = None  # config_parts.Advantages: the estimator and its settings
@@ -58,15 +63,15 @@ class Run:
 
     @property
     def out_dir(self) -> str:
-        return self.cfg.out
+        return self.logs.out
 
     @property
     def metrics_path(self) -> str:
-        return os.path.join(self.cfg.out, "metrics.jsonl")
+        return os.path.join(self.logs.out, "metrics.jsonl")
 
     @property
     def completions_path(self) -> str:
-        return os.path.join(self.cfg.out, "completions.jsonl")
+        return os.path.join(self.logs.out, "completions.jsonl")
 
     def log(self, *args, **kwargs) -> None:
         (print if self.master else quiet)(*args, **kwargs)

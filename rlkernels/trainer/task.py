@@ -150,14 +150,15 @@ def _load_function(spec: str) -> Callable:
     return f
 
 
-def tiny_model(cfg, tok: CharTokenizer, prompt_len: int):
-    """A Llama of a few hundred thousand parameters, from a config (no download)."""
+def tiny_model(tok: CharTokenizer, prompt_len: int, *, n_layer: int, n_embd: int, n_head: int, max_new_tokens: int):
+    """A Llama of a few hundred thousand parameters, from a config (no download), with room for prompts of
+    `prompt_len` tokens and their completions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=cfg.n_embd, intermediate_size=2 * cfg.n_embd,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
-        max_position_embeddings=prompt_len + cfg.max_new_tokens + 8, tie_word_embeddings=False,
+        vocab_size=tok.vocab_size, hidden_size=n_embd, intermediate_size=2 * n_embd,
+        num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
+        max_position_embeddings=prompt_len + max_new_tokens + 8, tie_word_embeddings=False,
         pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
     )
     return LlamaForCausalLM(config)

@@ -12,7 +12,6 @@ flag (`run_config.validate`, before any model loads).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -28,7 +27,7 @@ def _scalars(row: dict) -> dict:
 
 
 class TensorBoard:
-    def __init__(self, out_dir: str, config, first_step: int):
+    def __init__(self, out_dir: str, settings: dict, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(out_dir, purge_step=first_step)
@@ -50,13 +49,13 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, out_dir: str, config, first_step: int):
+    def __init__(self, out_dir: str, settings: dict, first_step: int):
         import wandb
 
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlkernels"),
                               name=os.path.basename(os.path.abspath(out_dir)), dir=out_dir,
-                              config=dataclasses.asdict(config), mode=os.environ.get("WANDB_MODE", "offline"))
+                              config=settings, mode=os.environ.get("WANDB_MODE", "offline"))
 
     def metrics(self, row: dict) -> None:
         self.run.log(_scalars(row), step=row["step"])
@@ -73,10 +72,10 @@ class Trackers:
     """The backends of `--report-to` (none: an empty list), each told every metrics row and completions table.
     A backend that cannot write into the run folder is an error naming --out (run_folder.writing)."""
 
-    def __init__(self, names, out_dir: str, config, first_step: int):
+    def __init__(self, names, out_dir: str, settings: dict, first_step: int):
         self.out_dir = out_dir
         with writing(out_dir):
-            self.backends = [BACKENDS[n](out_dir, config, first_step) for n in names if n != "none"]
+            self.backends = [BACKENDS[n](out_dir, settings, first_step) for n in names if n != "none"]
 
     def metrics(self, row: dict) -> None:
         with writing(self.out_dir):

@@ -14,7 +14,6 @@ from torch import nn
 import rlkernels
 
 from . import model, sharding, timing
-from .run_config import Config
 from .distributed import all_sum, dist_info
 
 
@@ -64,8 +63,9 @@ def update_engine(forward: UpdateForward, place, find_unused: bool, fsdp: bool =
     return ddp
 
 
-def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_items, num_seqs):
-    """One optimizer step on a mini-batch (all ranks together); (this rank's metrics, skipped).
+def minibatch_update(engine, optimizer, params, mbatch, P, opt, place, *, num_items, num_seqs):
+    """One optimizer step on a mini-batch (all ranks together), `opt` a config_parts.Optimization (or what has its
+    fields); (this rank's metrics, skipped).
     A non-finite loss or gradient on any rank never reaches the weights: the step is skipped."""
     timer = getattr(engine, "module", engine).timer  # under DDP, the UpdateForward it wraps
     timer.begin_step(place.device)
@@ -74,8 +74,8 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
     m = {k: float(v) for k, v in metrics.items()}
     if pred is not None:
         vout = rlkernels.value_loss(pred, mbatch["values"], mbatch["returns"], mbatch["mask"],
-                                    clip=cfg.vf_clip, num_items=num_items)
-        loss = loss + cfg.vf_coef * vout.loss
+                                    clip=opt.vf_clip, num_items=num_items)
+        loss = loss + opt.vf_coef * vout.loss
         m["value_loss"] = float(vout.loss.detach())
         m["vf_clip_frac"] = float(vout.metrics["vf_clip_frac"])
     m["loss"] = float(loss.detach())
@@ -83,7 +83,7 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
     optimizer.zero_grad(set_to_none=True)
     if not bad:
         loss.backward()  # under DDP: summed over ranks by the time it returns
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, opt.max_grad_norm)
         bad = all_sum(0.0 if torch.isfinite(grad_norm) else 1.0) > 0
         m["grad_norm"] = float(grad_norm)
     if bad:
@@ -98,13 +98,13 @@ def minibatch_update(engine, optimizer, params, mbatch, P, cfg, place, *, num_it
 # metrics that are this rank's share of a global sum (Σ_rank / N_global): summed over ranks, not averaged
 SUMMED_METRICS = ("loss", "value_loss")
 
-def lr_factor(cfg: Config, step: int) -> float:
+def lr_factor(opt, step: int) -> float:
     """The learning rate of RL step `step` (from 1) as a fraction of --lr: a linear ramp over --lr-warmup-steps,
     then --lr-scheduler-type: constant, or a linear or cosine decay towards 0 after the last step (as transformers'
     schedules, whose step s counts from 0)."""
-    if step < cfg.lr_warmup_steps:
-        return step / cfg.lr_warmup_steps
-    if cfg.lr_scheduler_type == "constant":
+    if step < opt.lr_warmup_steps:
+        return step / opt.lr_warmup_steps
+    if opt.lr_scheduler_type == "constant":
         return 1.0
-    progress = max(0, step - 1 - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
-    return 1.0 - progress if cfg.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    progress = max(0, step - 1 - opt.lr_warmup_steps) / max(1, opt.steps - opt.lr_warmup_steps)
+    return 1.0 - progress if opt.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
