@@ -92,10 +92,19 @@ def test_each_estimator_trains_with_its_function_of_rlkernels_advantages(tmp_pat
     torch.testing.assert_close(seen["advantages"], want, rtol=1e-6, atol=1e-6)
 
 
-def test_the_default_estimator_is_unchanged_and_explicit_grpo_is_it(tmp_path):
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gdpo"])
+def test_token_level_estimators_feed_a_sequence_ratio(tmp_path, name):
+    """Their (B, T) advantages are one value per completion (the outcome reward at the last token), which GSPO's
+    sequence ratio takes."""
+    summary = train(Config(**TINY, out=str(tmp_path), algo="gspo", adv_estimator=name), reward_fn=digit_overlap)
+    assert summary["final_reward_mean"] is not None and summary["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("algo, name", [("grpo", "grpo"), ("ppo", "gae")])
+def test_the_default_estimator_is_the_one_named(tmp_path, algo, name):
     rows = []
-    for i, est in enumerate((None, "grpo")):
-        train(Config(**TINY, out=str(tmp_path / str(i)), adv_estimator=est), reward_fn=digit_overlap)
+    for i, est in enumerate((None, name)):
+        train(Config(**TINY, out=str(tmp_path / str(i)), algo=algo, adv_estimator=est), reward_fn=digit_overlap)
         rows.append([json.loads(line) for line in open(tmp_path / str(i) / "metrics.jsonl")])
     for a, b in zip(*rows):
         for k in ("reward_mean", "loss", "kl", "entropy", "grad_norm"):
@@ -115,7 +124,7 @@ def test_the_estimator_is_logged_and_resumed(tmp_path, capsys):
     (["--adv-estimator", "grpoo"], "--adv-estimator: expected one of gae, grpo, grpo_vectorized, rloo"),
     (["--adv-estimator", "optimal_token_baseline"], "--adv-estimator optimal_token_baseline: needs Σ_v π_v²"),
     (["--adv-estimator", "gae"], "--adv-estimator gae: GAE needs a critic's values"),
-    (["--algo", "ppo", "--adv-estimator", "rloo", "--num-generations", "1"], "--adv-estimator rloo: GAE needs"),
+    (["--algo", "ppo", "--adv-estimator", "rloo", "--num-generations", "1"], "--adv-estimator rloo: --algo ppo trains a critic"),
     (["--adv-estimator", "rloo", "--tree"], "--adv-estimator rloo: --tree forms Tree-GRPO's"),
     (["--adv-estimator", "rloo", "--scale-rewards", "group"], "--scale-rewards group: not an option of "
                                                               "--adv-estimator rloo"),

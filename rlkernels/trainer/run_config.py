@@ -697,9 +697,12 @@ def _validate_adv_estimator(cfg: Config) -> None:
         raise ValueError(f"--adv-estimator {name}: {ADV_REFUSED[name]}; choose one of {', '.join(ADV_ESTIMATORS)}")
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"--adv-estimator: expected one of {', '.join(ADV_ESTIMATORS)} or none, got {name!r}")
-    if (name == "gae") != (cfg.algo == "ppo"):
-        raise ValueError(f"--adv-estimator {name}: GAE needs a critic's values, and only --algo ppo trains a critic "
-                         f"(whose advantages are GAE's); got --algo {cfg.algo}")
+    if name == "gae" and cfg.algo != "ppo":
+        raise ValueError(f"--adv-estimator gae: GAE needs a critic's values, and only --algo ppo trains a critic; "
+                         f"got --algo {cfg.algo}")
+    if cfg.algo == "ppo" and name != "gae":
+        raise ValueError(f"--adv-estimator {name}: --algo ppo trains a critic for GAE, its only estimator (the "
+                         f"others are for the GRPO family's presets)")
     if cfg.tree:
         raise ValueError(f"--adv-estimator {name}: --tree forms Tree-GRPO's advantages; give one of them")
     if cfg.multi_objective_aggregation == "normalize_then_sum" and name not in ("grpo", "grpo_vectorized"):
