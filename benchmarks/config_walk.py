@@ -6,7 +6,9 @@ A *config expression* is, inside one function (or a module's top level):
     parameter annotated `Config`;
   * an attribute `.cfg` of anything (`run.cfg`, `self.cfg`): the run object carrying the config;
   * a name assigned from a config expression (`cfg = run.cfg`, `cfg, rank = run.cfg, run.rank`, a conditional
-    or `dataclasses.replace` / `merge_resume` of one).
+    or `dataclasses.replace` / `merge_resume` of one);
+  * a parameter, whatever its name, of a function of these files that some call hands a config expression to
+    (found by the function's name; a class's name calls its __init__).
 Counted over the trainer's files (rlkernels/trainer/*.py but the config's own modules, which parse, validate and
 merge it, plus rlkernels/train.py and cli.py):
   * files: those holding any config expression;
@@ -64,8 +66,15 @@ def _call_name(call: ast.Call) -> str:
     return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
 
 
-def _walk_scope(scope: ast.AST) -> Walk:
-    names, other = set(), set()
+def _parameters(fn) -> list:
+    a = fn.args
+    return [arg.arg for arg in a.posonlyargs + a.args + a.kwonlyargs]
+
+
+def _walk_scope(scope: ast.AST, given=(), handed=None) -> Walk:
+    """The Walk of one scope; `given`: parameters a caller hands the config to (whatever their names); `handed`, if
+    a list: gets (callee name, the parameter position or keyword) of each call that hands it on."""
+    names, other = set(given), set()
     if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         a = scope.args
         for arg in a.posonlyargs + a.args + a.kwonlyargs:
@@ -110,24 +119,69 @@ def _walk_scope(scope: ast.AST) -> Walk:
                 reads += 1
             elif _call_name(node) not in WHOLE_CONFIG_CALLS:
                 hand_ons += sum(is_config(x) for x in args)
+                if handed is not None:
+                    handed += [(_call_name(node), i) for i, x in enumerate(node.args) if is_config(x)]
+                    handed += [(_call_name(node), k.arg) for k in node.keywords if is_config(k.value)]
     seen = any(is_config(n) for n in nodes if isinstance(n, ast.expr))
     return Walk(reads, hand_ons) if seen else Walk(-1, 0)
 
 
-def walk_file(path: pathlib.Path) -> Walk:
-    """(attribute reads through the config, calls handing it on) in one file; reads -1: no config there."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = [w for w in map(_walk_scope, _scopes(tree)) if w.reads >= 0]
+def _functions(tree) -> dict:
+    """{name: FunctionDef} of a module's functions, and of its classes' methods (a class's name: its __init__)."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[node.name if item.name == "__init__" else item.name] = item
+    return out
+
+
+def _walk_tree(tree, given: dict, handed=None) -> Walk:
+    """(attribute reads through the config, calls handing it on) in one module; reads -1: no config there.
+    `given`: {function: parameters} that callers elsewhere hand the config to."""
+    found = [w for w in (_walk_scope(scope, given.get(scope, ()), handed) for scope in _scopes(tree))
+             if w.reads >= 0]
     if not found:
         return Walk(-1, 0)
     return Walk(sum(w.reads for w in found), sum(w.hand_ons for w in found))
 
 
+def _handed_to(trees) -> dict:
+    """{FunctionDef: its parameters that some call in `trees` hands the config to}, whatever their names, so that
+    a renamed parameter hides nothing (a function is found by its name alone: a name defined twice counts twice)."""
+    defined = {}
+    for tree in trees:
+        for name, fn in _functions(tree).items():
+            defined.setdefault(name, []).append(fn)
+    given = {}
+    while True:  # to a fixed point: a function handed the config may hand it on in turn
+        handed = []
+        for tree in trees:
+            _walk_tree(tree, given, handed)
+        grown = False
+        for callee, where in handed:
+            for fn in defined.get(callee, []):
+                params = _parameters(fn)
+                if isinstance(where, int):
+                    where += params[:1] in (["self"], ["cls"])
+                    where = params[where] if where < len(params) else None
+                if where in params and where not in given.setdefault(fn, set()):
+                    given[fn].add(where)
+                    grown = True
+        if not grown:
+            return given
+
+
 def walk() -> Dict[str, Walk]:
     """{file (relative to the repository): its Walk} for the files the config reaches."""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in trainer_files()}
+    given = _handed_to(list(trees.values()))
     out = {}
-    for path in trainer_files():
-        w = walk_file(path)
+    for path, tree in trees.items():
+        w = _walk_tree(tree, given)
         if w.reads >= 0:
             out[str(path.relative_to(ROOT))] = w
     return out

@@ -47,3 +47,23 @@ def test_the_counter_counts_reads_through_every_way_of_holding_the_config():
     assert (a.reads, a.hand_ons) == (4, 1)
     assert (b.reads, b.hand_ons) == (1, 0)
     assert c.reads == -1  # a transformers config of its own
+
+
+def test_a_parameter_of_another_name_that_is_handed_the_config_counts():
+    caller = ast.parse(textwrap.dedent("""
+        def load_policy(run):
+            cfg = run.cfg
+            return task.tiny_model(cfg, 3), build(n=2, shape=cfg)
+    """))
+    callee = ast.parse(textwrap.dedent("""
+        def tiny_model(shape, n):
+            return shape.n_layer + shape.n_embd
+
+        def build(n, shape):
+            return shape.n_head
+
+        def untouched(shape):
+            return shape.n_layer
+    """))
+    given = config_walk._handed_to([caller, callee])
+    assert config_walk._walk_tree(callee, given) == (3, 0)
