@@ -87,7 +87,7 @@ with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for ever
 the loop from `cuobjdump -sass` of the binary, a CUDA kernel's block from `cuobjdump -elf` (the CUDA
 toolkit's cuobjdump, else the one in Triton's wheel). Triton is skipped, with a note, when it is not
 importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 320 Triton variants (30 of them
-elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (148 CUDA rows): 250 s
+elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (166 CUDA rows): 250 s
 measured on 2 busy cores. --quick: the streaming configurations (and their odd V) and the elementwise
 kernels with their default flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
 """

@@ -2,7 +2,8 @@
 `two_pass=True` against `two_pass=False` (the 3-pass kernels) and the fp64 reference, on fresh random inputs, every
 preset the forward kernel evaluates, −inf entries, NaN, all −inf, masked and empty rows, a soft cap and τ ≠ 1, in
 place, logits[:, :-1], a declared grad_scale and an incoming gradient other than it (the scale_grad_ kernel); the op
-against policy_token_fwd then token_logprobs_bwd at vocabularies that take 1, 2, 4 and 8 blocks per row. Skipped
+against policy_token_fwd then token_logprobs_bwd at vocabularies that take 1, 2, 4 and 8 blocks per row, with an
+entropy bonus given apart, into an output aligned otherwise than the logits. Skipped
 without a CUDA device of sm_90 or later (benchmarks/gpu_check.sh runs it first on a lent one)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import rlkernels
 from rlkernels import presets, reference
 from rlkernels.kernels import cuda
 from rlkernels.ops._plan import Step, plan
+from rlkernels.ops.kernel_params import token_loss_params
 
 from loss_inputs import preset, random_loss_inputs
 
@@ -138,3 +140,24 @@ def test_too_long_a_row_names_itself():
     config, logits, targets, adv, mask, kw = _case("grpo", 160001, torch.float32, B=1, T=2)
     with pytest.raises(ValueError, match="at most 8 blocks"):
         _run(config, logits, targets, adv, mask, kw, two_pass=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", VOCABS)
+def test_the_op_is_the_forward_then_the_backward(V, dtype):
+    """policy_token_fwd_grad = policy_token_fwd, then token_logprobs_bwd at scale·(g, h), h the bonus given apart;
+    its gradient written into rows 1 element past a 16-byte boundary of the logits' (element by element)."""
+    config, logits, targets, adv, mask, kw = _case("grpo", V, dtype, seed=3)
+    flat, n = logits.reshape(-1, V), logits.shape[0] * logits.shape[1]
+    args = (targets.reshape(-1), mask.reshape(-1), torch.rand(n, device=DEV), adv.reshape(-1),
+            kw["old_logp"].reshape(-1), kw["ref_logp"].reshape(-1), None)
+    params, bonus, scale = token_loss_params(config), torch.randn(n, device=DEV) * 0.01, 0.375
+    logp, entropy, lse, g, _, stats = cuda.policy_token_fwd(flat, *args, 0.7, params, softcap=5.0)
+    want = cuda.token_logprobs_bwd(flat, args[0], lse, entropy, g * scale, bonus * scale, 0.7, softcap=5.0)
+    box = torch.full((n, V + 1), 7.0, device=DEV, dtype=dtype)
+    got = cuda.policy_token_fwd_grad(flat, *args, bonus, 0.7, params, scale, out=box[:, 1:], softcap=5.0)
+    for name, a, b in zip(("logp", "entropy", "stats"), got[:3], (logp, entropy, stats)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    assert (box[:, 0] == 7.0).all()
+    torch.testing.assert_close(box[:, 1:].nan_to_num(0.0), want.nan_to_num(0.0), **TOL[dtype])
+    assert torch.equal(box[:, 1:].isnan(), want.isnan())
