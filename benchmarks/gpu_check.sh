@@ -7,6 +7,9 @@
 #   build     the extension with csrc/cuda/ (a CPU-only build if that fails)
 #   tests     a fast correctness subset on the device; JUnit XML (written even when cut: SIGINT) and a
 #             failure summary (benchmarks/junit_summary.py, from the XML or the -v log)
+#   twopass   the CUDA two-pass kernel (sm_90 clusters) against the 3-pass kernels and the reference
+#             (python_tests/test_two_pass_cuda.py), then both timed beside Liger at N = 8192, V = 151936, bf16,
+#             contiguous and logits[:, :-1] (benchmarks/two_pass.py)
 #   probe     mm(bf16, bf16, out_dtype=float32), and which hidden-state design ran (benchmarks/head_probe.py)
 #   head      the benchmark's grpo_linear and grpo_sliced, N = 8192 (T = 512), V = 151936, H = 4096, bf16,
 #             fwd+bwd then fwd; rlkernels-cuda / -triton with Liger, eager and torch.compile beside
@@ -35,9 +38,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1  # a stage cut at its limit keeps what it printed
 
-ORDER=(setup build tests probe head sliced64 sass counts rest)
-declare -A LIMIT=([setup]=20 [build]=140 [tests]=90 [probe]=35 [head]=150 [sliced64]=45 [sass]=20 [counts]=60
-                  [rest]=10)
+ORDER=(setup build tests twopass probe head sliced64 sass counts rest)
+declare -A LIMIT=([setup]=20 [build]=140 [tests]=90 [twopass]=60 [probe]=25 [head]=150 [sliced64]=25 [sass]=15
+                  [counts]=35 [rest]=10)
 DEADLINE=570  # seconds: a 10-minute command less the time to pack the output and end
 plan() {
   local total=0 s
@@ -145,6 +148,17 @@ if begin tests; then
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "gpu_check: tests cut at ${lim}s (rc $rc): the summary holds those that ran"
   "$PY" -m benchmarks.junit_summary "$out/tests.xml" "$out/tests.log" | tee "$out/tests_summary.txt" | head -n 60
   [ "$rc" -eq 0 ] || status=1
+fi
+
+if begin twopass; then
+  # correctness first (at most half the limit; skipped below sm_90), then the timing in what is left
+  end=$((SECONDS + lim))
+  TRITON_CACHE_DIR=/tmp/rlk_triton_tests timeout -s INT -k 5 $((lim / 2)) "$PY" -m pytest -q -rfE \
+    -p no:cacheprovider --junitxml="$out/two_pass_tests.xml" python_tests/test_two_pass_cuda.py \
+    > "$out/two_pass_tests.log" 2>&1 || status=1
+  tail -n 15 "$out/two_pass_tests.log"
+  timeout $((end - SECONDS > 5 ? end - SECONDS : 5)) "$PY" -m benchmarks.two_pass --device cuda 2>&1 \
+    | tee "$out/two_pass.md" || status=1
 fi
 
 if begin probe; then

@@ -74,14 +74,20 @@ instantiation, its configuration the template arguments named by the source's te
 without the host compile that python_tests/test_cuda_compile.py checks). A kernel is classified by its
 name: those in CUDA_ELEMENTWISE (policy_token_loss_kernel: one thread per token; covariance_choice_kernel:
 one block over the tokens; no template, dtype `-`) are elementwise; every other one walks rows in 16-byte
-packs (row_pass.cuh), so it must have 128-bit loads.
+packs (row_pass.cuh), so it must have 128-bit loads. The two-pass cluster kernel (CUDA_CLUSTER: two_pass_kernel,
+policy_token_two_pass.cu) is sm_90's: on sm_80 it is a trap and has no row. Its launcher gives it dynamic shared
+memory (a row's slice) and a cluster size by the row's length: its rows take those of V = 151936 (cluster_row.cuh's
+plan(), run by a host program nvcc builds from the header), counted in its threads per SM, and its instructions per
+logit are those of its load loop (phase 1) plus those of its store loop (phase 4, the slice's gradient from shared
+memory). A second table gives, for it, the static and dynamic shared memory per block, the cluster size and the
+128-bit global stores.
 
 Registers, stack frame, spill and shared bytes come from ptxas's -v report (nvcc -Xptxas -v; Triton prints it
 with knobs.nvidia.dump_ptxas_log, into a fresh cache so that ptxas runs for every variant); the loads and
 the loop from `cuobjdump -sass` of the binary, a CUDA kernel's block from `cuobjdump -elf` (the CUDA
 toolkit's cuobjdump, else the one in Triton's wheel). Triton is skipped, with a note, when it is not
 importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 320 Triton variants (30 of them
-elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (148 CUDA rows): 250 s
+elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (166 CUDA rows): 250 s
 measured on 2 busy cores. --quick: the streaming configurations (and their odd V) and the elementwise
 kernels with their default flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
 """
@@ -236,10 +242,13 @@ class Row:
     streaming: bool  # a row kernel streaming several tiles of a row: 128-bit loads required
     elementwise: bool = False  # per-token scalars, no logits: 128-bit loads not required
     capped: bool = False  # compiled with the final-logit cap (HAS_CAP, kCap)
+    dynamic_shared: int = 0  # bytes per block its launcher asks at V = 151936 (the cluster kernel's slice)
+    cluster: int = 0  # blocks per thread-block cluster at V = 151936 (0: not a cluster kernel)
+    stores_128: int = 0  # 128-bit global stores
 
     @property
     def threads_per_sm(self):
-        return occupancy.threads_per_sm(self.arch, self.registers, self.shared, self.block)
+        return occupancy.threads_per_sm(self.arch, self.registers, self.shared + self.dynamic_shared, self.block)
 
     def limits(self):
         """(threads per SM at least, instructions per logit at most or None) that this row must meet, or None."""
@@ -274,11 +283,13 @@ class Row:
                 "stack_bytes": self.stack, "spill_stores": self.spill_stores, "spill_loads": self.spill_loads,
                 "shared_bytes": self.shared, "block_threads": self.block, "loads_128": self.loads_128,
                 "widest_load": self.widest_load, "streaming": self.streaming, "elementwise": self.elementwise,
-                "capped": self.capped, "problems": self.problems()}
+                "capped": self.capped, "dynamic_shared_bytes": self.dynamic_shared, "cluster": self.cluster,
+                "stores_128": self.stores_128, "problems": self.problems()}
 
     @classmethod
     def from_json(cls, row):
-        names = {"configuration": "config", "stack_bytes": "stack", "shared_bytes": "shared", "block_threads": "block"}
+        names = {"configuration": "config", "stack_bytes": "stack", "shared_bytes": "shared", "block_threads": "block",
+                 "dynamic_shared_bytes": "dynamic_shared"}
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{names.get(k, k): v for k, v in row.items() if names.get(k, k) in fields})
 
@@ -300,15 +311,37 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def cluster_markdown(rows):
+    """The cluster kernels' shared memory, cluster size and 128-bit stores at V = 151936 ("" without one)."""
+    clustered = [r for r in rows if r.cluster]
+    if not clustered:
+        return ""
+    lines = ["| kernel | arch | dtype | configuration | registers | static smem (B) | dynamic smem (B) | cluster "
+             "| threads/SM | 128-bit loads | 128-bit stores | instructions/logit (load + store loop) |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in clustered:
+        lines.append(f"| {r.kernel} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.shared} "
+                     f"| {r.dynamic_shared} | {r.cluster} | {r.threads_per_sm} | {r.loads_128} | {r.stores_128} "
+                     f"| {_per_element(r)} |")
+    return "\n".join(lines)
+
+
 _ELEMENT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
 
 
-def _row(kernel, backend, arch, dtype, config, entry, shared, block, function, streaming, elementwise, capped):
-    """A Row from ptxas's entry [name, arch, registers, stack, spill stores, spill loads, smem] and the SASS."""
+def _row(kernel, backend, arch, dtype, config, entry, shared, block, function, streaming, elementwise, capped,
+         plan=None):
+    """A Row from ptxas's entry [name, arch, registers, stack, spill stores, spill loads, smem] and the SASS;
+    `plan`: a cluster kernel's (cluster size, dynamic shared bytes) at V = 151936, whose instructions per logit
+    are its load loop's and its store loop's."""
     loads = function.loads()
     per_element = function.instructions_per_element(_ELEMENT_BITS[dtype]) if streaming else None
+    if plan is not None and per_element is not None:
+        per_element += function.instructions_per_element(_ELEMENT_BITS[dtype], "STG") or 0.0
+    cluster, dynamic = plan or (0, 0)
     return Row(kernel, backend, arch, dtype, config, entry[2], *entry[3:6], shared, block,
-               sum(bits >= 128 for bits in loads), max(loads, default=0), per_element, streaming, elementwise, capped)
+               sum(bits >= 128 for bits in loads), max(loads, default=0), per_element, streaming, elementwise, capped,
+               dynamic, cluster, sum(bits >= 128 for bits in function.stores()))
 
 
 # --- Triton ----------------------------------------------------------------------------------------------
@@ -571,6 +604,35 @@ _CUDA_DTYPES = {"float": "fp32", "__nv_bfloat16": "bf16", "__half": "fp16"}
 # Kernels over per-token scalars (one thread per token, no logits), by name: no 128-bit loads required.
 # Every other kernel walks rows of logits in 16-byte packs (row_pass.cuh) and must have them.
 CUDA_ELEMENTWISE = frozenset({"policy_token_loss_kernel", "covariance_choice_kernel"})
+# The two-pass kernel: a thread-block cluster per row, sm_90 only (a trap on sm_80, no row there).
+CUDA_CLUSTER = frozenset({"two_pass_kernel"})
+CLUSTER_VOCAB = 151936
+
+_PLAN_PROGRAM = """#include <cstdio>
+#include "cluster_row.cuh"
+int main() {
+  for (int bytes : {4, 2}) {
+    const rlk_cuda::cluster::Plan p = rlk_cuda::cluster::plan(%d, bytes);
+    std::printf("%%d %%d %%lld\\n", bytes, p.cluster, static_cast<long long>(p.slice_bytes));
+  }
+}
+"""
+
+
+def cluster_plans(out_dir):
+    """{dtype: (cluster size, dynamic shared bytes)} the two-pass kernel's launcher takes at V = CLUSTER_VOCAB: the
+    header's own plan(), built into a host program."""
+    src, exe = os.path.join(out_dir, "plan.cu"), os.path.join(out_dir, "plan")
+    with open(src, "w") as f:
+        f.write(_PLAN_PROGRAM % CLUSTER_VOCAB)
+    subprocess.run([shutil.which("nvcc"), "-std=c++17", "-I", os.path.join(ROOT, "csrc", "include"), "-I",
+                    os.path.join(ROOT, "csrc", "cuda"), src, "-o", exe], check=True, capture_output=True, text=True)
+    out = {}
+    for line in subprocess.run([exe], check=True, capture_output=True, text=True).stdout.splitlines():
+        size, cluster, dynamic = (int(x) for x in line.split())
+        for dtype in (["fp32"] if size == 4 else ["bf16", "fp16"]):
+            out[dtype] = (cluster, dynamic)
+    return out
 
 
 def _template_args(name):
@@ -609,8 +671,10 @@ def cuda_rows(archs, cuobjdump, out_dir):
         return fatbin, cmd, subprocess.run(cmd, capture_output=True, text=True)
 
     sources = sorted(glob.glob(CUDA_SOURCES))
-    with ThreadPoolExecutor(max(len(sources), 1)) as pool:
+    with ThreadPoolExecutor(max(len(sources), 1) + 1) as pool:
+        plans = pool.submit(cluster_plans, out_dir)
         builds = list(pool.map(build, sources))
+        plans = plans.result()
     rows = []
     for source, (fatbin, cmd, proc) in zip(sources, builds):
         if proc.returncode != 0:
@@ -632,9 +696,12 @@ def cuda_rows(archs, cuobjdump, out_dir):
             config = " ".join(f"{name}={arg}" for name, arg in list(named.items())[dtype != "-":])
             if (mangled, arch) not in blocks:
                 raise RuntimeError(f"{kernel}: no __launch_bounds__, so no block size for its occupancy")
+            if kernel in CUDA_CLUSTER and arch != "sm_90":
+                continue
             elementwise = kernel in CUDA_ELEMENTWISE
             rows.append(_row(kernel, "cuda", arch, dtype, config, entry, entry[6], blocks[(mangled, arch)],
-                             functions[(mangled, arch)], not elementwise, elementwise, named.get("kCap") == "true"))
+                             functions[(mangled, arch)], not elementwise, elementwise, named.get("kCap") == "true",
+                             plans[dtype] if kernel in CUDA_CLUSTER else None))
     return rows
 
 
@@ -716,6 +783,10 @@ def main(argv: Optional[list] = None) -> int:
     if any(r.elementwise for r in rows):
         notes.append("Elementwise: per-token fp32 scalars (no logits, dtype -), one token per lane; compiled for "
                      "registers and local memory, without a 128-bit load requirement.")
+    clusters = cluster_markdown(rows)
+    if clusters:
+        notes.insert(0, f"Cluster kernels at V = {CLUSTER_VOCAB} (dynamic shared memory: the row's slice per block, "
+                        f"counted in threads/SM; instructions per logit: load loop + store loop):\n\n{clusters}")
     text = toolchain(argv) + "\n\n" + markdown(rows) + "".join(f"\n\n{n}" for n in notes)
     print(text)
     if args.out:

@@ -10,6 +10,8 @@
   loads in one iteration (the loop's global load bits over the element's bits). That is what one logit
   costs in the issue slots of the SM, whatever the tile: e.g. a Triton tile of 8192 bf16 logits over 512
   threads is two 128-bit loads per thread, 16 logits per iteration.
+* The store loop, for a kernel that writes its row from on-chip memory (the two-pass cluster kernel): the same
+  rule over global stores (STG) instead of loads.
 * The block size of a CUDA kernel: its `__launch_bounds__` (EIATTR_MAX_THREADS), which its launcher launches.
 """
 from __future__ import annotations
@@ -28,8 +30,8 @@ _VALUE = re.compile(r"Value:\s+(.*)")
 
 
 def load_bits(opcode):
-    """Width of an LDG from its opcode: LDG.E.128 → 128, LDG.E.U16 → 16, LDG.E.64.CONSTANT → 64, LDG.E → 32.
-    (LTC128B is a cache hint, not a width.)"""
+    """Width of an LDG (or STG) from its opcode: LDG.E.128 → 128, LDG.E.U16 → 16, LDG.E.64.CONSTANT → 64,
+    LDG.E → 32. (LTC128B is a cache hint, not a width.)"""
     for mod in opcode.split(".")[1:]:
         bits = mod.lstrip("US")
         if bits.isdigit():
@@ -41,10 +43,13 @@ def load_bits(opcode):
 class Function:
     instructions: list  # [(address, opcode, operands)]
 
-    def loads(self, first=0, last=None):
-        """Bits of each global load between two addresses (inclusive; default: all)."""
+    def loads(self, first=0, last=None, kind="LDG"):
+        """Bits of each global load (kind="STG": store) between two addresses (inclusive; default: all)."""
         return [load_bits(op) for addr, op, _ in self.instructions
-                if op.startswith("LDG") and first <= addr <= (last if last is not None else addr)]
+                if op.startswith(kind) and first <= addr <= (last if last is not None else addr)]
+
+    def stores(self, first=0, last=None):
+        return self.loads(first, last, "STG")
 
     def loops(self):
         """[(head, back-edge)] address pairs: one per branch to a lower address (not the trap loop's
@@ -57,19 +62,21 @@ class Function:
                     out.append((target, addr))
         return out
 
-    def streaming_loop(self):
-        """(instructions, elements-bits loaded per iteration) of the streaming loop, None without a loop that loads."""
+    def streaming_loop(self, kind="LDG"):
+        """(instructions, elements-bits loaded per iteration) of the streaming loop, None without a loop that loads
+        (kind="STG": the store loop, the bits it stores)."""
         best = None
         for head, edge in self.loops():
-            bits = sum(self.loads(head, edge))
+            bits = sum(self.loads(head, edge, kind))
             count = sum(1 for addr, op, _ in self.instructions if head <= addr <= edge and op != "NOP")
             if bits and (best is None or (-bits, count) < (-best[1], best[0])):
                 best = (count, bits)
         return best
 
-    def instructions_per_element(self, element_bits):
-        """Instructions of the streaming loop per element of `element_bits` that a thread loads; None without one."""
-        loop = self.streaming_loop()
+    def instructions_per_element(self, element_bits, kind="LDG"):
+        """Instructions of the streaming loop per element of `element_bits` that a thread loads (kind="STG": of the
+        store loop, per element stored); None without one."""
+        loop = self.streaming_loop(kind)
         return None if loop is None else loop[0] * element_bits / loop[1]
 
 

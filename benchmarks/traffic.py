@@ -25,8 +25,8 @@ of the logits it avoids).
 The modelled time is bytes / 4.27 TB/s + FLOPs / 760 TFLOP/s, the copy bandwidth and bf16 dense matmul
 rate measured on an H200 (benchmarks/RESULTS.md). Passes are bytes over N·V·b (b the logits' element size):
 the logits path's floor is 3 (read forward, read and write backward), 2 on the two-pass path (read once and write
-the gradient, both in the forward: `two_pass=True`, the cpu backend's default; the cuda kernel is designed,
-docs/design.md §7, not yet written, so that row models it with the cpu op); the hidden-state path's FLOP floor is
+the gradient, both in the forward: `two_pass=True`, the cpu backend's default and the cuda backend's sm_90 cluster
+kernel, docs/design.md §7, which calls the same op); the hidden-state path's FLOP floor is
 3·2·N·H·V (the logits, ∂hidden and ∂W products).
 
 What the bytes do not show, the table shows beside them (`per_call`): the launches per call and the host time
@@ -267,7 +267,8 @@ def paths(n: int, vocab: int, hidden: int, dtype: torch.dtype, backend: str, dev
         **{f"fused_linear_policy_loss {p}, {label}": linear(p, **design)
            for p in ("grpo", "gspo") for label, design in HIDDEN_DESIGNS.items()},
     }
-    if _backend.kernels(backend).supports("policy_token_fwd_grad") is None:  # the cpu (docs/design.md §7)
+    sm90 = torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    if _backend.kernels(backend).supports("policy_token_fwd_grad") is None and sm90:  # cpu, cuda (design.md §7)
         out["fused_policy_loss grpo, two-pass"] = fused("grpo", False, True)
         out["fused_policy_loss grpo, two-pass, sliced"] = fused("grpo", True, True)
     return out

@@ -1,12 +1,17 @@
 """Two passes against three: forward + backward of `fused_policy_loss` with `two_pass=True` and `two_pass=False`,
-interleaved A/B (so that the load of a shared machine falls on both alike), the median of each.
+interleaved A/B (so that the load of a shared machine falls on both alike), the median of each; on CUDA beside
+Liger-Kernel's Triton GRPO loss (benchmarks/providers.py), contiguous logits and `logits[:, :-1]`.
 
     python -m benchmarks.two_pass                         # N = 4096, V = 151936, grpo and dapo, fp32 and bf16, cpu
     python -m benchmarks.two_pass --n 1024 --rounds 3 --presets grpo --dtypes bf16
+    python -m benchmarks.two_pass --device cuda           # N = 8192, V = 151936, grpo, bf16, with Liger
 
-Each round times one call of each path (gradients cleared, `loss.backward()`, the incoming gradient 1); the report
-is the median of the rounds and the ratio of the medians, the best round of each and their ratio (on a loaded
-machine the least disturbed), and every round.
+Each round times one call of each path (gradients cleared, `loss.backward()`, the incoming gradient 1; on CUDA
+between two device synchronisations); the report is the median of the rounds and the ratio of the medians, the best
+round of each and their ratio (on a loaded machine the least disturbed), and every round. On CUDA each layout is a
+row: `contiguous` (logits (B, T, V)) and `sliced` (`logits[:, :-1]` of the model's (B, T + 1, V) output, its
+gradient into the parent), and Liger's column takes the (B, T + 1, V) logits either way (it drops the last
+position itself); Liger is timed where it is installed and the preset is grpo (the loss it computes).
 """
 from __future__ import annotations
 
@@ -21,59 +26,109 @@ import rlkernels
 from rlkernels import presets
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULTS = {"cpu": dict(n=4096, presets=["grpo", "dapo"], dtypes=["fp32", "bf16"]),
+            "cuda": dict(n=8192, presets=["grpo"], dtypes=["bf16"])}
 
 
-def _inputs(n, vocab, dtype, seed=0, batch=8):
-    g = torch.Generator().manual_seed(seed)
+def _inputs(n, vocab, dtype, device, seed=0, batch=8, extra=0):
+    """(logits (B, T + extra, V), targets, advantages, mask, old/ref log-probs), drawn on the device."""
+    g = torch.Generator(device=device).manual_seed(seed)
     t = n // batch
-    logits = (torch.randn(batch, t, vocab, generator=g, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
-    targets = torch.randint(0, vocab, (batch, t), generator=g)
-    mask = torch.rand(batch, t, generator=g) > 0.1
-    old = -torch.rand(batch, t, generator=g) * 3
-    return logits, targets, torch.randn(batch, t, generator=g), mask, dict(old_logp=old, ref_logp=old - 0.05)
+    logits = (torch.randn(batch, t + extra, vocab, generator=g, device=device) * 2).to(dtype)
+    targets = torch.randint(0, vocab, (batch, t), generator=g, device=device)
+    mask = torch.rand(batch, t, generator=g, device=device) > 0.1
+    old = -torch.rand(batch, t, generator=g, device=device) * 3
+    adv = torch.randn(batch, t, generator=g, device=device)
+    return logits.requires_grad_(True), targets, adv, mask, dict(old_logp=old, ref_logp=old - 0.05)
 
 
-def _step(logits, targets, adv, mask, kw, config, two_pass):
-    logits.grad = None
+def _timed(device, fn):
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    out = rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend="cpu", two_pass=two_pass, **kw)
-    out.loss.backward()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def compare(n, vocab, dtype, preset, rounds):
-    """(median two-pass s, median three-pass s, the rounds' times of each)."""
-    logits, targets, adv, mask, kw = _inputs(n, vocab, dtype)
+def _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced):
+    def step():
+        leaf.grad = None
+        logits = leaf[:, :-1] if sliced else leaf
+        rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend=device, two_pass=two_pass,
+                                    **kw).loss.backward()
+    return step
+
+
+def _liger_step(n, vocab, dtype_name, device):
+    """Liger's Triton GRPO loss, fwd + bwd, as benchmarks.report times it; None where it cannot run."""
+    from benchmarks import providers
+    from benchmarks.workloads import Case
+
+    liger = next(p for p in providers.all_providers() if p.name == "liger")
+    case = Case("grpo", n, vocab, dtype_name, "fwd+bwd")
+    why = liger.unavailable(torch.device(device), case.op)
+    if why:
+        print(f"no Liger column: {why}")
+        return None
+    step, leaves, _ = providers.prepare(case, liger, torch.device(device))
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        step()
+    return run
+
+
+def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=None):
+    """(medians {path: s}, the rounds' times {path: [s]}) of the two-pass, three-pass (and Liger) paths."""
+    leaf, targets, adv, mask, kw = _inputs(n, vocab, DTYPES[dtype_name], device, extra=int(sliced))
     config = presets.get(preset)
-    times = {True: [], False: []}
-    for two_pass in (True, False):  # warm-up: first-use registration and page faults of the first gradient
-        _step(logits, targets, adv, mask, kw, config, two_pass)
+    steps = {name: _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced)
+             for name, two_pass in (("two", True), ("three", False))}
+    if liger is not None:
+        steps["liger"] = liger
+    times = {name: [] for name in steps}
+    for step in steps.values():  # warm-up: first-use registration, compiles, page faults of the first gradient
+        step()
     for r in range(rounds):
-        for two_pass in ((True, False) if r % 2 == 0 else (False, True)):
-            times[two_pass].append(_step(logits, targets, adv, mask, kw, config, two_pass))
-    return statistics.median(times[True]), statistics.median(times[False]), times
+        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+            times[name].append(_timed(device, steps[name]))
+    return {name: statistics.median(t) for name, t in times.items()}, times
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="the backend of that name too")
+    parser.add_argument("--n", type=int, help="tokens (default: cpu 4096, cuda 8192)")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--presets", nargs="+", default=["grpo", "dapo"])
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--presets", nargs="+", help="default: cpu grpo dapo, cuda grpo")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: cpu fp32 bf16, cuda bf16")
     args = parser.parse_args(argv)
-    print(f"N = {args.n}, V = {args.vocab}, {torch.get_num_threads()} threads, load average "
-          f"{os.getloadavg()[0]:.1f} at the start; {args.rounds} interleaved rounds")
-    print("| preset | dtype | two passes (s) | three passes (s) | speed-up | best two / three (s) | best speed-up | "
-          "rounds two / three (s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for dtype in args.dtypes:
-        for preset in args.presets:
-            two, three, times = compare(args.n, args.vocab, DTYPES[dtype], preset, args.rounds)
-            spread = " ".join(f"{t:.2f}" for t in times[True]) + " / " + " ".join(f"{t:.2f}" for t in times[False])
-            best2, best3 = min(times[True]), min(times[False])
-            print(f"| {preset} | {dtype} | {two:.3f} | {three:.3f} | {three / two:.2f}x | {best2:.3f} / {best3:.3f} | "
-                  f"{best3 / best2:.2f}x | {spread} |", flush=True)
+    defaults = DEFAULTS[args.device]
+    n, names, dtypes = args.n or defaults["n"], args.presets or defaults["presets"], args.dtypes or defaults["dtypes"]
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"N = {n}, V = {args.vocab}, {where}, load average {os.getloadavg()[0]:.1f} at the start; {args.rounds} "
+          "interleaved rounds")
+    layouts = [False, True] if args.device == "cuda" else [False]
+    unit, scale = ("ms", 1e3) if args.device == "cuda" else ("s", 1.0)
+    print(f"| preset | dtype | layout | two passes ({unit}) | three passes ({unit}) | speed-up | Liger ({unit}) | "
+          f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        for preset in names:
+            liger = _liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo" \
+                else None
+            for sliced in layouts:
+                med, times = compare(n, args.vocab, dtype, preset, args.rounds, args.device, sliced, liger)
+                fmt = lambda ts: " ".join(f"{t * scale:.3g}" for t in ts)  # noqa: E731
+                lig = f"{med['liger'] * scale:.3f} | {med['liger'] / med['two']:.2f}x" if "liger" in med else "- | -"
+                print(f"| {preset} | {dtype} | {'sliced' if sliced else 'contiguous'} | {med['two'] * scale:.3f} | "
+                      f"{med['three'] * scale:.3f} | {med['three'] / med['two']:.2f}x | {lig} | "
+                      f"{min(times['two']) * scale:.3f} / {min(times['three']) * scale:.3f} | "
+                      f"{fmt(times['two'])} / {fmt(times['three'])} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -247,14 +247,15 @@ def _loss_op_args(device):
                    (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, params))
             yield (torch.ops.rlkernels_C.policy_token_loss.default,
                    (logp, entropy, mask, weight, adv, *optional[:2], None, optional[2], params))
-        if device == "cpu":  # the two-pass row and its backward (no CUDA kernel yet, docs/design.md §7)
-            for optional in ((old, ref, omega, torch.randn(n, generator=g)), (None, None, None, None)):
+        # the two-pass row and its backward (cuda: the sm_90 cluster kernel, docs/design.md §7)
+        if device == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0):
+            for optional in ((old, ref, omega, torch.randn(n, generator=g).to(device)), (None, None, None, None)):
                 args = (flat, flat_targets, mask, weight, adv, *optional, temperature, softcap, params, 0.5)
                 yield torch.ops.rlkernels_C.policy_token_fwd_grad.default, args
                 yield torch.ops.rlkernels_C.policy_token_fwd_grad_out.default, (*args, torch.empty_like(flat))
             for incoming in (0.5, 2.0):  # returns at once; scales
                 yield (torch.ops.rlkernels_C.scale_grad_.default,
-                       (torch.randn(n, 7, generator=g), torch.tensor(incoming), 0.5))
+                       (torch.randn(n, 7, generator=g).to(device), torch.tensor(incoming, device=device), 0.5))
         yield (torch.ops.rlkernels_C.policy_token_loss.default,
                (logp, None, mask, weight, None, old, None, None, None, params))
         chosen = torch.where(mask, 0.3, 0.0)

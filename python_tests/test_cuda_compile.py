@@ -5,7 +5,8 @@
   is printed past pytest's output capture, so that it lands in the CI log.
 * csrc/tests/test_row_pass.cu, the kernels' per-row code run lane by lane on the host against a
   double-precision reference, and the per-token policy loss they end with, is built and run: the
-  CUDA kernels' logic is tested without a GPU.
+  CUDA kernels' logic is tested without a GPU. So is csrc/tests/test_cluster_row.cu, the two-pass cluster
+  kernel's phases run block by block and lane by lane, with the barriers between them.
 * csrc/cuda/bindings.cpp, the torch side of the CUDA ops, type-checks against torch's headers.
 
 Skipped when nvcc is not on PATH. About 40 s of CPU (sm_80 and sm_90 in one nvcc run, 10 s per arch),
@@ -41,26 +42,30 @@ def _compile(source, out_dir):
     return cmd, proc
 
 
-def _build_row_pass(out_dir):
-    exe = os.path.join(out_dir, "test_row_pass")
+HOST_TESTS = ("test_row_pass", "test_cluster_row")  # csrc/tests/*.cu built as host programs
+
+
+def _build_host_test(name, out_dir):
+    exe = os.path.join(out_dir, name)
     cmd = [NVCC, "-O2", "-std=c++17", "-I", os.path.join(ROOT, "csrc", "include"), "-I", os.path.join(ROOT, "csrc", "cuda"),
-           os.path.join(ROOT, "csrc", "tests", "test_row_pass.cu"), "-o", exe]
+           os.path.join(ROOT, "csrc", "tests", f"{name}.cu"), "-o", exe]
     return exe, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """All the nvcc runs of this file at once: {source: (cmd, proc)} and the host test."""
+    """All the nvcc runs of this file at once: {source: (cmd, proc)} and {host test: (exe, proc)}."""
     out_dir = str(tmp_path_factory.mktemp("nvcc"))
-    with ThreadPoolExecutor(max_workers=len(SOURCES) + 1) as pool:
-        host = pool.submit(_build_row_pass, out_dir)
+    with ThreadPoolExecutor(max_workers=len(SOURCES) + len(HOST_TESTS)) as pool:
+        hosts = {name: pool.submit(_build_host_test, name, out_dir) for name in HOST_TESTS}
         results = list(pool.map(lambda src: _compile(src, out_dir), SOURCES))
-        return dict(zip(SOURCES, results)), host.result()
+        return dict(zip(SOURCES, results)), {name: h.result() for name, h in hosts.items()}
 
 
-def test_row_pass_on_the_host(builds):
-    exe, proc = builds[1]
-    assert proc.returncode == 0, f"test_row_pass.cu does not compile:\n{proc.stderr[-6000:]}"
+@pytest.mark.parametrize("name", HOST_TESTS)
+def test_kernel_code_on_the_host(builds, name):
+    exe, proc = builds[1][name]
+    assert proc.returncode == 0, f"{name}.cu does not compile:\n{proc.stderr[-6000:]}"
     run = subprocess.run([exe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 

@@ -39,9 +39,9 @@ def test_stages_fit_one_command():
     stages, deadline = _plan()
     assert sum(s for _, s in stages) <= deadline <= COMMAND_S - PACK_AND_KILL_S, stages
     names = [n for n, _ in stages]
-    # the order of value: build before anything runs on the device, the correctness subset first, the
-    # benchmark's hidden-state and sliced rows before the rest
-    assert names[:3] == ["setup", "build", "tests"] and names[-1] == "rest", names
+    # the order of value: build before anything runs on the device, the correctness subset first, then the CUDA
+    # two-pass kernel's checks and timing, the benchmark's hidden-state and sliced rows before the rest
+    assert names[:4] == ["setup", "build", "tests", "twopass"] and names[-1] == "rest", names
     assert names.index("head") < names.index("sliced64") < names.index("rest")
     body = open(SCRIPT).read()
     assert [m for m in re.findall(r"^if begin (\w+);", body, re.M)] == names  # every stage planned runs, in order

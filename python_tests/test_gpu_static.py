@@ -146,3 +146,19 @@ def test_sweep_survives_a_transient_failure(tmp_path, monkeypatch):
     rows, failed = gpu_static.triton_rows(jobs, str(tmp_path), workers=2)
     assert rows == ["a", "flaky", "b", "killed", "c"]
     assert [(job.config, "broken failed" in str(error)) for job, error in failed] == [("broken", True)]
+
+
+def test_the_two_pass_cluster_kernel_holds_a_row_at_full_occupancy(quick):
+    """The CUDA two-pass kernel at V = 151936 on sm_90: a bf16 row in 4 blocks and an fp32 row in 8, 75968 bytes of
+    a row per block, 3 blocks of 512 threads per SM with it, no local memory, 128-bit loads and stores."""
+    backend, proc, rows = quick
+    if backend != "cuda":
+        pytest.skip("a CUDA kernel")
+    two_pass = [r for r in rows if r.kernel == "two_pass_kernel"]
+    assert {(r.dtype, r.config) for r in two_pass} == {(d, f"kCap={c}") for d in DTYPES for c in ("false", "true")}
+    for r in two_pass:
+        assert (r.cluster, r.dynamic_shared) == ({"bf16": 4, "fp32": 8}[r.dtype], 75968), r
+        assert r.threads_per_sm == 1536 and r.block == 512 and not r.problems(), r
+        assert r.loads_128 and r.stores_128, r
+    assert "Cluster kernels at V = 151936" in proc.stdout
+    assert "| two_pass_kernel | sm_90 | bf16 | kCap=false |" in proc.stdout

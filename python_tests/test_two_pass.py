@@ -211,3 +211,40 @@ def test_fp16_declares_its_loss_scale_or_keeps_three_passes():
         grads.append(x.grad.float())
     torch.testing.assert_close(grads[0], grads[2], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(grads[1], grads[2], rtol=2 ** -10, atol=2 ** -24, equal_nan=True)
+
+
+class _CpuAsCuda:
+    """The cpu kernels standing in for the cuda backend (whose `supports` they take), counting the two-pass calls."""
+
+    def __init__(self):
+        from rlkernels.kernels import cuda
+
+        self.supports, self.two_pass_calls = cuda.supports, 0
+
+    def __getattr__(self, op):
+        return getattr(cpu, op)
+
+    def policy_token_fwd_grad(self, *args, **kwargs):
+        self.two_pass_calls += 1
+        return cpu.policy_token_fwd_grad(*args, **kwargs)
+
+
+def test_cuda_takes_two_passes_only_when_asked(monkeypatch):
+    """cuda has the kernel (sm_90), but until a device run shows it exact and faster the default keeps 3 passes
+    there (docs/design.md §7): None and False never call it, True does, with the three-pass gradient."""
+    from rlkernels import _backend
+    from rlkernels.kernels import cuda
+
+    assert cuda.supports("policy_token_fwd_grad") is None
+    fake = _CpuAsCuda()
+    monkeypatch.setattr(_backend, "resolve", lambda backend, device: "cuda")
+    monkeypatch.setattr(_backend, "kernels", lambda name: fake)
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    grads = {}
+    for requested, calls in ((None, 0), (False, 0), (True, 1)):
+        x = logits.clone().requires_grad_(True)
+        rlkernels.fused_policy_loss(x, targets, adv, mask, config, two_pass=requested, **kw).loss.backward()
+        assert fake.two_pass_calls == calls, requested
+        grads[requested] = x.grad
+    torch.testing.assert_close(grads[None], grads[False], rtol=0, atol=0, equal_nan=True)
+    _close(grads[True], grads[False])

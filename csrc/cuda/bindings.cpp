@@ -1,5 +1,5 @@
 // CUDA implementations of the rlkernels_C ops (schemas: csrc/cpu/*.cpp): input checks,
-// allocation, the current stream, then the torch-free launchers of token_logprobs.cu. Compiled only
+// allocation, the current stream, then the torch-free launchers of launchers.h. Compiled only
 // in the CUDA build (setup.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -147,6 +147,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
 }
 
+// The two-pass row into `grad` (a new gradient, or `out`: the logits themselves or memory disjoint from them). The
+// checks of policy_token_fwd, those of the CPU two-pass op (entropy_grad, scale), and the device: sm_90 or later
+// (thread-block clusters) and a row that fits the shared memory of 8 blocks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_grad_into(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, const std::optional<at::Tensor>& entropy_grad, double temperature,
+    double softcap, at::ArrayRef<double> params, double scale, const at::Tensor& grad) {
+  const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
+  const Head head = head_of(temperature, softcap);
+  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  if (is_weights.has_value()) {
+    rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", at::kFloat);
+  }
+  if (entropy_grad.has_value()) {
+    rlk::check_token_tensor(*entropy_grad, "entropy_grad", logits, "the rows of logits", at::kFloat);
+  }
+  RLK_CHECK_VALUE(std::isfinite(scale) && scale != 0.0, "scale: expected a finite nonzero number, got ", scale);
+  const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
+  const int64_t N = rlk::row_count(logits);
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts);
+  at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
+  if (N == 0) return {logp, entropy, stats};
+  const c10::cuda::CUDAGuard guard(logits.device());
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, logits.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, logits.get_device()));
+  TORCH_CHECK(major >= 9, "policy_token_fwd_grad: the CUDA two-pass kernel needs thread-block clusters (sm_90 or "
+              "later); ", logits.device(), " is sm_", major, minor, " (two_pass=False keeps three passes)");
+  const int64_t V = logits.size(-1);
+  RLK_CHECK_VALUE(two_pass_cluster_size(V, dtype_of(logits, "logits")) > 0, "logits: the CUDA two-pass kernel holds a "
+                  "row in the shared memory of at most 8 blocks; V = ", V, " of ", logits.scalar_type(), " does not "
+                  "fit (two_pass=False keeps three passes)");
+  const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
+                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp), nullptr,
+                       rlk::optional_ptr<float>(is_weights)};
+  const TwoPassArgs args{rlk::optional_ptr<float>(entropy_grad), static_cast<float>(scale),
+                         logp.mutable_data_ptr<float>(), entropy.mutable_data_ptr<float>(),
+                         stats.mutable_data_ptr<float>()};
+  C10_CUDA_CHECK(policy_token_fwd_grad(rows_of(logits, "logits"), tgt.const_data_ptr<int64_t>(), head, in, loss, args,
+                                       rows_of(grad, "out"), c10::cuda::getCurrentCUDAStream()));
+  return {logp, entropy, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_cuda(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, const std::optional<at::Tensor>& entropy_grad, double temperature,
+    double softcap, at::ArrayRef<double> params, double scale) {
+  check_logits(logits);
+  at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  auto r = fwd_grad_into(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, entropy_grad, temperature,
+                         softcap, params, scale, grad);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), grad};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_out_cuda(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
+    const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+    const std::optional<at::Tensor>& is_weights, const std::optional<at::Tensor>& entropy_grad, double temperature,
+    double softcap, at::ArrayRef<double> params, double scale, const at::Tensor& out) {
+  check_logits(logits);
+  RLK_CHECK_VALUE(out.device() == logits.device(), "out: expected a tensor on ", logits.device(), ", got ",
+                  out.device());
+  rlk::check_grad_out(logits, out);
+  return fwd_grad_into(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, entropy_grad, temperature,
+                       softcap, params, scale, out);
+}
+
+// grad ×= grad_out / assumed unless grad_out equals `assumed` (rounded to its dtype): the kernel reads grad_out on
+// the device and returns at once when it matches (no host sync).
+void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_out, double assumed) {
+  RLK_CHECK_VALUE(grad.is_cuda() && grad_out.device() == grad.device(), "grad, grad_out: expected tensors on one "
+                  "CUDA device, got ", grad.device(), " and ", grad_out.device());
+  const Dtype dtype = dtype_of(grad, "grad");
+  RLK_CHECK_VALUE(grad.is_contiguous(), "grad: expected a contiguous tensor, got strides ", grad.strides());
+  RLK_CHECK_VALUE(grad_out.numel() == 1 && (grad_out.scalar_type() == at::kFloat || grad_out.scalar_type() == at::kDouble),
+                  "grad_out: expected one float32 or float64 number, got ", grad_out.sizes(), " ",
+                  grad_out.scalar_type());
+  RLK_CHECK_VALUE(std::isfinite(assumed) && assumed != 0.0, "assumed: expected a finite nonzero number, got ", assumed);
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  C10_CUDA_CHECK(scale_grad(grad.data_ptr(), grad.numel(), dtype, grad_out.const_data_ptr(),
+                            grad_out.scalar_type() == at::kDouble, assumed, c10::cuda::getCurrentCUDAStream()));
+}
+
 // The per-token policy loss at given fp32 log-probs (N,).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_loss_cuda(
     const at::Tensor& logp, const std::optional<at::Tensor>& entropy, const at::Tensor& mask,
@@ -209,6 +296,9 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CUDA, m) {
   m.impl("token_logprobs_bwd", &rlk_cuda::token_logprobs_bwd_cuda);
   m.impl("token_logprobs_bwd_out", &rlk_cuda::token_logprobs_bwd_out_cuda);
   m.impl("policy_token_fwd", &rlk_cuda::policy_token_fwd_cuda);
+  m.impl("policy_token_fwd_grad", &rlk_cuda::policy_token_fwd_grad_cuda);
+  m.impl("policy_token_fwd_grad_out", &rlk_cuda::policy_token_fwd_grad_out_cuda);
+  m.impl("scale_grad_", &rlk_cuda::scale_grad_cuda);
   m.impl("policy_token_loss", &rlk_cuda::policy_token_loss_cuda);
   m.impl("covariance_choice", &rlk_cuda::covariance_choice_cuda);
 }

@@ -78,6 +78,35 @@ cudaError_t policy_token_fwd(const Rows& logits, const int64_t* targets, const H
                              const rlk::TokenLossParams<float>& params, const TokenOutputs& out,
                              cudaStream_t stream);
 
+// What the two-pass row takes and gives besides policy_token_fwd's inputs: fp32 device arrays of n elements
+// (stats n × rlk::kNumStats); entropy_grad may be null (see policy_token_fwd_grad).
+struct TwoPassArgs {
+  const float* entropy_grad;
+  float scale;
+  float* logp;
+  float* entropy;
+  float* stats;
+};
+
+// The cluster size (1, 2, 4 or 8) the two-pass kernel takes for rows of v logits of `dtype`, and 0 where a row
+// does not fit the shared memory of 8 blocks (policy_token_two_pass.cu).
+int two_pass_cluster_size(int64_t v, Dtype dtype);
+
+// The two-pass row (docs/design.md §2; the contract is `policy_token_fwd_grad` in rlkernels/kernels/__init__.py):
+// policy_token_fwd's logp, entropy and statistics, and ∂logits into `grad` (rows where grad.at says; it may be
+// `logits` itself) at g = scale·grad_logp, h = scale·(entropy_grad, else the token's grad_entropy where
+// params.entropy_coef != 0, else 0), from one read of each row. sm_90 and later (thread-block clusters):
+// cudaErrorNotSupported below; cudaErrorInvalidValue where two_pass_cluster_size is 0. Returns the launch error.
+cudaError_t policy_token_fwd_grad(const Rows& logits, const int64_t* targets, const Head& head, const TokenInputs& in,
+                                  const rlk::TokenLossParams<float>& params, const TwoPassArgs& args, const Rows& grad,
+                                  cudaStream_t stream);
+
+// grad[n] ×= incoming / assumed in fp32, unless *incoming (device memory: fp32, or fp64 when `fp64`) equals
+// `assumed` rounded to its dtype; the kernel's blocks read it and return at once when it does (no host sync).
+// grad: n contiguous elements of `dtype`. Returns the launch error.
+cudaError_t scale_grad(void* grad, int64_t n, Dtype dtype, const void* incoming, bool fp64, double assumed,
+                       cudaStream_t stream);
+
 // The per-token policy loss at given log-probs `logp` (and `entropy`, nullptr: H = 0), n fp32
 // device elements each; outputs as in policy_token_fwd (the contract is `policy_token_loss` in
 // rlkernels/kernels/__init__.py). Returns the launch error, if any.

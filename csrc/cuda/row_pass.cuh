@@ -71,6 +71,17 @@ template <> struct Pack<float> {
     x[3] = v.w;
   }
   RLK_HOST_DEVICE static void store(float* p, const float* x) { store16(p, make_float4(x[0], x[1], x[2], x[3])); }
+  // 16 bytes already in registers (the two-pass kernel keeps them in shared memory, cluster_row.cuh)
+  RLK_HOST_DEVICE static void unpack(const uint4& raw, float* x) {
+    x[0] = bit_cast<float>(raw.x);
+    x[1] = bit_cast<float>(raw.y);
+    x[2] = bit_cast<float>(raw.z);
+    x[3] = bit_cast<float>(raw.w);
+  }
+  RLK_HOST_DEVICE static uint4 pack(const float* x) {
+    return make_uint4(bit_cast<uint32_t>(x[0]), bit_cast<uint32_t>(x[1]), bit_cast<uint32_t>(x[2]),
+                      bit_cast<uint32_t>(x[3]));
+  }
 };
 
 // 8 bf16 or fp16 values: 4 words of 2, converted pair by pair.
@@ -79,8 +90,9 @@ struct PackHalves {
   static constexpr int kElems = 8;
   RLK_HOST_DEVICE static float to_float(T v) { return Cvt::to_float(v); }
   RLK_HOST_DEVICE static T from_float(float v) { return Cvt::from_float(v); }
-  RLK_HOST_DEVICE static void load(const T* p, float* x) {
-    const uint4 raw = load16<uint4>(p);
+  RLK_HOST_DEVICE static void load(const T* p, float* x) { unpack(load16<uint4>(p), x); }
+  RLK_HOST_DEVICE static void store(T* p, const float* x) { store16(p, pack(x)); }
+  RLK_HOST_DEVICE static void unpack(const uint4& raw, float* x) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -89,11 +101,11 @@ struct PackHalves {
       x[2 * i + 1] = f.y;
     }
   }
-  RLK_HOST_DEVICE static void store(T* p, const float* x) {
+  RLK_HOST_DEVICE static uint4 pack(const float* x) {
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = bit_cast<uint32_t>(Cvt::from_float2(x[2 * i], x[2 * i + 1]));
-    store16(p, make_uint4(w[0], w[1], w[2], w[3]));
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 

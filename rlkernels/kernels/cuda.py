@@ -15,8 +15,9 @@ from ._extension import *  # noqa: F401,F403  the contract's ops, shared by the 
 from ._extension import _C, missing_reason
 from . import supports_all_but
 
-# the two-pass row needs the sm_90 cluster kernel of docs/design.md §7, not written yet: 3 passes
-supports = supports_all_but({"policy_token_fwd_grad": "the CUDA two-pass kernel (sm_90 clusters) is not written yet"})
+# every op; policy_token_fwd_grad (the sm_90 cluster kernel, docs/design.md §7) raises on an older device when called,
+# and fused_policy_loss takes it only when asked (two_pass=True) until a device run shows it exact and faster
+supports = supports_all_but({})
 
 
 def available() -> Tuple[bool, str]:

@@ -11,9 +11,10 @@ autograd on `(B, T)` tensors. Either way the backward is one kernel over the log
 per-token derivatives times the incoming gradient (an `(N,)` product, no N × V pass), written
 into a new buffer or, with `inplace=True`, into the logits themselves: 3 passes over the logits.
 
-Two passes where the backend has `policy_token_fwd_grad` (cpu) and the forward kernel evaluates the loss:
-that kernel also writes ∂logits, for the incoming gradient `grad_scale`, from the same read of each row;
-the backward hands it over, scaled once only when the incoming gradient differs (docs/design.md §2).
+Two passes where the backend has `policy_token_fwd_grad` (cpu by default; cuda on sm_90 when asked) and the
+forward kernel evaluates the loss: that kernel also writes ∂logits, for the incoming gradient `grad_scale`, from the
+same read of each row; the backward hands it over, scaled once only when the incoming gradient differs
+(docs/design.md §2).
 
 Under `torch.compile` (and without autograd) the value is the composition
 `policy_loss(token_logprobs(...))`, which traces through the registered ops.
@@ -37,6 +38,10 @@ from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
 from ._rows import check_logits_args, logits_rows, run_blocks
 from .token_logprobs import _define as define_ops, token_logprobs
+
+# Backends where the two-pass row is the default: where it was measured faster (cpu: benchmarks/RESULTS.md). cuda
+# has the kernel (sm_90) but takes it only when asked until a device run shows it exact and faster (design.md §7).
+TWO_PASS_BY_DEFAULT = frozenset({"cpu"})
 
 
 @takes_loss_args
@@ -64,8 +69,8 @@ def fused_policy_loss(
     the two-pass path already by the forward).
 
     `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
-    instead of 3). None: where the backend has that kernel (cpu) and the config's loss is token-level
-    (docs/design.md §4), fp16 logits excepted; True: required (ValueError where it cannot; with fp16 logits, pass
+    instead of 3). None: on the cpu backend (`TWO_PASS_BY_DEFAULT`) where the config's loss is token-level
+    (docs/design.md §4), fp16 logits excepted; True: required (cuda: sm_90 or later) (ValueError where it cannot; with fp16 logits, pass
     the loss scale as `grad_scale`); False: never. Its gradient assumes the
     incoming gradient `grad_scale` (1 for `loss.backward()`; 1/k for `(loss / k).backward()`, gradient
     accumulation): then the backward moves nothing of size N × V. Any other incoming gradient gives the
@@ -106,7 +111,7 @@ def fused_policy_loss(
                               mask=mask, advantages=advantages, what="logits (B, T, V)", **loss_args)
     rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
     written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(
-        two_pass, decided.step, kernels, needs_grad, logits.dtype) else None
+        two_pass, decided.step, kernels, needs_grad, logits.dtype, name) else None
     logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature, written)
     out, logp, entropy = run_step(logits_pass, decided.step, inputs, config)
     loss = out.loss
@@ -119,11 +124,15 @@ def fused_policy_loss(
     return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
 
 
-def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool, dtype: torch.dtype) -> bool:
+def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool, dtype: torch.dtype,
+              backend: str) -> bool:
     """Whether the forward writes ∂logits (`two_pass` of `fused_policy_loss`); raises where it was required and
-    cannot. Not by default for fp16 logits: they train under a loss scale, which arrives as the incoming gradient,
-    and a gradient written at another scale would flush its small entries to zero before the scaling pass."""
-    if not needs_grad or requested is False or (requested is None and dtype == torch.float16):
+    cannot. By default only on the backends of TWO_PASS_BY_DEFAULT, and not for fp16 logits: they train under a
+    loss scale, which arrives as the incoming gradient, and a gradient written at another scale would flush its
+    small entries to zero before the scaling pass."""
+    if not needs_grad or requested is False:
+        return False
+    if requested is None and (dtype == torch.float16 or backend not in TWO_PASS_BY_DEFAULT):
         return False
     why = kernels.supports("policy_token_fwd_grad")
     if why is None and step is not Step.FORWARD:
