@@ -16,6 +16,7 @@ import difflib
 import math
 import os
 import sys
+import textwrap
 
 from . import token_loss_params as P
 
@@ -33,11 +34,13 @@ def _double(x: float) -> str:
 
 
 def _enum(name: str, items, count: str) -> list:
-    """`enum name : int` of (enumerator, value, comment) in order of value, then `count`."""
+    """`enum name : int` of (enumerator, value, comment) in order of value, then `count`; a comment goes above its
+    enumerator."""
     items = sorted(items, key=lambda item: item[1])
     assert [v for _, v, _ in items] == list(range(len(items))), f"{name}: the ids must be 0 to n − 1, each once"
     lines = [f"enum {name} : int {{"]
-    lines += [f"  {e} = {v},{'  // ' + doc if doc else ''}" for e, v, doc in items]
+    for e, v, doc in items:
+        lines += ["  // " + line for line in textwrap.wrap(doc, 112)] + [f"  {e} = {v},"]
     return lines + [f"  {count} = {len(items)}", "};"]
 
 
@@ -72,7 +75,7 @@ def render() -> str:
         "",
         "namespace rlk {",
         "",
-        "// The ids of OBJECTIVES and of KL_ESTIMATORS (0: no KL term in the loss)",
+        "// The ids of OBJECTIVES, each with its formula, and of KL_ESTIMATORS (0: no KL term in the loss)",
         *_enum("TokenObjective", [(f"k{_camel(e.name)}", e.id, e.doc) for e in P.OBJECTIVES], "kNumObjectives"),
         *_enum("KlEstimator", [("kKlNone", P.KL_NONE, "")] + [(f"kKl{_camel(e.name)}", e.id, e.doc)
                                                              for e in P.KL_ESTIMATORS], "kNumKlEstimators"),
