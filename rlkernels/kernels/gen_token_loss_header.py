@@ -48,6 +48,12 @@ def _field_type(param: P.Param) -> str:
     return "T" if param.kind == P.REAL else "bool" if param.kind == P.BOOL else "int"
 
 
+def _default(param: P.Param) -> str:
+    if param.kind == P.REAL:
+        return f"T({_double(param.default)})"
+    return ("true" if param.default else "false") if param.kind == P.BOOL else str(int(param.default))
+
+
 def _range(param: P.Param) -> str:
     count = {P.OBJECTIVE_ID: "kNumObjectives", P.KL_ESTIMATOR_ID: "kNumKlEstimators", P.BOOL: "2"}.get(param.kind, "0")
     what = {P.OBJECTIVE_ID: "the ids of OBJECTIVES", P.KL_ESTIMATOR_ID: "0 or the ids of KL_ESTIMATORS",
@@ -90,9 +96,12 @@ def render() -> str:
         *_enum("TokenLossParam", [(f"kParam{_camel(p.name)}", i, "") for i, p in enumerate(P.PARAMS)],
                "kNumTokenLossParams"),
         "",
+        "constexpr double kInf = std::numeric_limits<double>::infinity();",
+        "",
+        "// The kernels' parameters; a field not set holds the table's default.",
         "template <typename T>",
         "struct TokenLossParams {",
-        *[f"  {_field_type(p)} {p.name};  // {p.doc}" for p in P.PARAMS],
+        *[f"  {_field_type(p)} {p.name} = {_default(p)};  // {p.doc}" for p in P.PARAMS],
         "};",
         "",
         "// The range of each packed value, in order: an id or bool is an integer in [0, count) (`what` says which);",
@@ -105,7 +114,6 @@ def render() -> str:
         "  bool strict;",
         "  bool inf_ok;",
         "};",
-        "constexpr double kInf = std::numeric_limits<double>::infinity();",
         "constexpr TokenLossParamRange kTokenLossParamRanges[kNumTokenLossParams] = {",
         *[_range(p) for p in P.PARAMS],
         "};",

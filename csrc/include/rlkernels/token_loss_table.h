@@ -95,25 +95,28 @@ enum TokenLossParam : int {
   kNumTokenLossParams = 17
 };
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The kernels' parameters; a field not set holds the table's default.
 template <typename T>
 struct TokenLossParams {
-  int objective;  // an OBJECTIVES id (the config: its name, or a plug-in's of losses/objectives.py)
-  T clip_low;  // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
-  T clip_high;  // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
-  T delta;  // the unclipped branch uses min(w, delta) (inf: none); any δ > 0, as TRL
-  T dual_clip;  // for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
-  int kl_estimator;  // KL_NONE or a KL_ESTIMATORS id: the estimator of the KL loss term (the config: its name, or one of verl's that losses/kl.py computes, docs/math.md §6)
-  T kl_coef;  // β ≥ 0 of the KL term (0 without one)
-  T kl_clamp;  // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
-  bool kl_bias_correction;  // the KL term times the clamped ratio w (differentiated through w too)
-  T entropy_coef;  // c_H: ℓoss −= c_H·H
-  T log_ratio_clamp;  // c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
-  T sapo_tau_pos;  // SAPO's gate temperature τ where A > 0
-  T sapo_tau_neg;  // and where A ≤ 0
-  T ratio_cap;  // DPPO's weight is min(w, ratio_cap), truncated IS (inf: none)
-  T dro_beta;  // DRO's β of the ½β(ℓ − ℓ_old)² penalty (verl's policy_loss.dro_beta; the config requires it with objective 'dro')
-  T gppo_beta_low;  // GPPO's β₁ (Klear-Reasoner's; 1 in its runs): a token the clip holds below (w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)
-  T gppo_beta_high;  // GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)
+  int objective = 0;  // an OBJECTIVES id (the config: its name, or a plug-in's of losses/objectives.py)
+  T clip_low = T(kInf);  // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
+  T clip_high = T(kInf);  // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
+  T delta = T(kInf);  // the unclipped branch uses min(w, delta) (inf: none); any δ > 0, as TRL
+  T dual_clip = T(kInf);  // for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
+  int kl_estimator = 0;  // KL_NONE or a KL_ESTIMATORS id: the estimator of the KL loss term (the config: its name, or one of verl's that losses/kl.py computes, docs/math.md §6)
+  T kl_coef = T(0.0);  // β ≥ 0 of the KL term (0 without one)
+  T kl_clamp = T(kInf);  // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
+  bool kl_bias_correction = false;  // the KL term times the clamped ratio w (differentiated through w too)
+  T entropy_coef = T(0.0);  // c_H: ℓoss −= c_H·H
+  T log_ratio_clamp = T(20.0);  // c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
+  T sapo_tau_pos = T(1.0);  // SAPO's gate temperature τ where A > 0
+  T sapo_tau_neg = T(1.0);  // and where A ≤ 0
+  T ratio_cap = T(kInf);  // DPPO's weight is min(w, ratio_cap), truncated IS (inf: none)
+  T dro_beta = T(0.0);  // DRO's β of the ½β(ℓ − ℓ_old)² penalty (verl's policy_loss.dro_beta; the config requires it with objective 'dro')
+  T gppo_beta_low = T(1.0);  // GPPO's β₁ (Klear-Reasoner's; 1 in its runs): a token the clip holds below (w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)
+  T gppo_beta_high = T(1.0);  // GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)
 };
 
 // The range of each packed value, in order: an id or bool is an integer in [0, count) (`what` says which);
@@ -126,7 +129,6 @@ struct TokenLossParamRange {
   bool strict;
   bool inf_ok;
 };
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr TokenLossParamRange kTokenLossParamRanges[kNumTokenLossParams] = {
   {"objective", kNumObjectives, "the ids of OBJECTIVES", 0.0, false, false},
   {"clip_low", 0, "", 0.0, false, true},
