@@ -46,3 +46,25 @@ def preset(name, **overrides):
     from rlkernels import presets
 
     return presets.get(name, **{**TEST_FIELDS.get(name, {}), **overrides})
+
+
+def check_fused_against_the_composition(config, logits, targets, adv, mask, kw, backend, temperature=1.0):
+    """`fused_policy_loss` on `backend` equals its definition `policy_loss(token_logprobs(...))` (torch backend) in
+    loss, ∂logits and metrics; returns (the fused output, its ∂logits)."""
+    import rlkernels
+
+    x = logits.clone().requires_grad_(True)
+    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw on both paths
+    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=temperature, backend=backend, **kw)
+    fused.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    logp, entropy = rlkernels.token_logprobs(y, targets, temperature=temperature, return_entropy=True,
+                                             backend="torch")
+    torch.manual_seed(0)
+    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=entropy, **kw)
+    composed.loss.backward()
+    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
+    return fused, x.grad

@@ -10,7 +10,7 @@ import torch
 import rlkernels
 from rlkernels import presets, reference
 
-from loss_inputs import preset, random_loss_inputs
+from loss_inputs import check_fused_against_the_composition, preset, random_loss_inputs
 
 BACKENDS = [b for b in ("torch", "cpu") if rlkernels.backend_info()[b]["available"]]
 # SNIS's value Σ_i c_i·Σ_t ℓ has Σ_{i∈g} c_i = 0: terms ~100× the result cancel, so its fp32 rounding is larger
@@ -170,27 +170,8 @@ def test_token_configs_equal_the_composition(backend, name, on_policy):
     kw = _kwargs(inputs, config)
     if on_policy:
         kw.pop("old_logp")
-    _check_against_the_composition(logits, targets, inputs, config, kw, 1.3, backend)
-
-
-def _check_against_the_composition(logits, targets, inputs, config, kw, temperature, backend):
-    """fused_policy_loss = policy_loss(token_logprobs(...)) (torch backend) in loss, ∂logits and metrics;
-    returns (the fused output, ∂logits)."""
-    adv, mask = inputs["advantages"].float(), inputs["mask"]
-    x = logits.clone().requires_grad_(True)
-    torch.manual_seed(0)  # Clip-Cov's random choice of tokens: the same draw on both paths
-    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=temperature, backend=backend, **kw)
-    fused.loss.backward()
-    y = logits.clone().requires_grad_(True)
-    logp, ent = rlkernels.token_logprobs(y, targets, temperature=temperature, return_entropy=True, backend="torch")
-    torch.manual_seed(0)
-    composed = rlkernels.policy_loss(logp, adv, mask, config, entropy=ent, **kw)
-    composed.loss.backward()
-    torch.testing.assert_close(fused.loss, composed.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
-    for key in composed.metrics:
-        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
-    return fused, x.grad
+    check_fused_against_the_composition(config, logits, targets, inputs["advantages"].float(), inputs["mask"], kw,
+                                        backend, temperature=1.3)
 
 
 # Sequence-level configs beyond the presets, through the sequence step (TRL's sequence-level CISPO, with a cap
@@ -223,7 +204,8 @@ def test_sequence_configs_equal_the_composition_and_the_reference(backend, name)
     logits, targets, inputs = _case(seed=zlib.crc32(name.encode()) % 1000)
     config = rlkernels.PolicyLossConfig(**SEQUENCE_CONFIGS[name])
     kw = _kwargs(inputs, config)
-    fused, grad = _check_against_the_composition(logits, targets, inputs, config, kw, 0.9, backend)
+    fused, grad = check_fused_against_the_composition(config, logits, targets, inputs["advantages"].float(),
+                                                      inputs["mask"], kw, backend, temperature=0.9)
     adv, mask = inputs["advantages"].float(), inputs["mask"]
     z = logits.double().requires_grad_(True)
     ref_logp, ref_ent = reference.token_logprobs(z, targets, 0.9)

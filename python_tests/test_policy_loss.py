@@ -10,6 +10,7 @@ import torch
 
 import rlkernels
 from rlkernels import presets, reference
+from rlkernels.losses import objectives
 from rlkernels.losses.kl import kl_estimate
 
 from loss_inputs import preset, random_loss_inputs
@@ -543,9 +544,10 @@ def test_preset_table():
     assert presets.dro().dro_beta == 0.1
     v = presets.vespo()
     assert (v.vespo_k_pos, v.vespo_lambda_pos, v.vespo_k_neg, v.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
-    # appended: the first eleven keep their places
-    assert presets.NAMES[:11] == ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "fspo", "gepo", "cispo",
-                                  "gmpo", "snis")
+    # declared with their objectives (losses/objectives.py): each objective's presets together, in the registry's order
+    order = [presets.fields(name)["objective"] for name in presets.NAMES]
+    runs = [o for i, o in enumerate(order) if i == 0 or o != order[i - 1]]
+    assert runs == [o for o in objectives.names() if o in order]
 
 
 class _Reads:

@@ -9,7 +9,7 @@ import torch
 import rlkernels
 from rlkernels import _backend
 
-from loss_inputs import preset
+from loss_inputs import check_fused_against_the_composition, preset
 
 BACKENDS = ["torch", "cpu"] + (["triton"] if _backend.backend_info()["triton"]["available"]
                                and _backend._device_ok("triton", torch.device("cpu")) else [])
@@ -29,27 +29,12 @@ def _inputs(B, T, seed):
     return logits, targets, torch.randn(B, generator=g), mask, kw
 
 
-def _check_against_the_definition(config, logits, targets, adv, mask, kw, backend):
-    x = logits.clone().requires_grad_(True)
-    fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend=backend, **kw)
-    fused.loss.backward()
-    y = logits.clone().requires_grad_(True)
-    logp, entropy = rlkernels.token_logprobs(y, targets, return_entropy=True, backend="torch")
-    spec = rlkernels.policy_loss(logp, adv, mask, config, entropy=entropy, **kw)
-    spec.loss.backward()
-    torch.testing.assert_close(fused.loss, spec.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
-    for key in spec.metrics:
-        torch.testing.assert_close(fused.metrics[key], spec.metrics[key], rtol=1e-5, atol=1e-6, msg=key)
-    return fused
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gspo_token_with_one_row(backend):
     """B = 1: the row's sequence log-ratio broadcast over its tokens is a stride-0 expand; the kernels take it
     contiguous (the cpu backend once raised "logp: expected a contiguous tensor")."""
     logits, targets, adv, mask, kw = _inputs(1, 6, seed=0)
-    _check_against_the_definition(preset("gspo_token"), logits, targets, adv, mask, kw, backend)
+    check_fused_against_the_composition(preset("gspo_token"), logits, targets, adv, mask, kw, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -58,8 +43,8 @@ def test_gmpo_with_a_clip_bound_past_the_range_of_exp(backend, clip_high):
     """ε_high ≥ 710: e^ε_high overflows a double (the cpu and triton backends once raised OverflowError); the
     bound then never binds, as in the definition."""
     logits, targets, adv, mask, kw = _inputs(4, 5, seed=1)
-    out = _check_against_the_definition(preset("gmpo", clip_high=clip_high), logits, targets, adv, mask, kw,
-                                        backend)
+    out, _ = check_fused_against_the_composition(preset("gmpo", clip_high=clip_high), logits, targets, adv, mask,
+                                                 kw, backend)
     assert torch.isfinite(out.loss)
 
 
@@ -72,5 +57,5 @@ def test_a_sampled_token_of_probability_0(backend, name):
     logits, targets, adv, mask, kw = _inputs(4, 5, seed=2)
     logits[1, 0, targets[1, 0]] = float("-inf")
     config = preset(name, group_size=2) if name == "gepo" else preset(name)
-    out = _check_against_the_definition(config, logits, targets, adv, mask, kw, backend)
+    out, _ = check_fused_against_the_composition(config, logits, targets, adv, mask, kw, backend)
     assert not torch.isnan(out.loss)

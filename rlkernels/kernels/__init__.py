@@ -78,25 +78,11 @@ class Kernels(Protocol):
         the log-prob and H the entropy of a row (c = log_ratio_clamp; inf means "no bound"):
 
             r = clamp(ℓ − ℓ_old, −c, c),  w = e^r              (∂r/∂ℓ = 1 iff |ℓ − ℓ_old| ≤ c)
-            CLIP:      u = −A·min(w, δ),  k = −A·clamp(w, 1 − ε_low, 1 + ε_high),  s = max(u, k),
-                       and for A < 0: s = min(s, −dual_clip·A)
-                       clip_low = w < 1 − ε_low and A < 0,  clip_high = w > 1 + ε_high and A > 0
-            CISPO:     s = −clamp(w, 1 − ε_low, 1 + ε_high)·A·ℓ   (the clamped w is a constant)
-                       clip_low = w < 1 − ε_low,  clip_high = w > 1 + ε_high
-            REINFORCE: s = −A·ℓ,  clip_low = clip_high = false
-            SAPO:      s = −A·σ(τ(w − 1))·4/τ, τ = sapo_tau_pos where A > 0, else sapo_tau_neg; no flags
-            DPPO_TV/KL: with p = e^ℓ, p_old = e^ℓ_old and D the divergence of (p_old, 1 − p_old) to
-                       (p, 1 − p) (TV: p − p_old; KL: p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − p_old
-                       + 1e-8)/(1 − p + 1e-8))), a token is inside when A > 0 and D ≤ ε_high (KL: or
-                       p ≤ p_old), or A ≤ 0 and D ≥ −ε_low (KL: D ≤ ε_low or p ≥ p_old);
-                       s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 outside;
-                       clip_low = outside and A < 0,  clip_high = outside and A > 0
-            DRO:       s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
-            TOPR:      s = −A·ℓ where A ≥ 0, −clamp(w, 0, 1)·A·ℓ where A < 0 (the clamped w is a constant);
-                       clip_high = w > 1 and A < 0
-            GPPO:      CLIP without δ, except that a token the clip holds (CLIP's clip_low or clip_high) has
-                       s = −β·b·A·w/sg(w), b its bound (1 − ε_low, 1 + ε_high) and β gppo_beta_low / _high:
-                       CLIP's value at β = 1, the gradient −β·b·A; then the dual clip; CLIP's flags
+            s, clip_low, clip_high: the surrogate of ``params.objective`` and its two flags, each objective's
+                       formula as `OBJECTIVES` of rlkernels/_token_loss_table.py declares it (its `doc`; also the
+                       comment of its id in csrc/include/rlkernels/token_loss_table.h), in the terms above: A, w,
+                       ℓ, ℓ_old and the parameters (ε_low = clip_low, ε_high = clip_high, δ = delta); flags false
+                       where it declares none
             ω:         s and ∂s/∂ℓ of the surrogate above times ω; clip_low = clip_high = false where ω = 0
             KL (ref_logp given): Δ = clamp(ℓ_ref − ℓ, −c, c); with KL_NONE or β = 0 the `kl` statistic
                        is k3(Δ) = e^Δ − 1 − Δ and the loss has no KL term; else k = est(Δ)
@@ -154,13 +140,9 @@ class Kernels(Protocol):
         the other inputs, the params and the three outputs as in ``policy_token_fwd``. The
         sequence-level losses call it once over the tokens for their KL and entropy terms and once
         over the rows (or tokens) for their surrogate (SNIS: its REINFORCE surrogate in the first
-        call, as its advantage) (``ops/_sequence_step.py``). Two more
-        objectives read ``chosen (N,)`` (``None``: 0 everywhere), the output of ``covariance_choice``:
-
-            CLIP_COV:  CLIP, except that where chosen ≠ 0: A = 0 in the surrogate (s = 0, no gradient)
-                       and clip_low = A < 0, clip_high = A > 0 (the token counts as clipped on A's side)
-            KL_COV:    CLIP (with every bound inf: s = −A·w), plus chosen·|ℓ − ℓ_old| where chosen ≠ 0
-                       (the difference unclamped; its derivative sign(ℓ − ℓ_old), 0 at 0)
+        call, as its advantage) (``ops/_sequence_step.py``). The objectives whose `ops` in the table are this op
+        alone (CLIP_COV, KL_COV) read ``chosen (N,)`` (``None``: 0 everywhere), the output of
+        ``covariance_choice``, as their formulas there say.
         """
 
     def covariance_choice(self, logp: Tensor, adv: Tensor, old_logp: Optional[Tensor], mask: Tensor,

@@ -16,6 +16,7 @@ import difflib
 import math
 import os
 import sys
+import textwrap
 
 from . import token_loss_params as P
 
@@ -33,16 +34,24 @@ def _double(x: float) -> str:
 
 
 def _enum(name: str, items, count: str) -> list:
-    """`enum name : int` of (enumerator, value, comment) in order of value, then `count`."""
+    """`enum name : int` of (enumerator, value, comment) in order of value, then `count`; a comment goes above its
+    enumerator."""
     items = sorted(items, key=lambda item: item[1])
     assert [v for _, v, _ in items] == list(range(len(items))), f"{name}: the ids must be 0 to n − 1, each once"
     lines = [f"enum {name} : int {{"]
-    lines += [f"  {e} = {v},{'  // ' + doc if doc else ''}" for e, v, doc in items]
+    for e, v, doc in items:
+        lines += ["  // " + line for line in textwrap.wrap(doc, 112)] + [f"  {e} = {v},"]
     return lines + [f"  {count} = {len(items)}", "};"]
 
 
 def _field_type(param: P.Param) -> str:
     return "T" if param.kind == P.REAL else "bool" if param.kind == P.BOOL else "int"
+
+
+def _default(param: P.Param) -> str:
+    if param.kind == P.REAL:
+        return f"T({_double(param.default)})"
+    return ("true" if param.default else "false") if param.kind == P.BOOL else str(int(param.default))
 
 
 def _range(param: P.Param) -> str:
@@ -72,7 +81,7 @@ def render() -> str:
         "",
         "namespace rlk {",
         "",
-        "// The ids of OBJECTIVES and of KL_ESTIMATORS (0: no KL term in the loss)",
+        "// The ids of OBJECTIVES, each with its formula, and of KL_ESTIMATORS (0: no KL term in the loss)",
         *_enum("TokenObjective", [(f"k{_camel(e.name)}", e.id, e.doc) for e in P.OBJECTIVES], "kNumObjectives"),
         *_enum("KlEstimator", [("kKlNone", P.KL_NONE, "")] + [(f"kKl{_camel(e.name)}", e.id, e.doc)
                                                              for e in P.KL_ESTIMATORS], "kNumKlEstimators"),
@@ -87,9 +96,12 @@ def render() -> str:
         *_enum("TokenLossParam", [(f"kParam{_camel(p.name)}", i, "") for i, p in enumerate(P.PARAMS)],
                "kNumTokenLossParams"),
         "",
+        "constexpr double kInf = std::numeric_limits<double>::infinity();",
+        "",
+        "// The kernels' parameters; a field not set holds the table's default.",
         "template <typename T>",
         "struct TokenLossParams {",
-        *[f"  {_field_type(p)} {p.name};  // {p.doc}" for p in P.PARAMS],
+        *[f"  {_field_type(p)} {p.name} = {_default(p)};  // {p.doc}" for p in P.PARAMS],
         "};",
         "",
         "// The range of each packed value, in order: an id or bool is an integer in [0, count) (`what` says which);",
@@ -102,7 +114,6 @@ def render() -> str:
         "  bool strict;",
         "  bool inf_ok;",
         "};",
-        "constexpr double kInf = std::numeric_limits<double>::infinity();",
         "constexpr TokenLossParamRange kTokenLossParamRanges[kNumTokenLossParams] = {",
         *[_range(p) for p in P.PARAMS],
         "};",

@@ -18,9 +18,19 @@ import dataclasses
 from typing import Dict, Tuple
 
 from .._token_loss_table import (  # noqa: F401 (the table's names, as the kernels' modules import them)
-    BOOL, CHOOSE_CLIP_COV, CHOOSE_KL_COV, CISPO, CLIP, CLIP_COV, DPPO_KL, DPPO_TV, DRO, FWD, GPPO, INF, KL_ABS,
-    KL_COV, KL_ESTIMATOR_ID, KL_ESTIMATORS, KL_K1, KL_K2, KL_K3, KL_LOW_VAR_KL_PLUS, KL_NONE, LOSS, LOW_VAR_KL_BOUND,
-    OBJECTIVE_ID, OBJECTIVES, PARAMS, REAL, REINFORCE, SAPO, STATS, TOPR, Entry, Param)
+    BOOL, CHOOSE_CLIP_COV, CHOOSE_KL_COV, FWD, INF, KL_ESTIMATOR_ID, KL_ESTIMATORS, KL_NONE, LOSS, LOW_VAR_KL_BOUND,
+    OBJECTIVE_ID, OBJECTIVES, PARAMS, REAL, STATS, Entry, Param)
+
+
+def upper_name(name: str) -> str:
+    """An entry's or parameter's name as a constant: CLIP_LOW, LOW_VAR_KL_PLUS."""
+    return name.replace("+", "_plus").upper()
+
+
+# Each objective's id by its upper-case name (CLIP, GPPO, ...) and each KL estimator's as KL_<name> (KL_K3, ...),
+# from the table's entries: an entry added there is named here too.
+IDS = {**{upper_name(e.name): e.id for e in OBJECTIVES}, **{"KL_" + upper_name(e.name): e.id for e in KL_ESTIMATORS}}
+globals().update(IDS)
 
 NUM_STATS = len(STATS)
 # the columns of `stats` by name (C++: kStatRatio, ...), and the surrogate's four (loss, clip flags, ratio)
@@ -31,18 +41,11 @@ OFFSET = {p.name: i for i, p in enumerate(PARAMS)}
 NUM_PARAMS = len(PARAMS)
 
 
-def upper_name(name: str) -> str:
-    """An entry's or parameter's name as a constant: CLIP_LOW, LOW_VAR_KL_PLUS."""
-    return name.replace("+", "_plus").upper()
-
-
 def triton_constants() -> Dict[str, int]:
     """The constants of triton/token_loss.py: each objective's id by its upper-case name (CLIP, GPPO), each KL
     estimator's as KL_<name> (KL_NONE, KL_K1), and the offset into ``params`` of each real parameter by its name
     (CLIP_LOW, ...; the id and bool parameters reach the Triton kernels as constexpr arguments instead)."""
-    return {**{upper_name(e.name): e.id for e in OBJECTIVES},
-            "KL_NONE": KL_NONE, **{"KL_" + upper_name(e.name): e.id for e in KL_ESTIMATORS},
-            **{upper_name(p.name): OFFSET[p.name] for p in PARAMS if p.kind == REAL}}
+    return {**IDS, "KL_NONE": KL_NONE, **{upper_name(p.name): OFFSET[p.name] for p in PARAMS if p.kind == REAL}}
 
 
 def _python_type(param: Param) -> type:

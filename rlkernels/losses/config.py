@@ -5,7 +5,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 from .._checks import check_choice, check_int, check_real
-from .._token_loss_table import PARAMS, REAL
+from .._token_loss_table import BOOL, KL_ESTIMATOR_ID, OBJECTIVE_ID, PARAMS, REAL, Param
 from . import objectives
 from .kl import BASE_ESTIMATORS, STRAIGHT_THROUGH
 from .objectives import RATIOS
@@ -20,40 +20,40 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "cons
 _RATIO_SPACE_CLIP = ("token", "sequence", "sequence_token", "group_expectation")
 
 
+def _field_type(param: Param):
+    kind = {REAL: float, BOOL: bool, OBJECTIVE_ID: str, KL_ESTIMATOR_ID: str}[param.kind]
+    return Optional[kind] if param.optional else kind
+
+
+# The fields of the kernels' scalars, made from the table (rlkernels/_token_loss_table.py): each parameter's config
+# field with its type, default, doc (`metadata["doc"]`) and range (checked in `PolicyLossConfig.__post_init__`). A
+# scalar added to the table is a config field at once.
+KernelScalarFields = dataclasses.make_dataclass(
+    "KernelScalarFields",
+    [(p.field, _field_type(p), dataclasses.field(default=p.field_default, metadata={"doc": p.doc})) for p in PARAMS],
+    frozen=True, namespace={"__module__": __name__, "__doc__": "The fields of PolicyLossConfig that the kernels take "
+                            "as scalars, made from rlkernels/_token_loss_table.py: " + "; ".join(
+                                f"{p.field}: {p.doc}" for p in PARAMS) + "."})
+
+
 @dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
-    """Hyperparameters of a policy loss; see docs/math.md §4-§9 and `rlkernels.presets`."""
+class PolicyLossConfig(KernelScalarFields):
+    """Hyperparameters of a policy loss; see docs/math.md §4-§9 and `rlkernels.presets`. The fields the kernels take
+    as scalars (objective, clip_low, clip_high, delta, dual_clip, kl_estimator, kl_coef, ...: `KernelScalarFields`,
+    each with its doc) come from the table of rlkernels/_token_loss_table.py; the others are declared here."""
 
     ratio: str = "token"
-    objective: str = "clip"
-    clip_low: Optional[float] = 0.2
-    clip_high: Optional[float] = 0.2
-    delta: Optional[float] = None
-    dual_clip: Optional[float] = None
     fspo_c_low: float = 0.03
     fspo_c_high: float = 0.03
-    # docs/math.md §6: Schulman's k1, k2, k3 of Δ clamped (the fused kernels'), or verl's kl, mse, abs, low_var_kl
-    # and their straight-through "+" forms, each as verl computes it
-    kl_estimator: Optional[str] = None
-    kl_coef: float = 0.0
-    kl_clamp: Optional[float] = None
-    kl_bias_correction: bool = False
     # which ratio multiplies the bias-corrected KL: each token's own (DeepSeek-V3.2), or its row's sequence
     # ratio exp(mean_t (ℓ − ℓ_old)) (TRL's use_bias_correction_kl with importance_sampling_level="sequence")
     kl_bias_ratio: str = "token"
-    entropy_coef: float = 0.0
     # how the entropy bonus is aggregated: None, as the loss (c_H·H in each token's loss); "token_mean", the
     # mean of H over the call's masked tokens whatever the loss's aggregation and counts (TRL's bonus)
     entropy_agg: Optional[str] = None
     agg: str = "token_mean"
     norm_length: Optional[int] = None
-    log_ratio_clamp: float = 20.0
     group_size: Optional[int] = None
-    # SAPO's soft gate (docs/math.md §5): temperature for A > 0 / A ≤ 0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    # DPPO: the detached importance weight is min(w, ratio_cap) (truncated IS); None: no cap
-    ratio_cap: Optional[float] = None
     # Clip-Cov / KL-Cov (verl's policy_loss.clip_cov_* / kl_cov_ratio / ppo_kl_coef)
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
@@ -63,11 +63,6 @@ class PolicyLossConfig:
     clip_cov_draw: str = "device"
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 0.1
-    # DRO's quadratic penalty (verl's policy_loss.dro_beta); required (> 0) with objective="dro"
-    dro_beta: Optional[float] = None
-    # GPPO's β₁ / β₂ (Klear-Reasoner's; 1 in its runs): the gradient a token clipped below / above keeps
-    gppo_beta_low: float = 1.0
-    gppo_beta_high: float = 1.0
     # VESPO's gamma weight φ(w) = e^λ·w^k·e^{-λw}, (k, λ) for A ≥ 0 / A < 0 (TRL's vespo_*)
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
@@ -111,7 +106,7 @@ class PolicyLossConfig:
         for param in PARAMS:
             if param.kind == REAL:
                 check_real(param.field, getattr(self, param.field), param.low, lo_open=param.strict,
-                           optional=_FIELD_TYPES[param.field].startswith("Optional"))
+                           optional=param.optional)
         self._check_clip(objective)
         check_real("fspo_c_low", self.fspo_c_low, 0.0)
         check_real("fspo_c_high", self.fspo_c_high, 0.0)
@@ -193,7 +188,6 @@ class PolicyLossConfig:
         return dataclasses.replace(self, **overrides)
 
 
-_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(PolicyLossConfig)}
 _RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 

@@ -1,7 +1,7 @@
 """The registry of policy objectives (docs/math.md §5): one `Objective` per name, with its surrogate at each
-ratio it takes and what it reads of the config. `PolicyLossConfig` validates against it, `policy_loss` evaluates
-through it, the docs' lists are checked against it, and `register_objective` adds a user's objective written in
-plain PyTorch (docs/design.md, "Adding an objective").
+ratio it takes, what it reads of the config and its presets (§9). `PolicyLossConfig` validates against it,
+`policy_loss` evaluates through it, `rlkernels.presets` lists its presets, the docs' lists are checked against it, and
+`register_objective` adds a user's objective written in plain PyTorch (docs/design.md, "Adding an objective").
 
 A surrogate is `f(b: Batch, cfg) -> Surrogate` over `(B, T)`; `surrogates.at(weight, f)` evaluates a
 ratio-taking `f(w, b, cfg)` at the weight of a ratio, so one function serves every ratio of an objective.
@@ -9,6 +9,7 @@ ratio-taking `f(w, b, cfg)` at the weight of a ratio, so one function serves eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import keyword
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -32,7 +33,9 @@ class Objective:
     `dual_clip` act on them), "band" (the same bounds, either may be None: CISPO's weight band, whose upper bound
     may lie below 1), "divergence" (DPPO's thresholds on a divergence, both required). `fields`: the other config
     fields it reads; `required`: those of them that must be set. `weights_in_ratio`: importance weights enter its
-    ratio instead of weighting each token's loss (VESPO). `plugin`: registered by a user."""
+    ratio instead of weighting each token's loss (VESPO). `presets`: its built-in presets, name → the other
+    `PolicyLossConfig` fields they set (`rlkernels.presets`, in the registry's order). `plugin`: registered by a
+    user."""
 
     name: str
     surrogates: Mapping[str, Callable[[Batch, object], s.Surrogate]]
@@ -40,6 +43,7 @@ class Objective:
     fields: Tuple[str, ...] = ()
     required: Tuple[str, ...] = ()
     weights_in_ratio: bool = False
+    presets: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
     plugin: bool = False
 
     @property
@@ -52,6 +56,7 @@ _REGISTRY: Dict[str, Objective] = {}
 
 def _declare(objective: Objective) -> Objective:
     assert objective.clip in CLIP_KINDS and set(objective.ratios) <= set(RATIOS), objective
+    assert not set(objective.presets) & set(presets()), f"{objective.name}: a preset of that name exists"
     _REGISTRY[objective.name] = objective
     return objective
 
@@ -73,35 +78,74 @@ def taking(ratio: str) -> Tuple[str, ...]:
     return tuple(name for name, o in _REGISTRY.items() if ratio in o.surrogates)
 
 
+def presets() -> Dict[str, dict]:
+    """Every built-in preset, name → its `PolicyLossConfig` fields (`ratio` and `objective` first), in the
+    registry's order (`rlkernels.presets` adds the users' own)."""
+    return {name: {"ratio": fields["ratio"], "objective": o.name, **fields}
+            for o in _REGISTRY.values() for name, fields in o.presets.items()}
+
+
 def reading(field: str) -> Tuple[str, ...]:
     """The objectives that read config field `field` (`Objective.fields`)."""
     return tuple(name for name, o in _REGISTRY.items() if field in o.fields)
 
 
-# ---- the built-in objectives (docs/math.md §5) ------------------------------------------------------------
+# ---- the built-in objectives (docs/math.md §5) and their presets (§9) -----------------------------------------
+# Sequence-level ratios give one surrogate per row; rows are averaged (docs/math.md §5, §8).
+_PER_ROW = "seq_mean_token_mean"
 _declare(Objective("clip", {
     "token": s.at(s.token_ratio, s.clip), "sequence": s.at(s.sequence_ratio, s.clip),
     "sequence_token": s.at(s.sequence_token_ratio, s.clip), "sequence_sum": s.fspo,
     "group_expectation": s.group_expectation, "geometric": s.geometric,
-}, clip="ratio", fields=("delta", "dual_clip", "fspo_c_low", "fspo_c_high")))
+}, clip="ratio", fields=("delta", "dual_clip", "fspo_c_low", "fspo_c_high"), presets={
+    "ppo": dict(ratio="token", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token_mean"),
+    "grpo": dict(ratio="token", clip_low=0.2, clip_high=0.2, kl_estimator="k3", kl_coef=0.04,
+                 agg="seq_mean_token_mean"),
+    # Dr. GRPO divides by a constant: `norm_length` (the maximum completion length) has no default.
+    "dr_grpo": dict(ratio="token", clip_low=0.2, clip_high=0.2, agg="constant"),
+    "dapo": dict(ratio="token", clip_low=0.2, clip_high=0.28, agg="token_mean"),
+    "gspo": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, agg=_PER_ROW),
+    "gspo_token": dict(ratio="sequence_token", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_mean"),
+    "fspo": dict(ratio="sequence_sum", fspo_c_low=0.03, fspo_c_high=0.03, agg=_PER_ROW),
+    "gepo": dict(ratio="group_expectation", clip_low=0.2, clip_high=0.2, agg=_PER_ROW),
+    "gmpo": dict(ratio="geometric", clip_low=0.4, clip_high=0.4, agg=_PER_ROW),
+    "luspo": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum"),
+}))
 _declare(Objective("cispo", {"token": s.at(s.token_ratio, s.cispo), "sequence": s.at(s.sequence_ratio, s.cispo)},
-                   clip="band"))
-_declare(Objective("reinforce", {"token": s.at(s.token_ratio, s.reinforce), "snis": s.snis}))
+                   clip="band", presets={"cispo": dict(ratio="token", clip_low=None, clip_high=4.0, agg="token_mean")}))
+_declare(Objective("reinforce", {"token": s.at(s.token_ratio, s.reinforce), "snis": s.snis}, presets={
+    "snis": dict(ratio="snis", agg=_PER_ROW), "gpg": dict(ratio="token", agg="token_mean")}))
 _declare(Objective("sapo", {"token": s.at(s.token_ratio, s.sapo), "sequence": s.at(s.sequence_ratio, s.sapo),
                             "sequence_token": s.at(s.sequence_token_ratio, s.sapo)},
-                   fields=("sapo_tau_pos", "sapo_tau_neg")))
-for _name in ("dppo_tv", "dppo_kl"):
-    _declare(Objective(_name, {"token": s.at(s.token_ratio, s.dppo)}, clip="divergence", fields=("ratio_cap",)))
+                   fields=("sapo_tau_pos", "sapo_tau_neg"), presets={
+                       "sapo": dict(ratio="token", sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="seq_mean_token_mean")}))
+for _divergence, _bound in (("tv", 0.15), ("kl", 0.05)):
+    _declare(Objective(f"dppo_{_divergence}", {"token": s.at(s.token_ratio, functools.partial(s.dppo,
+                                                                                           divergence=_divergence))},
+                       clip="divergence", fields=("ratio_cap",), presets={
+                           f"dppo_{_divergence}": dict(ratio="token", clip_low=_bound, clip_high=_bound,
+                                                       agg="token_mean")}))
 _declare(Objective("clip_cov", {"token": s.at(s.token_ratio, s.clip_cov)}, clip="ratio",
-                   fields=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_draw")))
-_declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, fields=("kl_cov_ratio", "kl_cov_coef")))
-_declare(Objective("dro", {"token": s.at(s.token_ratio, s.dro)}, fields=("dro_beta",), required=("dro_beta",)))
+                   fields=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_draw"), presets={
+                       "clip_cov": dict(ratio="token", clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
+                                        clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token_mean")}))
+_declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, fields=("kl_cov_ratio", "kl_cov_coef"),
+                   presets={"kl_cov": dict(ratio="token", kl_cov_ratio=2e-4, kl_cov_coef=0.1, agg="token_mean")}))
+_declare(Objective("dro", {"token": s.at(s.token_ratio, s.dro)}, fields=("dro_beta",), required=("dro_beta",),
+                   presets={"dro": dict(ratio="token", dro_beta=0.1, agg="token_mean")}))
 _declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True,
-                   fields=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")))
-# GPPO: PPO's clip whose held tokens keep the gradient β·bound·A·∇ℓ (`surrogates.clip_objective`)
-_declare(Objective("gppo", {"token": s.at(s.token_ratio, s.clip)}, clip="ratio",
-                   fields=("dual_clip", "gppo_beta_low", "gppo_beta_high")))
-_declare(Objective("topr", {"token": s.at(s.token_ratio, s.topr), "sequence_sum": s.at(s.trajectory_ratio, s.topr)}))
+                   fields=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), presets={
+                       "vespo": dict(ratio="sequence_sum", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                                     vespo_lambda_neg=2.0, agg="token_mean")}))
+_declare(Objective("topr", {"token": s.at(s.token_ratio, s.topr), "sequence_sum": s.at(s.trajectory_ratio, s.topr)},
+                   presets={"topr": dict(ratio="token", clip_low=None, clip_high=None, agg="token_mean")}))
+# GPPO: the clip family whose held tokens keep the gradient β·bound·A·∇ℓ, β its two fields (`surrogates.clip`)
+_declare(Objective("gppo", {"token": s.at(s.token_ratio, functools.partial(s.clip, preserve=("gppo_beta_low",
+                                                                                             "gppo_beta_high")))},
+                   clip="ratio", fields=("dual_clip", "gppo_beta_low", "gppo_beta_high"), presets={
+                       # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
+                       "gppo": dict(ratio="token", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
+                                    gppo_beta_high=1.0, agg="token_mean")}))
 
 
 # ---- plug-ins -------------------------------------------------------------------------------------------------

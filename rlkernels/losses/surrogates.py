@@ -25,19 +25,19 @@ class Surrogate:
     clipped_high: torch.Tensor  # (B, T) bool
 
 
-def clip_objective(w, adv, cfg):
-    """PPO's clipped surrogate max(−A·w', −A·clip(w)) with optional delta and dual clip; GPPO's (`cfg.objective`
-    "gppo") where the clip holds a token (w below the band with A < 0, above it with A > 0) is −β·bound·A·w/sg(w):
-    PPO's value for β = 1, and the gradient −β·bound·A·∇ℓ where PPO's is 0 (docs/math.md §5)."""
+def clip_objective(w, adv, cfg, preserve=None):
+    """The clip family: PPO's clipped surrogate max(−A·min(w, δ), −A·clip(w)), then the dual clip, each where set.
+    `preserve`: None, or (β_low, β_high), with which a token the clip holds (w below the band with A < 0, above it with
+    A > 0) is −β·bound·A·w/sg(w) (GPPO): PPO's value for β = 1, and the gradient −β·bound·A·∇ℓ where PPO's is 0
+    (docs/math.md §5)."""
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
     held_low, held_high = (w.detach() < lo) & (adv < 0), (w.detach() > hi) & (adv > 0)
-    if cfg.objective == "gppo":
-        bound = torch.where(held_low, w.new_tensor(cfg.gppo_beta_low * lo), cfg.gppo_beta_high * hi)  # w's dtype
-        kept = bound * (w / w.detach())
-        loss = -adv * torch.where(held_low | held_high, kept, w)
-    else:
-        unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
-        loss = torch.maximum(unclipped, -adv * w.clamp(lo, hi))
+    unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
+    loss = torch.maximum(unclipped, -adv * w.clamp(lo, hi))
+    if preserve is not None:
+        beta_low, beta_high = preserve
+        bound = torch.where(held_low, w.new_tensor(beta_low * lo), beta_high * hi)  # w's dtype
+        loss = torch.where(held_low | held_high, -adv * bound * (w / w.detach()), loss)
     if cfg.dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
     return Surrogate(loss, w.detach(), held_low, held_high)
@@ -91,8 +91,9 @@ def _none(b: Batch) -> torch.Tensor:
     return torch.zeros_like(b.mask)
 
 
-def clip(w, b: Batch, cfg) -> Surrogate:
-    return clip_objective(w, b.adv, cfg)
+def clip(w, b: Batch, cfg, preserve=None) -> Surrogate:
+    """The clip family (`clip_objective`); `preserve`: None, or the config fields of its (β_low, β_high) (GPPO's)."""
+    return clip_objective(w, b.adv, cfg, None if preserve is None else tuple(getattr(cfg, f) for f in preserve))
 
 
 def reinforce(w, b: Batch, cfg) -> Surrogate:
@@ -128,11 +129,12 @@ def sapo(w, b: Batch, cfg) -> Surrogate:
     return soft_gate(w, b.adv, cfg)
 
 
-def dppo(w, b: Batch, cfg) -> Surrogate:
-    """DPPO (Binary-TV / Binary-KL): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the divergence trust region."""
+def dppo(w, b: Batch, cfg, divergence: str) -> Surrogate:
+    """DPPO (Binary-TV / Binary-KL, `divergence` "tv" / "kl"): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the
+    divergence trust region."""
     with torch.no_grad():
         p, p_old, adv = torch.exp(b.logp), torch.exp(b.old_logp), b.adv
-        if cfg.objective == "dppo_tv":
+        if divergence == "tv":
             inside_pos = p - p_old <= cfg.clip_high
             inside_neg = p - p_old >= -cfg.clip_low
         else:  # the KL between the Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p)

@@ -8,19 +8,39 @@
 
 namespace rlk {
 
-// The ids of OBJECTIVES and of KL_ESTIMATORS (0: no KL term in the loss)
+// The ids of OBJECTIVES, each with its formula, and of KL_ESTIMATORS (0: no KL term in the loss)
 enum TokenObjective : int {
+  // u = −A·min(w, δ), k = −A·clamp(w, 1 − ε_low, 1 + ε_high), s = max(u, k), and for A < 0 s = min(s, −dual_clip·A);
+  // clip_low = w < 1 − ε_low and A < 0, clip_high = w > 1 + ε_high and A > 0
   kClip = 0,
+  // s = −clamp(w, 1 − ε_low, 1 + ε_high)·A·ℓ (the clamped w a constant); clip_low = w < 1 − ε_low, clip_high = w > 1
+  // + ε_high
   kCispo = 1,
+  // s = −A·ℓ; no flags
   kReinforce = 2,
+  // s = −A·σ(τ(w − 1))·4/τ, τ = sapo_tau_pos where A > 0, else sapo_tau_neg; no flags
   kSapo = 3,
+  // with p = e^ℓ, p_old = e^ℓ_old, a token is inside when A > 0 and p − p_old ≤ ε_high, or A ≤ 0 and p − p_old ≥
+  // −ε_low; s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 outside; clip_low = outside and A < 0,
+  // clip_high = outside and A > 0
   kDppoTv = 4,
+  // DPPO_TV's, with the divergence D = p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8)) of the
+  // Bernoulli distributions: inside when A > 0 and (D ≤ ε_high or p ≤ p_old), or A ≤ 0 and (D ≤ ε_low or p ≥ p_old)
   kDppoKl = 5,
+  // s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags
   kDro = 6,
-  kClipCov = 7,  // kClip, and a chosen token has loss 0 and counts as clipped on A's side
-  kKlCov = 8,  // kClip without bounds (−A·w), plus chosen·|ℓ − ℓ_old| on a chosen token
+  // CLIP, except where chosen ≠ 0: A = 0 in the surrogate (s = 0, no gradient) and clip_low = A < 0, clip_high = A >
+  // 0 (the token counts as clipped on A's side)
+  kClipCov = 7,
+  // CLIP with every bound inf (s = −A·w), plus chosen·|ℓ − ℓ_old| where chosen ≠ 0 (the difference unclamped; its
+  // derivative sign(ℓ − ℓ_old), 0 at 0)
+  kKlCov = 8,
+  // s = −A·ℓ where A ≥ 0, −clamp(w, 0, 1)·A·ℓ where A < 0 (the clamped w a constant); clip_high = w > 1 and A < 0
   kTopr = 9,
-  kGppo = 10,  // kClip, but a token the clip holds keeps a gradient
+  // CLIP without δ, except that a token the clip holds (CLIP's clip_low or clip_high) has s = −β·b·A·w/sg(w), b its
+  // bound (1 − ε_low, 1 + ε_high), β gppo_beta_low / gppo_beta_high: CLIP's value at β = 1, the gradient −β·b·A;
+  // then the dual clip; CLIP's flags
+  kGppo = 10,
   kNumObjectives = 11
 };
 enum KlEstimator : int {
@@ -28,8 +48,10 @@ enum KlEstimator : int {
   kKlK1 = 1,
   kKlK2 = 2,
   kKlK3 = 3,
-  kKlAbs = 4,  // verl's abs: |Δ| of the unclamped Δ
-  kKlLowVarKlPlus = 5,  // verl's low_var_kl+: the value clamp(k3(Δ_c), ±10), the gradient of ½(ℓ − ℓ_ref)²
+  // verl's abs: |Δ| of the unclamped Δ
+  kKlAbs = 4,
+  // verl's low_var_kl+: the value clamp(k3(Δ_c), ±10), the gradient of ½(ℓ − ℓ_ref)²
+  kKlLowVarKlPlus = 5,
   kNumKlEstimators = 6
 };
 // verl's low_var_kl clamps its k3 to ±10
@@ -73,25 +95,28 @@ enum TokenLossParam : int {
   kNumTokenLossParams = 17
 };
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The kernels' parameters; a field not set holds the table's default.
 template <typename T>
 struct TokenLossParams {
-  int objective;  // an OBJECTIVES id
-  T clip_low;  // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
-  T clip_high;  // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
-  T delta;  // the unclipped branch uses min(w, delta) (inf: none); any δ > 0, as TRL
-  T dual_clip;  // for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
-  int kl_estimator;  // KL_NONE or a KL_ESTIMATORS id: the estimator of the KL loss term
-  T kl_coef;  // β ≥ 0 of the KL term (0 without one)
-  T kl_clamp;  // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
-  bool kl_bias_correction;  // the KL term times the clamped ratio w (differentiated through w too)
-  T entropy_coef;  // c_H: ℓoss −= c_H·H
-  T log_ratio_clamp;  // c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
-  T sapo_tau_pos;  // SAPO's gate temperature τ where A > 0
-  T sapo_tau_neg;  // and where A ≤ 0
-  T ratio_cap;  // DPPO's weight is min(w, ratio_cap) (inf: none)
-  T dro_beta;  // DRO's β of the ½β(ℓ − ℓ_old)² penalty
-  T gppo_beta_low;  // GPPO's β₁: a token the clip holds below (w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)
-  T gppo_beta_high;  // GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)
+  int objective = 0;  // an OBJECTIVES id (the config: its name, or a plug-in's of losses/objectives.py)
+  T clip_low = T(kInf);  // the ratio's lower bound is 1 − clip_low (inf: none); DPPO: the divergence bound for A < 0
+  T clip_high = T(kInf);  // upper bound 1 + clip_high (inf: none); DPPO: the divergence bound for A > 0
+  T delta = T(kInf);  // the unclipped branch uses min(w, delta) (inf: none); any δ > 0, as TRL
+  T dual_clip = T(kInf);  // for A < 0 the loss is min(ℓoss, −dual_clip·A) (inf: none)
+  int kl_estimator = 0;  // KL_NONE or a KL_ESTIMATORS id: the estimator of the KL loss term (the config: its name, or one of verl's that losses/kl.py computes, docs/math.md §6)
+  T kl_coef = T(0.0);  // β ≥ 0 of the KL term (0 without one)
+  T kl_clamp = T(kInf);  // the KL term is clamped to [−kl_clamp, kl_clamp] (inf: none)
+  bool kl_bias_correction = false;  // the KL term times the clamped ratio w (differentiated through w too)
+  T entropy_coef = T(0.0);  // c_H: ℓoss −= c_H·H
+  T log_ratio_clamp = T(20.0);  // c: log-ratios ℓ − ℓ_old and ℓ_ref − ℓ are clamped to [−c, c]
+  T sapo_tau_pos = T(1.0);  // SAPO's gate temperature τ where A > 0
+  T sapo_tau_neg = T(1.0);  // and where A ≤ 0
+  T ratio_cap = T(kInf);  // DPPO's weight is min(w, ratio_cap), truncated IS (inf: none)
+  T dro_beta = T(0.0);  // DRO's β of the ½β(ℓ − ℓ_old)² penalty (verl's policy_loss.dro_beta; the config requires it with objective 'dro')
+  T gppo_beta_low = T(1.0);  // GPPO's β₁ (Klear-Reasoner's; 1 in its runs): a token the clip holds below (w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)
+  T gppo_beta_high = T(1.0);  // GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)
 };
 
 // The range of each packed value, in order: an id or bool is an integer in [0, count) (`what` says which);
@@ -104,7 +129,6 @@ struct TokenLossParamRange {
   bool strict;
   bool inf_ok;
 };
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr TokenLossParamRange kTokenLossParamRanges[kNumTokenLossParams] = {
   {"objective", kNumObjectives, "the ids of OBJECTIVES", 0.0, false, false},
   {"clip_low", 0, "", 0.0, false, true},
