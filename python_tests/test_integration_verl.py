@@ -440,6 +440,22 @@ def test_a_users_preset_is_a_verl_loss_in_either_order(verl_registry, preset, mo
         assert core_algos.get_policy_loss_fn(f"rlkernels_{preset}").__name__ == f"rlkernels_{preset}"
 
 
+def test_verl_clip_ratios_follow_the_objectives_clip():
+    """verl's clip_ratio_low/high become clip_low/clip_high where the preset's objective reads a clip (its registry
+    entry's `clip`, a plug-in's too) and nowhere else: a plug-in declared with clip=False keeps its preset's."""
+    cfg = _actor_config(clip_ratio_low=0.1, clip_ratio_high=0.3)
+    with plugin_objectives.registered("my_dapo", "my_seq"):
+        clipped, unclipped = rk_verl.loss_config("my_dapo", cfg), rk_verl.loss_config("my_seq", cfg)
+    assert (clipped.clip_low, clipped.clip_high) == (0.1, 0.3)
+    assert (unclipped.clip_low, unclipped.clip_high) == (None, None)
+    for preset in ("dapo", "cispo", "dppo_tv", "gspo"):
+        assert (rk_verl.loss_config(preset, cfg).clip_low, rk_verl.loss_config(preset, cfg).clip_high) == (0.1, 0.3)
+    for preset in ("fspo", "topr", "sapo", "snis"):
+        own = presets.get(preset)
+        assert (rk_verl.loss_config(preset, cfg).clip_low, rk_verl.loss_config(preset, cfg).clip_high) == (
+            own.clip_low, own.clip_high), preset
+
+
 def test_verl_lists_a_users_preset(verl_registry):
     """verl's error for an unknown loss_mode lists the users' presets among its modes; verl's own losses, registered
     before or after `register()`, stay; `register(presets=[...])` registers only those."""

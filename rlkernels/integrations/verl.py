@@ -25,7 +25,7 @@ config its numbers, as verl's own losses read them):
 | `"seq-mean-token-sum"` | `agg="seq_mean_token_sum"`, `num_seqs = global_batch_size / dp_size` |
 | `"seq-mean-token-mean"` | `agg="seq_mean_token_mean"`, `num_seqs = global_batch_size / dp_size` |
 | `"seq-mean-token-sum-norm"` | `agg="constant"`, `norm_length = loss_scale_factor` (None: the padded length) |
-| `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high` (DPPO's divergence thresholds for `dppo_*`), except for `fspo` (its √L band is `fspo_c_*`) and the presets without a clip (`snis`, `gpg`, `sapo`, `kl_cov`, `dro`, `vespo`) |
+| `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_low` / `clip_high` (DPPO's divergence thresholds for `dppo_*`), except for `fspo` (its √L band is `fspo_c_*`) and the presets whose objective reads no clip (`snis`, `gpg`, `sapo`, `kl_cov`, `dro`, `vespo`, `topr`, a plug-in registered with `clip=False`) |
 | `clip_ratio_c` | `dual_clip`, for the presets that have a dual clip (`ppo`) |
 | `rollout_n` | `group_size` of `gepo` / `snis` (rows of a group must be contiguous and whole in each micro-batch) |
 | `rollout_is_weights` | `is_weights`: they multiply the per-token loss before aggregation, as in verl's losses (for `gmpo`, their per-row geometric mean, as verl's `geo_mean`; `gspo` and `luspo` are then evaluated in the GSPO-token form, as verl's `gspo`: each token's weight scales its own gradient; `vespo` takes them into its sequence ratio, as the VESPO authors' verl loss does; docs/math.md §7) |
@@ -71,6 +71,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import presets as _presets
+from ..losses import objectives as _objectives
 from .._checks import check_mask, check_real, check_tensor
 from . import PRESET_PREFIX as PREFIX, _versions
 from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
@@ -78,8 +79,6 @@ from ..losses import rollout_is_weights as is_weights_of  # verl's argument take
 from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
-# presets whose clip (if any) is not verl's clip_ratio_low/high
-_NO_CLIP_FIELDS = ("fspo", "snis", "gpg", "sapo", "kl_cov", "dro", "vespo")
 _GROUPED = ("group_expectation", "snis")
 # verl losses that ignore loss_agg_mode: sapo always aggregates "seq-mean-token-mean"
 _FIXED_AGG = {"sapo": "seq-mean-token-mean"}
@@ -153,7 +152,7 @@ def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
     """The preset with verl's settings (module docstring), KL and entropy off, then `overrides`."""
     base = _presets.fields(preset)
     fields = {"kl_estimator": None, "kl_coef": 0.0, "entropy_coef": 0.0}
-    if preset not in _NO_CLIP_FIELDS and config is not None:
+    if config is not None and _takes_verl_clip(base):
         clip = _get(config, "clip_ratio")
         fields["clip_low"] = _get(config, "clip_ratio_low", clip if clip is not None else base.get("clip_low"))
         fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.get("clip_high"))
@@ -164,6 +163,14 @@ def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
     if config is not None:
         fields.update(_objective_fields(base["objective"], config, overrides))
     return _presets.get(preset, **{**fields, **overrides})
+
+
+def _takes_verl_clip(preset_fields: dict) -> bool:
+    """Whether verl's clip_ratio_low/high are the preset's clip_low/clip_high: its objective reads them (its
+    registry entry's `clip`: a plug-in's too), except FSPO's trajectory ratio, whose band is fspo_c_low/high."""
+    objective = preset_fields["objective"]
+    return _objectives.get(objective).clip is not None and not (
+        objective == "clip" and preset_fields.get("ratio") == "sequence_sum")
 
 
 def _objective_fields(objective: str, config, overrides) -> dict:
