@@ -422,3 +422,37 @@ def test_trl_grpo_runs_with_the_threads_accelerate_launch_gives(monkeypatch, tmp
     finally:
         torch.set_num_threads(before)
     assert seen == {"threads": 1, "env": "1"}
+
+
+def test_trl_grpo_imports_a_plugin_before_trl_reads_loss_type(monkeypatch, tmp_path, capsys):
+    """`rlkernels trl grpo --plugin FILE.py --loss_type rlkernels_<preset>`: the file is imported before TRL's script
+    runs (TRL's parser refused the flag), and TRL gets the other arguments unchanged; a missing
+    file, a value-less --plugin or a plugin that raises is an error naming the flag."""
+    from trl.scripts import grpo
+
+    from rlkernels import cli, presets
+    from rlkernels.integrations import trl as integration
+
+    plugin = tmp_path / "my_trl_plugin.py"
+    plugin.write_text("from rlkernels import presets\npresets.register('my_trl_dapo', objective='clip', ratio='token', "
+                      "clip_low=0.2, clip_high=0.28, agg='token_mean')\n")
+    seen = {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(integration, "apply", lambda: seen.update(registered="my_trl_dapo" in presets.NAMES))
+    monkeypatch.setattr(grpo, "main", lambda *parsed: seen.update(loss_type=parsed[1].loss_type))
+    try:
+        assert cli.main(["trl", "grpo", "--output_dir", str(tmp_path), "--plugin", str(plugin),
+                         "--loss_type", "rlkernels_my_trl_dapo", "--bf16", "false"]) == 0
+        assert seen == {"registered": True, "loss_type": "rlkernels_my_trl_dapo"}
+    finally:
+        if "my_trl_dapo" in presets.NAMES:
+            presets.unregister("my_trl_dapo")
+    broken = tmp_path / "broken_plugin.py"
+    broken.write_text("raise RuntimeError('no GPU here')\n")
+    for args, message in (([f"--plugin={tmp_path / 'nope.py'}"], "--plugin: no such file"),
+                          (["--plugin"], "--plugin: expected a Python file or a module"),
+                          (["--plugin", "--bf16", "false"], "--plugin: expected a Python file or a module"),
+                          (["--plugin", str(broken)], "importing it raised RuntimeError")):
+        seen.clear()
+        assert cli.main(["trl", "grpo", "--output_dir", str(tmp_path), *args]) == 2 and not seen, args
+        assert message in capsys.readouterr().err, args

@@ -20,7 +20,8 @@ TRL_DOC = """`rlkernels trl grpo [ARGS]`: TRL's own GRPO script (what `trl grpo 
 and loss (rlkernels.integrations.trl.apply()); ARGS are TRL's, `--config recipe.yaml` included
 (`rlkernels trl grpo --help` lists them). It runs in this process with OMP_NUM_THREADS threads, 1 unless set, as
 `trl grpo`'s `accelerate launch` gives one process (accelerate's config file is not read). Several processes:
-`accelerate launch -m rlkernels trl grpo ARGS`.
+`accelerate launch -m rlkernels trl grpo ARGS`. One argument is rlkernels': `--plugin FILE.py|module` (repeatable)
+imports your code first, so that a preset it registers is `--loss_type rlkernels_<preset>`.
 """
 
 
@@ -65,13 +66,43 @@ def _trl(argv):
     threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "torch" in sys.modules:  # called from Python with torch loaded: the variable comes too late for OpenMP
         sys.modules["torch"].set_num_threads(int(threads))
+    plugins, args = _plugins_apart(argv[1:])
+    if plugins is None:
+        print("rlkernels trl: error: --plugin: expected a Python file or a module after it", file=sys.stderr)
+        return 2
+    from .trainer.plugins import load
+
+    try:  # before TRL parses --loss_type, and before apply() resolves it
+        load(plugins)
+    except ValueError as e:
+        print(f"rlkernels trl: error: {e}", file=sys.stderr)
+        return 2
     from .integrations.trl import apply
     from trl.scripts import grpo
 
     apply()
     parser = grpo.make_parser(prog="rlkernels trl grpo")
-    grpo.main(*parser.parse_args_and_config(argv[1:], fail_with_unknown_args=False))
+    grpo.main(*parser.parse_args_and_config(args, fail_with_unknown_args=False))
     return 0
+
+
+def _plugins_apart(args):
+    """(the values of every `--plugin X` / `--plugin=X`, the other arguments); (None, args) for a --plugin without a
+    value. TRL's parser refuses an argument it does not know."""
+    plugins, rest, i = [], [], 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        i += 1
+        if name != "--plugin":
+            rest.append(args[i - 1])
+            continue
+        if not eq:
+            value = args[i] if i < len(args) and not args[i].startswith("-") else ""
+            i += 1
+        if not value:
+            return None, args
+        plugins.append(value)
+    return plugins, rest
 
 
 COMMANDS = {"train": _train, "demo": _demo, "bench": _bench, "trl": _trl}
