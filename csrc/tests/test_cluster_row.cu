@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cluster_row.cuh"
+#include "host_rows.h"
 
 using namespace rlk_cuda;
 using cluster::kThreads;
@@ -34,26 +35,10 @@ void fail(const char* what, const char* dtype, int C, long V, int offset, long v
   }
 }
 
-template <typename T> const char* name();
-template <> const char* name<float>() { return "float32"; }
-template <> const char* name<__nv_bfloat16>() { return "bfloat16"; }
-template <> const char* name<__half>() { return "float16"; }
-template <typename T> double ulp();  // T's relative rounding (either way near a boundary)
-template <> double ulp<float>() { return 0; }
-template <> double ulp<__nv_bfloat16>() { return std::ldexp(1.0, -8); }
-template <> double ulp<__half>() { return std::ldexp(1.0, -11); }
-template <typename T> double tiny() { return std::is_same<T, __half>::value ? std::ldexp(1.0, -24) : 0; }
-
-// A row of V elements `offset` elements past a 16-byte boundary, with guard space around it.
-template <typename T>
-struct Buffer {
-  std::vector<unsigned char> storage;
-  T* row;
-  Buffer(long V, int offset) : storage(64 + (V + offset + 16) * sizeof(T)) {
-    const uintptr_t base = (reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t(15);
-    row = reinterpret_cast<T*>(base) + offset;
-  }
-};
+using host_rows::Buffer;
+using host_rows::name;
+using host_rows::tiny;
+using host_rows::ulp;
 
 // The blocks' partials as phase 2 reads them (on the device, through distributed shared memory).
 struct Peers {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "row_pass.cuh"
+#include "host_rows.h"
 
 using namespace rlk_cuda::rows;
 using rlk_cuda::Head;
@@ -39,30 +40,10 @@ void fail_token(const char* what, int trial, double got, double want) {
   if (++failures <= 20) std::printf("FAIL %s, trial %d: got %.12g, want %.12g\n", what, trial, got, want);
 }
 
-template <typename T> const char* name();
-template <> const char* name<float>() { return "float32"; }
-template <> const char* name<__nv_bfloat16>() { return "bfloat16"; }
-template <> const char* name<__half>() { return "float16"; }
-
-// Relative rounding of T (half an ulp is not enough: the kernel's fp32 result may round either way
-// when it lies within its own error of a rounding boundary), and T's smallest subnormal.
-template <typename T> double ulp();
-template <> double ulp<float>() { return 0; }
-template <> double ulp<__nv_bfloat16>() { return std::ldexp(1.0, -8); }
-template <> double ulp<__half>() { return std::ldexp(1.0, -11); }
-template <typename T> double tiny() { return std::is_same<T, __half>::value ? std::ldexp(1.0, -24) : 0; }
-
-// A row of V elements that starts `offset` elements past a 16-byte boundary, with 16 bytes of
-// guard before it and at least 16 elements after.
-template <typename T>
-struct Buffer {
-  std::vector<unsigned char> storage;
-  T* row;
-  Buffer(long V, int offset) : storage(64 + (V + offset + 16) * sizeof(T)) {
-    const uintptr_t base = (reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t(15);
-    row = reinterpret_cast<T*>(base) + offset;
-  }
-};
+using host_rows::Buffer;
+using host_rows::name;
+using host_rows::tiny;
+using host_rows::ulp;
 
 template <typename T, int kThreads, bool kCap>
 void check(long V, int offset, std::mt19937& rng, int pattern) {
