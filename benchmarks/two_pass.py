@@ -5,6 +5,7 @@ Liger-Kernel's Triton GRPO loss (benchmarks/providers.py), contiguous logits and
     python -m benchmarks.two_pass                         # N = 4096, V = 151936, grpo and dapo, fp32 and bf16, cpu
     python -m benchmarks.two_pass --n 1024 --rounds 3 --presets grpo --dtypes bf16
     python -m benchmarks.two_pass --device cuda           # N = 8192, V = 151936, grpo, bf16, with Liger
+    python -m benchmarks.two_pass --inplace               # also each path with inplace=True
 
 Each round times one call of each path (gradients cleared, `loss.backward()`, the incoming gradient 1; on CUDA
 between two device synchronisations); the report is the median of the rounds and the ratio of the medians, the best
@@ -12,6 +13,9 @@ round of each and their ratio (on a loaded machine the least disturbed), and eve
 row: `contiguous` (logits (B, T, V)) and `sliced` (`logits[:, :-1]` of the model's (B, T + 1, V) output, its
 gradient into the parent), and Liger's column takes the (B, T + 1, V) logits either way (it drops the last
 position itself); Liger is timed where it is installed and the preset is grpo (the loss it computes).
+`--inplace` adds a row `in place` (contiguous logits, `inplace=True`: the gradient over the logits, which are
+restored outside the timing): no gradient is allocated, so on a CPU the page faults of a fresh N·V buffer, which both
+paths pay alike and which a loaded machine's memory makes erratic, are out of the comparison.
 """
 from __future__ import annotations
 
@@ -52,13 +56,22 @@ def _timed(device, fn):
     return time.perf_counter() - start
 
 
-def _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced):
-    def step():
+def _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace):
+    """(prepare, step): what each round does before its timing (the gradient cleared; in place, the logits restored
+    from a copy), and the timed forward + backward."""
+    kept = leaf.detach().clone() if inplace else None
+
+    def prepare():
         leaf.grad = None
+        if inplace:
+            with torch.no_grad():
+                leaf.copy_(kept)
+
+    def step():
         logits = leaf[:, :-1] if sliced else leaf
         rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend=device, two_pass=two_pass,
-                                    **kw).loss.backward()
-    return step
+                                    inplace=inplace, **kw).loss.backward()
+    return prepare, step
 
 
 def _liger_step(n, vocab, dtype_name, device):
@@ -74,27 +87,29 @@ def _liger_step(n, vocab, dtype_name, device):
         return None
     step, leaves, _ = providers.prepare(case, liger, torch.device(device))
 
-    def run():
+    def clear():
         for x in leaves:
             x.grad = None
-        step()
-    return run
+    return clear, step
 
 
-def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=None):
+def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=None, inplace=False):
     """(medians {path: s}, the rounds' times {path: [s]}) of the two-pass, three-pass (and Liger) paths."""
     leaf, targets, adv, mask, kw = _inputs(n, vocab, DTYPES[dtype_name], device, extra=int(sliced))
     config = presets.get(preset)
-    steps = {name: _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced)
+    steps = {name: _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace)
              for name, two_pass in (("two", True), ("three", False))}
     if liger is not None:
         steps["liger"] = liger
     times = {name: [] for name in steps}
-    for step in steps.values():  # warm-up: first-use registration, compiles, page faults of the first gradient
+    for prepare, step in steps.values():  # warm-up: first-use registration, compiles, page faults of the first gradient
+        prepare()
         step()
     for r in range(rounds):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            times[name].append(_timed(device, steps[name]))
+            prepare, step = steps[name]
+            prepare()
+            times[name].append(_timed(device, step))
     return {name: statistics.median(t) for name, t in times.items()}, times
 
 
@@ -106,13 +121,15 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--presets", nargs="+", help="default: cpu grpo dapo, cuda grpo")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: cpu fp32 bf16, cuda bf16")
+    parser.add_argument("--inplace", action="store_true", help="also a row with inplace=True (no gradient allocated)")
     args = parser.parse_args(argv)
     defaults = DEFAULTS[args.device]
     n, names, dtypes = args.n or defaults["n"], args.presets or defaults["presets"], args.dtypes or defaults["dtypes"]
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"N = {n}, V = {args.vocab}, {where}, load average {os.getloadavg()[0]:.1f} at the start; {args.rounds} "
           "interleaved rounds")
-    layouts = [False, True] if args.device == "cuda" else [False]
+    layouts = [("contiguous", False, False)] + ([("sliced", True, False)] if args.device == "cuda" else []) + (
+        [("in place", False, True)] if args.inplace else [])
     unit, scale = ("ms", 1e3) if args.device == "cuda" else ("s", 1.0)
     print(f"| preset | dtype | layout | two passes ({unit}) | three passes ({unit}) | speed-up | Liger ({unit}) | "
           f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) |")
@@ -121,11 +138,12 @@ def main(argv=None):
         for preset in names:
             liger = _liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo" \
                 else None
-            for sliced in layouts:
-                med, times = compare(n, args.vocab, dtype, preset, args.rounds, args.device, sliced, liger)
+            for layout, sliced, inplace in layouts:
+                med, times = compare(n, args.vocab, dtype, preset, args.rounds, args.device, sliced,
+                                     None if inplace else liger, inplace)
                 fmt = lambda ts: " ".join(f"{t * scale:.3g}" for t in ts)  # noqa: E731
                 lig = f"{med['liger'] * scale:.3f} | {med['liger'] / med['two']:.2f}x" if "liger" in med else "- | -"
-                print(f"| {preset} | {dtype} | {'sliced' if sliced else 'contiguous'} | {med['two'] * scale:.3f} | "
+                print(f"| {preset} | {dtype} | {layout} | {med['two'] * scale:.3f} | "
                       f"{med['three'] * scale:.3f} | {med['three'] / med['two']:.2f}x | {lig} | "
                       f"{min(times['two']) * scale:.3f} / {min(times['three']) * scale:.3f} | "
                       f"{fmt(times['two'])} / {fmt(times['three'])} |", flush=True)

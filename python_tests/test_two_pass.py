@@ -248,3 +248,17 @@ def test_cuda_takes_two_passes_only_when_asked(monkeypatch):
         grads[requested] = x.grad
     torch.testing.assert_close(grads[None], grads[False], rtol=0, atol=0, equal_nan=True)
     _close(grads[True], grads[False])
+
+
+def test_the_benchmark_prints_a_row_per_path_and_layout(capsys):
+    """`python -m benchmarks.two_pass` (the table in benchmarks/RESULTS.md; gpu_check.sh runs it on CUDA): a row for
+    each preset, dtype and layout with both paths' times, here at a tiny size; `--inplace` adds the in-place row."""
+    from benchmarks import two_pass
+
+    two_pass.main(["--n", "64", "--vocab", "512", "--rounds", "1", "--presets", "grpo", "--dtypes", "fp32",
+                   "--inplace"])
+    rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| grpo")]
+    assert [r[2].strip() for r in rows] == ["contiguous", "in place"]
+    for r in rows:  # one round: its times (3 digits) are the medians the speed-up divides
+        two, three = (float(t) for t in r[9].split("/"))
+        assert two > 0 and three > 0 and float(r[5].strip().rstrip("x")) == pytest.approx(three / two, rel=0.02)
