@@ -264,7 +264,12 @@ rlk::RowResult<typename Io<scalar_t>::acc_t> forward_row(
     // then added to the running ones: fp32 chains of ~V/2048 + 128 additions, not V/16.
     const Vec v_m(m);
     Vec bs0(0), bs1(0), bu0(0), bu1(0);
+    // The next block's line at the same offset, fetched while this sweep computes: its max sweep then reads from
+    // cache instead of waiting on memory with the exps idle (the hardware prefetcher does not run ahead here, as
+    // this sweep re-reads a block it has seen).
+    const int64_t ahead = std::min(kBlock, V - start - len);
     for (int64_t i = 0; i < full; i += kStep) {
+      if (i < ahead) __builtin_prefetch(zb + kBlock + i);
       IO::load(zb + i, a, b);
       if (kCap) {
         a = cap.apply(a);
