@@ -71,10 +71,9 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import presets as _presets
-from ..losses import objectives as _objectives
 from .._checks import check_mask, check_real, check_tensor
 from . import PRESET_PREFIX as PREFIX, _versions
-from ..losses import PolicyLossConfig, policy_loss, rollout_rejection_mask
+from ..losses import PolicyLossConfig, objectives as _objectives, policy_loss, rollout_rejection_mask
 from ..losses import rollout_is_weights as is_weights_of  # verl's argument takes the name
 from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
