@@ -609,12 +609,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::ScalarType acc = acc_type(logits.scalar_type());
   rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, acc);
   if (is_weights.has_value()) rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", acc);
+  if (into != nullptr) rlk::check_two_pass_args(logits, into->entropy_grad, into->scale, acc);
   const bool bonus = into != nullptr && into->entropy_grad.has_value();
-  if (bonus) rlk::check_token_tensor(*into->entropy_grad, "entropy_grad", logits, "the rows of logits", acc);
-  if (into != nullptr) {
-    RLK_CHECK_VALUE(std::isfinite(into->scale) && into->scale != 0.0, "scale: expected a finite nonzero number, got ",
-                    into->scale);
-  }
   const auto opts = logits.options().dtype(acc);
   at::Tensor logp = at::empty({N}, opts), entropy = at::empty({N}, opts), lse_parts = at::empty({N, 2}, opts);
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
@@ -659,12 +655,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         lse_p[2 * n + 1] = r.log_s;
         rlk::token_loss(in.at(n, r.logp, r.entropy), loss).store(n, gl_p, ge_p, st_p);
         if (gz == nullptr) continue;
-        // The backward's coefficients at the per-row derivatives times the scale, rounded as the
-        // three-pass backward rounds them (`g·scale` in acc_t), so that both write the same bits.
-        const acc_t g = gl_p[n] * scale;
-        const auto c = bonus_p != nullptr          ? rlk::grad_coeffs<acc_t>(g, bonus_p[n] * scale, r.entropy, inv_tau)
-                       : loss.entropy_coef != 0 ? rlk::grad_coeffs<acc_t>(g, ge_p[n] * scale, r.entropy, inv_tau)
-                                                : rlk::grad_coeffs<acc_t>(g, acc_t(0), acc_t(0), inv_tau);
+        const auto c = rlk::two_pass_coeffs<acc_t>(gl_p[n], ge_p[n], bonus_p != nullptr ? bonus_p + n : nullptr,
+                                                   loss.entropy_coef != 0, r.entropy, scale, inv_tau);
         // a NaN row returns before keeping every block, a row that starts with −inf blocks skips them
         const bool from_kept = kept && std::isfinite(r.log_s) &&
                                std::all_of(block_m.begin(), block_m.end(), [](acc_t mb) { return mb > rlk::neg_inf<acc_t>(); });
@@ -729,11 +721,7 @@ void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_out, double a
                   grad.device(), " and ", grad_out.device());
   RLK_CHECK_TYPE(is_supported_float(grad.scalar_type()), "grad: expected dtype float32, bfloat16, float16 or float64, "
                  "got ", grad.scalar_type());
-  RLK_CHECK_VALUE(grad.is_contiguous(), "grad: expected a contiguous tensor, got strides ", grad.strides());
-  RLK_CHECK_VALUE(grad_out.numel() == 1 && (grad_out.scalar_type() == at::kFloat || grad_out.scalar_type() == at::kDouble),
-                  "grad_out: expected one float32 or float64 number, got ", grad_out.sizes(), " ",
-                  grad_out.scalar_type());
-  RLK_CHECK_VALUE(std::isfinite(assumed) && assumed != 0.0, "assumed: expected a finite nonzero number, got ", assumed);
+  rlk::check_scale_grad_args(grad, grad_out, assumed);
   // read where it lies (no op: nothing for a dispatcher to see or a device to wait for)
   const bool fp64 = grad_out.scalar_type() == at::kDouble;
   const double incoming = fp64 ? *grad_out.const_data_ptr<double>() : double(*grad_out.const_data_ptr<float>());

@@ -115,7 +115,21 @@ void token_logprobs_bwd_out_cuda(const at::Tensor& logits, const at::Tensor& tar
   bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, out);
 }
 
-// The forward plus the per-token policy loss. fp32 accumulation, so the per-token inputs are fp32.
+// The per-token inputs of the forward ops (policy_token_fwd, policy_token_fwd_grad), checked against the rows of
+// `logits`: fp32, as they accumulate in fp32.
+TokenInputs token_inputs(const at::Tensor& logits, const at::Tensor& mask, const at::Tensor& weight,
+                         const at::Tensor& adv, const std::optional<at::Tensor>& old_logp,
+                         const std::optional<at::Tensor>& ref_logp, const std::optional<at::Tensor>& is_weights) {
+  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, at::kFloat);
+  if (is_weights.has_value()) {
+    rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", at::kFloat);
+  }
+  return TokenInputs{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
+                     rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp), nullptr,
+                     rlk::optional_ptr<float>(is_weights)};
+}
+
+// The forward plus the per-token policy loss.
 // Target values are not checked here (a row outside [0, V) gets a NaN logp; ops/ checks on the device).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
@@ -124,10 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_logits(logits);
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
-  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, at::kFloat);
-  if (is_weights.has_value()) {
-    rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", at::kFloat);
-  }
+  const TokenInputs in = token_inputs(logits, mask, weight, adv, old_logp, ref_logp, is_weights);
   const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
   const int64_t N = rlk::row_count(logits);
   const auto opts = logits.options().dtype(at::kFloat);
@@ -135,9 +146,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor grad_logp = at::empty({N}, opts), grad_entropy = at::empty({N}, opts);
   at::Tensor stats = at::empty({N, int64_t(rlk::kNumStats)}, opts);
   if (N == 0) return {logp, entropy, lse_parts, grad_logp, grad_entropy, stats};
-  const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
-                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp), nullptr,
-                       rlk::optional_ptr<float>(is_weights)};
   const TokenOutputs out{logp.mutable_data_ptr<float>(),      entropy.mutable_data_ptr<float>(),
                          lse_parts.mutable_data_ptr<float>(), grad_logp.mutable_data_ptr<float>(),
                          grad_entropy.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>()};
@@ -157,14 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_grad_into(
     double softcap, at::ArrayRef<double> params, double scale, const at::Tensor& grad) {
   const at::Tensor tgt = rlk::check_targets_shape(targets, logits);  // values: not read (see ops/)
   const Head head = head_of(temperature, softcap);
-  rlk::check_token_inputs(logits, "the rows of logits", mask, weight, adv, old_logp, ref_logp, at::kFloat);
-  if (is_weights.has_value()) {
-    rlk::check_token_tensor(*is_weights, "is_weights", logits, "the rows of logits", at::kFloat);
-  }
-  if (entropy_grad.has_value()) {
-    rlk::check_token_tensor(*entropy_grad, "entropy_grad", logits, "the rows of logits", at::kFloat);
-  }
-  RLK_CHECK_VALUE(std::isfinite(scale) && scale != 0.0, "scale: expected a finite nonzero number, got ", scale);
+  const TokenInputs in = token_inputs(logits, mask, weight, adv, old_logp, ref_logp, is_weights);
+  rlk::check_two_pass_args(logits, entropy_grad, scale, at::kFloat);
   const rlk::TokenLossParams<float> loss = rlk::token_loss_params<float>(params);
   const int64_t N = rlk::row_count(logits);
   const auto opts = logits.options().dtype(at::kFloat);
@@ -181,9 +183,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_grad_into(
   RLK_CHECK_VALUE(two_pass_cluster_size(V, dtype_of(logits, "logits")) > 0, "logits: the CUDA two-pass kernel holds a "
                   "row in the shared memory of at most 8 blocks; V = ", V, " of ", logits.scalar_type(), " does not "
                   "fit (two_pass=False keeps three passes)");
-  const TokenInputs in{mask.const_data_ptr<bool>(), weight.const_data_ptr<float>(), adv.const_data_ptr<float>(),
-                       rlk::optional_ptr<float>(old_logp), rlk::optional_ptr<float>(ref_logp), nullptr,
-                       rlk::optional_ptr<float>(is_weights)};
   const TwoPassArgs args{rlk::optional_ptr<float>(entropy_grad), static_cast<float>(scale),
                          logp.mutable_data_ptr<float>(), entropy.mutable_data_ptr<float>(),
                          stats.mutable_data_ptr<float>()};
@@ -223,11 +222,7 @@ void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_out, double 
   RLK_CHECK_VALUE(grad.is_cuda() && grad_out.device() == grad.device(), "grad, grad_out: expected tensors on one "
                   "CUDA device, got ", grad.device(), " and ", grad_out.device());
   const Dtype dtype = dtype_of(grad, "grad");
-  RLK_CHECK_VALUE(grad.is_contiguous(), "grad: expected a contiguous tensor, got strides ", grad.strides());
-  RLK_CHECK_VALUE(grad_out.numel() == 1 && (grad_out.scalar_type() == at::kFloat || grad_out.scalar_type() == at::kDouble),
-                  "grad_out: expected one float32 or float64 number, got ", grad_out.sizes(), " ",
-                  grad_out.scalar_type());
-  RLK_CHECK_VALUE(std::isfinite(assumed) && assumed != 0.0, "assumed: expected a finite nonzero number, got ", assumed);
+  rlk::check_scale_grad_args(grad, grad_out, assumed);
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
   C10_CUDA_CHECK(scale_grad(grad.data_ptr(), grad.numel(), dtype, grad_out.const_data_ptr(),

@@ -146,9 +146,7 @@ RLK_HOST_DEVICE __forceinline__ Partial merge_slices(int C, int target_rank, flo
 }
 
 // Phase 3: the row's results and the token's loss; rank 0 stores them (logp, entropy, stats: the two-pass op's
-// outputs) and every block takes the gradient's coefficients at `scale` times the token's derivatives, with ∂/∂H
-// from `entropy_grad` where given (an entropy bonus outside the loss), else the token's own where the loss has an
-// entropy term (csrc/cpu/token_logprobs.cpp, policy_token_rows: the same roundings).
+// outputs) and every block takes the gradient's coefficients, rlk::two_pass_coeffs as the CPU row takes them.
 struct TwoPassRow {
   TokenInputs in;
   rlk::TokenLossParams<float> params;
@@ -162,12 +160,9 @@ struct TwoPassRow {
 #pragma unroll
       for (int j = 0; j < rlk::kNumStats; ++j) args.stats[row * rlk::kNumStats + j] = t.stats[j];
     }
-    const float g = t.grad_logp * args.scale;
-    if (args.entropy_grad != nullptr) {
-      return rlk::grad_coeffs<float>(g, args.entropy_grad[row] * args.scale, r.entropy, inv_tau);
-    }
-    if (params.entropy_coef != 0.0f) return rlk::grad_coeffs<float>(g, t.grad_entropy * args.scale, r.entropy, inv_tau);
-    return rlk::grad_coeffs<float>(g, 0.0f, 0.0f, inv_tau);
+    return rlk::two_pass_coeffs<float>(t.grad_logp, t.grad_entropy,
+                                       args.entropy_grad != nullptr ? args.entropy_grad + row : nullptr,
+                                       params.entropy_coef != 0.0f, r.entropy, args.scale, inv_tau);
   }
 };
 

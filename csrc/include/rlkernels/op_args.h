@@ -56,6 +56,16 @@ inline double check_softcap(double softcap) {
   return softcap;
 }
 
+// scale_grad_'s arguments but their device and grad's dtype (each backend's): grad contiguous, grad_out one float32
+// or float64 number, `assumed` finite and nonzero.
+inline void check_scale_grad_args(const at::Tensor& grad, const at::Tensor& grad_out, double assumed) {
+  RLK_CHECK_VALUE(grad.is_contiguous(), "grad: expected a contiguous tensor, got strides ", grad.strides());
+  RLK_CHECK_VALUE(grad_out.numel() == 1 && (grad_out.scalar_type() == at::kFloat || grad_out.scalar_type() == at::kDouble),
+                  "grad_out: expected one float32 or float64 number, got ", grad_out.sizes(), " ",
+                  grad_out.scalar_type());
+  RLK_CHECK_VALUE(std::isfinite(assumed) && assumed != 0.0, "assumed: expected a finite nonzero number, got ", assumed);
+}
+
 // A per-row input of the backward, (N,) or with `pair` (N, 2), on the logits' device: converted to
 // the accumulation dtype `acc`, contiguous.
 inline at::Tensor check_row_vector(const at::Tensor& t, const char* name, const at::Tensor& logits, at::ScalarType acc,

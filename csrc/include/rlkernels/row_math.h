@@ -197,6 +197,20 @@ RLK_HOST_DEVICE inline GradCoeffs<T> grad_coeffs(T g, T h, T entropy, T inv_tau)
   return c;
 }
 
+// The two-pass row's coefficients (docs/design.md §2), for the incoming gradient `scale` it assumes: g = scale·∂s/∂ℓ
+// of the token's loss, and h = scale·∂/∂H of an entropy bonus apart from the loss where there is one (`bonus`, not
+// null), else of the loss's own entropy term where it has one (`entropy_in_loss`: its `grad_entropy`), else 0. Each
+// product rounded alone, as the three-pass backward rounds the same derivatives times the incoming gradient. One
+// definition for the CPU row and the CUDA cluster row.
+template <typename T>
+RLK_HOST_DEVICE inline GradCoeffs<T> two_pass_coeffs(T grad_logp, T grad_entropy, const T* bonus, bool entropy_in_loss,
+                                                     T entropy, T scale, T inv_tau) {
+  const T g = grad_logp * scale;
+  if (bonus != nullptr) return grad_coeffs<T>(g, *bonus * scale, entropy, inv_tau);
+  if (entropy_in_loss) return grad_coeffs<T>(g, grad_entropy * scale, entropy, inv_tau);
+  return grad_coeffs<T>(g, T(0), T(0), inv_tau);
+}
+
 // Non-target element, given p = exp(logp) and the clamped logp (T may be a SIMD vector).
 template <typename T>
 RLK_HOST_DEVICE inline T grad_element(const T& p, const T& logp, const T& A, const T& B) {

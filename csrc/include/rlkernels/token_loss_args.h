@@ -44,6 +44,14 @@ inline void check_token_inputs(const at::Tensor& rows, const char* rows_name, co
   if (ref_logp.has_value()) check_token_tensor(*ref_logp, "ref_logp", rows, rows_name, acc);
 }
 
+// The two-pass op's own arguments (policy_token_fwd_grad): `entropy_grad` (N,) in the accumulation dtype `acc` where
+// given, and `scale`, the incoming gradient it assumes, finite and nonzero.
+inline void check_two_pass_args(const at::Tensor& logits, const std::optional<at::Tensor>& entropy_grad, double scale,
+                                at::ScalarType acc) {
+  if (entropy_grad.has_value()) check_token_tensor(*entropy_grad, "entropy_grad", logits, "the rows of logits", acc);
+  RLK_CHECK_VALUE(std::isfinite(scale) && scale != 0.0, "scale: expected a finite nonzero number, got ", scale);
+}
+
 // The data of an optional per-token input, or null when it is absent.
 template <typename T>
 inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
