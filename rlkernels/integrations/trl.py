@@ -91,6 +91,7 @@ _TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrai
 
 from .. import presets as _presets
 from ..losses import PolicyLossConfig
+from ..losses.objectives import GROUPED_RATIOS
 from ..losses.spec import high_entropy_tokens, vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
 from .transformers import (backbone_outputs, check_head, last_hidden_state, moe_aux_loss_function,
@@ -102,8 +103,6 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 # the TRL loss type whose normaliser a preset's aggregation takes (`_counts`)
 _AGG_COUNTS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum": "grpo", "constant": "dr_grpo"}
-# ratios that need a whole prompt group in each micro-batch
-_GROUPED = ("group_expectation", "snis")
 # keyword arguments of a causal LM's forward that belong to its head, not to the backbone
 _HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head", "return_dict")
 
@@ -176,7 +175,7 @@ def _preset_config(trainer, preset, trl_fields) -> PolicyLossConfig:
     """`preset` as declared, with TRL's KL and masks (`trl_fields`) and, for a constant divisor the preset leaves
     open, TRL's `max_completion_length` (as its `dr_grpo`)."""
     fields = _presets.fields(preset)
-    if fields.get("ratio") in _GROUPED:
+    if fields.get("ratio") in GROUPED_RATIOS:
         raise _loss_type_error(trainer.loss_type, f"ratio={fields['ratio']!r}, which needs whole prompt groups in "
                                                   "each micro-batch (TRL shuffles rows across them)")
     if fields.get("agg") == "constant" and fields.get("norm_length") is None:

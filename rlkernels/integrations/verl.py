@@ -78,7 +78,6 @@ from ..losses import rollout_is_weights as is_weights_of  # verl's argument take
 from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
-_GROUPED = ("group_expectation", "snis")
 # verl losses that ignore loss_agg_mode: sapo always aggregates "seq-mean-token-mean"
 _FIXED_AGG = {"sapo": "seq-mean-token-mean"}
 # verl 0.9.1's policy-loss modes whose preset has another name (sapo, gspo, gpg, dppo_*, clip_cov, kl_cov,
@@ -157,7 +156,7 @@ def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
         fields["clip_high"] = _get(config, "clip_ratio_high", clip if clip is not None else base.get("clip_high"))
     if base.get("dual_clip") is not None:
         fields["dual_clip"] = _number("clip_ratio_c", _get(config, "clip_ratio_c", base["dual_clip"]))
-    if base.get("ratio") in _GROUPED and _get(config, "rollout_n") is not None:
+    if base.get("ratio") in _objectives.GROUPED_RATIOS and _get(config, "rollout_n") is not None:
         fields["group_size"] = int(_get(config, "rollout_n"))
     if config is not None:
         fields.update(_objective_fields(base["objective"], config, overrides))

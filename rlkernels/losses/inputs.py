@@ -22,10 +22,9 @@ from torch import Tensor
 from .._checks import FLOAT_DTYPES, check_mask, check_on_device, check_real, check_tensor
 from .._groups import check_group_size, check_ids, group_index
 from .config import SEQUENCE_RATIOS, PolicyLossConfig
+from .objectives import GROUPED_RATIOS
 from .rollout_correction import rollout_is_weights, rollout_rejection_mask
 from .batch import Batch
-
-_GROUPED_RATIOS = ("group_expectation", "snis")
 
 
 @dataclasses.dataclass
@@ -172,7 +171,7 @@ def _groups(config: PolicyLossConfig, group_ids, B, device, what):
     are checked whatever the ratio; given with `config.group_size`, they must describe the same groups."""
     if group_ids is not None:
         check_ids("group_ids", group_ids, B, device, ref_name=f"{what} rows")
-    if config.ratio not in _GROUPED_RATIOS:
+    if config.ratio not in GROUPED_RATIOS:
         return None, 0, None
     if group_ids is None and config.group_size is None:
         raise ValueError(f"group_ids: ratio={config.ratio!r} needs group_ids or config.group_size")

@@ -19,6 +19,8 @@ from . import surrogates as s
 from .batch import Batch
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
+# the ratios over a whole prompt group (group_size or group_ids), which a batch must hold whole
+GROUPED_RATIOS = ("group_expectation", "snis")
 # the ratios a plug-in may take: those whose importance weight is one (B, T) tensor (the others are formulas)
 PLUGIN_RATIOS = {"token": s.token_ratio, "sequence": s.sequence_ratio, "sequence_token": s.sequence_token_ratio}
 CLIP_KINDS = (None, "ratio", "band", "divergence")

@@ -770,6 +770,7 @@ def loss_config(cfg: Config, group_size: int):
     its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
     constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
     from ..losses import presets
+    from ..losses.objectives import GROUPED_RATIOS
 
     constant = presets.fields(cfg.algo).get("agg") == "constant"
     base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
@@ -782,7 +783,7 @@ def loss_config(cfg: Config, group_size: int):
         over["kl_coef"] = cfg.kl_coef
         if cfg.kl_coef > 0 and base.kl_estimator is None:
             over["kl_estimator"] = "k3"
-    if base.ratio in ("group_expectation", "snis"):
+    if base.ratio in GROUPED_RATIOS:
         over["group_size"] = group_size
     over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
     if cfg.top_entropy_quantile < 1.0:
