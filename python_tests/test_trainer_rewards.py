@@ -486,3 +486,34 @@ def test_resume_names_the_reward_module_before_importing_it(tmp_path, capsys):
     out = capsys.readouterr().out
     named = out.index(f"--resume: the reward functions of {tmp_path / 'o'}'s checkpoint, imported now: {spec}")
     assert named < out.index("IMPORTED noisy_reward")
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkeypatch):
+    """Issue 40 item 3: TRL's `mask_truncated_completions` (set by DAPO recipes) was refused. A completion without
+    eos trains no token; one with eos keeps its tokens up to it; both keep their reward in the group's advantages."""
+    from rlkernels.trainer import task
+
+    trained = []
+    real_head = trainer_model.loss_head
+
+    def head(model, hidden, batch, *args, **kw):
+        trained.append((batch["targets"].clone(), batch["mask"].clone(), batch["advantages"].clone()))
+        return real_head(model, hidden, batch, *args, **kw)
+
+    monkeypatch.setattr(trainer_model, "loss_head", head)
+    run(tmp_path, steps=1, algo="dapo", mask_truncated_completions=True, max_new_tokens=2, eval_every=1,
+        reward=["test_trainer_rewards:length_reward"])
+    targets, mask, advantages = (torch.cat(x) for x in zip(*trained))
+    ended = (targets == 2).any(-1)  # the demo tokenizer's eos is 2
+    assert (~ended).any() and ended.any(), "the case needs both kinds of completion"
+    assert not mask[~ended].any()
+    assert torch.equal(mask[ended], task.first_eos_mask(targets[ended], 2))
+    assert advantages[~ended].abs().sum() > 0  # their rewards (the longest) still counted in their groups
+
+    recipe = tmp_path / "dapo.yaml"
+    recipe.write_text("loss_type: dapo\nmask_truncated_completions: true\n")
+    assert from_args(["--config", str(recipe)])[0].mask_truncated_completions is True
+
+
+def length_reward(prompts, completions, **columns):
+    return [float(len(c)) for c in completions]

@@ -81,12 +81,10 @@ def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):
     path.write_text(yaml.safe_dump({**base, "activation_checkpointing": None, "epsilon_high": None, "beta": None}))
     cfg, _ = from_args(["--config", str(path)])
     assert (cfg.gradient_checkpointing, cfg.clip_high, cfg.kl_coef) == (True, 0.2, 0.0)
-    path.write_text(yaml.safe_dump({**base, "mask_truncated_completions": True, "off_policy_mask_threshold": 0.5,
-                                    "optim": "sgd"}))
+    path.write_text(yaml.safe_dump({**base, "off_policy_mask_threshold": 0.5, "optim": "sgd"}))
     with pytest.raises(ValueError) as err:
         from_args(["--config", str(path)])
-    for text in ("mask_truncated_completions=True (truncated completions are trained like the others)",
-                 "off_policy_mask_threshold=0.5 (no off-policy", "optim='sgd' (the optimizer is"):
+    for text in ("off_policy_mask_threshold=0.5 (no off-policy", "optim='sgd' (the optimizer is"):
         assert text in str(err.value)
 
 

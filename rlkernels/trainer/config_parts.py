@@ -52,6 +52,7 @@ class Sampling:
     overlong_buffer: int
     pods_keep: int
     dynamic_sampling: bool
+    mask_truncated_completions: bool
     eval_completions: int
     greedy_baseline: bool  # ReMax: each prompt's greedy completion is scored too
 

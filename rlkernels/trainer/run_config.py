@@ -192,6 +192,9 @@ class Config:
     dynamic_sampling: bool = _field(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
     max_gen_batches: int = _field(4, "dynamic sampling: rollout batches per step at most (then train on what is kept)")
     overlong_buffer: int = _field(0, "> 0: DAPO overlong penalty over the last `buffer` tokens")
+    mask_truncated_completions: bool = _field(False, "DAPO (TRL's option of that name): a completion that ends without "
+                                                     "eos is left out of the loss (its tokens masked; its reward still "
+                                                     "counts in its group's advantages)")
     tree: bool = _field(False, "Tree-GRPO: branch continuations from sampled prefixes")
     tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
     # logging / checkpoints

@@ -88,7 +88,6 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "sync_ref_model": (bool, (False,), "the reference model stays the initial policy"),
     "use_adaptive_entropy": (bool, (False,), "--entropy-coef is fixed"),
     "off_policy_mask_threshold": (float, (None,), "no off-policy sequence masking"),
-    "mask_truncated_completions": (bool, (False,), "truncated completions are trained like the others"),
     "average_tokens_across_devices": (bool, (True,), "token means are over every process's tokens"),
     "load_best_model_at_end": (bool, (False,), "the run folder keeps the last model"),
     "resume_from_checkpoint": (str, (None,), "a run continues with --resume RUN_FOLDER (a folder of this trainer)"),
@@ -135,7 +134,7 @@ IGNORED = {  # why each group has no effect here
 SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
              "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
              "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
-             "delta", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+             "delta", "top_entropy_quantile", "mask_truncated_completions", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
 # GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
 TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
