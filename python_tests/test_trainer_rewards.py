@@ -517,3 +517,25 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkey
 
 def length_reward(prompts, completions, **columns):
     return [float(len(c)) for c in completions]
+
+
+@pytest.mark.parametrize("strategy", ["no", "epoch"])
+def test_save_strategy_no_and_epoch(tmp_path, monkeypatch, strategy):
+    """Issue 40 item 2: TRL's save_strategy "no" and "epoch" were refused. "no" checkpoints only at the end (the
+    final model is still written); "epoch" after each pass over the training prompts."""
+    from rlkernels.trainer import loop
+
+    saved, real_save = [], loop.save
+
+    def save(run, step):
+        saved.append((step, run.logs.ckpt_every, len(run.train_set)))
+        return real_save(run, step)
+
+    monkeypatch.setattr(loop, "save", save)
+    summary, rows = run(tmp_path, steps=3, ckpt_every=1, save_strategy=strategy)
+    check_run(tmp_path, summary, rows, 3)
+    epoch = math.ceil(saved[0][2] / TINY["prompts_per_step"])
+    assert [s for s, _, _ in saved] == [3] and saved[0][1] == (3 if strategy == "no" else epoch)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"loss_type: dapo\nsave_strategy: {strategy}\n")
+    assert from_args(["--config", str(recipe)])[0].save_strategy == strategy

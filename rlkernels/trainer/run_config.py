@@ -205,7 +205,10 @@ class Config:
     report_to: List[str] = _field(["none"], "metrics and eval completions also to: none | tensorboard | wandb (several "
                                             "allowed; W&B offline unless WANDB_MODE says otherwise), besides "
                                             "metrics.jsonl and completions.jsonl", action="extend")
-    ckpt_every: int = _field(50, "checkpoint every N steps")
+    ckpt_every: int = _field(50, "checkpoint every N steps (with --save-strategy steps)")
+    save_strategy: str = _field("steps", "when to checkpoint (TRL's option): steps (every --ckpt-every steps) | epoch "
+                                         "(after each pass over the training prompts) | no (only at the end: the final "
+                                         "model and the checkpoint that --resume continues)")
 
     def __post_init__(self):
         # a field of several values also takes one (Config(reward="exact"), and checkpoints from before the
@@ -216,6 +219,8 @@ class Config:
         for name, (demo, model) in MODE_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, model if self.model else demo)
+        if str(self.save_strategy).lower() == "false":  # YAML 1.1 reads an unquoted `save_strategy: no` as false
+            self.save_strategy = "no"
         if isinstance(self.scale_rewards, (bool, str)):  # TRL also takes true (group) and false (none)
             self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(),
                                                                          self.scale_rewards)
@@ -225,7 +230,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
 CHOICES = {"critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
            "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none")}
+           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none"),
+           "save_strategy": ("steps", "epoch", "no")}
 
 
 def _flag(name: str) -> str:

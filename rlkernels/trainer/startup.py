@@ -70,6 +70,13 @@ def load_task(run: Run, reward_fns) -> None:
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, source.eval_size, source.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
+    if run.cfg.save_strategy != "steps":  # TRL's epoch / no, as the steps between checkpoints
+        per_step = run.sampling.prompts_per_step * run.world
+        every = math.ceil(len(run.train_set) / per_step) if run.cfg.save_strategy == "epoch" else run.logs.steps
+        config_parts.attach(run, dataclasses.replace(run.cfg, ckpt_every=every))
+        run.log(f"--save-strategy {run.cfg.save_strategy}: a checkpoint every {every} steps"
+                + (f" ({len(run.train_set)} prompts, {per_step} a step)" if run.cfg.save_strategy == "epoch" else
+                   " (the last)"))
     fns, weights = reward_fns
     columns = [k for k in run.train_set[0] if k != "prompt"]
     for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads

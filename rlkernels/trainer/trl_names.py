@@ -62,7 +62,6 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "top_k": (int, (0, None), _NEUTRAL_SAMPLING),
     "min_p": (float, (None,), _NEUTRAL_SAMPLING),
     "repetition_penalty": (float, (1.0,), _NEUTRAL_SAMPLING),
-    "save_strategy": (str, ("steps",), "checkpoints every --ckpt-every steps"),
     "logging_strategy": (str, ("steps",), "metrics every --logging-steps steps"),
     "save_total_limit": (int, (1,), "a run folder keeps its last checkpoint"),
     "model_revision": (str, ("main",), "--model is a local folder, of one revision"),
@@ -134,7 +133,7 @@ IGNORED = {  # why each group has no effect here
 SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
              "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
              "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
-             "delta", "top_entropy_quantile", "mask_truncated_completions", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+             "delta", "top_entropy_quantile", "mask_truncated_completions", "save_strategy", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
 # GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
 TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
