@@ -539,3 +539,23 @@ def test_save_strategy_no_and_epoch(tmp_path, monkeypatch, strategy):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"loss_type: dapo\nsave_strategy: {strategy}\n")
     assert from_args(["--config", str(recipe)])[0].save_strategy == strategy
+
+
+def test_global_step_and_log_metric_follow_trl(tmp_path):
+    """Issue 40 item 5: during step k's rollout `trainer_state.global_step` was k (TRL: k − 1, the optimizer steps
+    taken), and log_metric calls of the evaluation before RL were averaged into step 1's row. Evaluations after
+    step k see k, and their log_metric values are the row's `eval/` metrics."""
+    seen = []
+
+    def probe(prompts, completions, trainer_state, log_metric, **kwargs):
+        kind = "eval" if len(completions) == 8 else "rollout"  # eval_size 8; rollouts 4 prompts × 4
+        seen.append((kind, trainer_state.global_step))
+        log_metric("probe", 100.0 if kind == "eval" else float(trainer_state.global_step))
+        return [0.0] * len(completions)
+
+    train(Config(**{**TINY, "steps": 2, "eval_every": 1, "eval_size": 8, "warmup_steps": 0, "out": str(tmp_path)}),
+          reward_fn=probe)
+    assert [s for k, s in seen if k == "rollout"] == [0, 1]
+    assert [s for k, s in seen if k == "eval"] == [0, 1, 2]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["probe"], r["eval/probe"]) for r in rows] == [(0.0, 100.0), (1.0, 100.0)]

@@ -181,6 +181,7 @@ def warm_up(run: Run) -> None:
         if w.warmup_target is not None and it % w.warmup_eval_every == 0 and it < w.warmup_steps:
             reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, run.sampling, place,
                                           context=run.reward_context)[0]
+            run.reward_context.log.take_metrics()  # the warm-up's checks are not RL step 1's
             bar.set_postfix(eval=f"{reached:.3f}", target=w.warmup_target)
             in_a_row = in_a_row + 1 if reached >= w.warmup_target else 0
             if in_a_row == 2:
