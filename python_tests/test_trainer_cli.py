@@ -168,7 +168,7 @@ def test_trl_names_as_flags_set_our_fields():
     ({"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}, {"lora_rank": 16, "lora_target": "q_proj,v_proj"}),
     ({"use_peft": False, "lora_r": 8}, {"lora_rank": 0}),  # TRL reads lora_r only with use_peft
     ({"warmup_ratio": 0.1, "max_steps": 50, "num_train_epochs": 3}, {"lr_warmup_steps": 5, "steps": 50}),
-    ({"eval_strategy": "no", "max_steps": 30}, {"eval_every": 30}),
+    ({"eval_strategy": "no", "max_steps": 30}, {"eval_size": 0, "steps": 30}),
     ({"use_cpu": True, "disable_tqdm": True, "top_k": 0, "top_p": 1.0, "use_vllm": False}, {"device": "cpu",
                                                                                           "progress": False}),
 ])

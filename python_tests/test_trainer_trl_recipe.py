@@ -59,18 +59,24 @@ def test_a_recipe_of_every_default_gets_trls_defaults(recipe_of_defaults):
         1e-6, "linear", 0, 0.9, 0.999, 1e-8)
     assert (cfg.temperature, cfg.seed, cfg.logging_steps, cfg.ckpt_every, cfg.gradient_checkpointing) == (
         1.0, 42, 10, 500, True)
-    assert cfg.eval_holdout is False and cfg.eval_every == cfg.steps == 1  # eval_strategy no: nothing held out
+    assert cfg.eval_size == 0  # eval_strategy no: no evaluation at all, every prompt trains (issue 40 item 6)
     ignored, differs = notes
     assert ignored.startswith("TRL settings with no effect here: ") and "use_liger_kernel" in ignored
     assert differs.startswith("TRL recipe: trains as trl grpo does but ")
 
 
-def test_a_recipe_of_every_default_trains(recipe_of_defaults, capsys):
+def test_a_recipe_of_every_default_trains(recipe_of_defaults, capsys, monkeypatch):
+    from rlkernels.trainer import generation
+
+    evaluated = []
+    monkeypatch.setattr(generation, "evaluate", lambda *a, **k: evaluated.append(1) or (0.0, []))
     assert main(["--config", str(recipe_of_defaults), "--progress", "false"]) == 0
     out = capsys.readouterr().out
     assert out.count("TRL settings with no effect here") == 1 and "16 training prompts" in out
     summary = json.loads((recipe_of_defaults.parent / "out" / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["config"]["algo"] == "dapo"
+    # issue 40 item 6: TRL's defaults ask for no evaluation, and none runs (64 greedy completions before and after)
+    assert evaluated == [] and summary["eval_reward_before"] is None and summary["eval_reward_after"] is None
 
 
 def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):

@@ -76,6 +76,11 @@ def load(source) -> Tuple[List[dict], List[dict], str]:
     """(train examples, held-out examples, a line that says where the held-out ones come from); `source`: a
     config_parts.Data (or what has its fields)."""
     train = examples(source.dataset, source.dataset_split, source.prompt_column, "--dataset", "--dataset-split")
+    if source.eval_size == 0:
+        if not train:
+            raise ValueError(f"--dataset: no prompts in {source.dataset!r}")
+        random.Random(source.seed + 12345).shuffle(train)
+        return train, [], "no evaluation (--eval-size 0)"
     if source.eval_dataset or source.eval_split:
         where, split = source.eval_dataset or source.dataset, source.eval_split or "train"
         flag = "--eval-dataset" if source.eval_dataset else "--dataset"

@@ -76,12 +76,13 @@ def _train(run: Run, reward_fns, stop) -> dict:
     startup.build_update(run)
     startup.restore(run)
     samples = []  # a resumed run's are in its completions.jsonl
-    if run.eval_before is None:
+    if run.eval_before is None and run.eval_set:
         run.eval_before, samples, metrics = evaluate_policy(run, run.start)
         if metrics:  # not into step 1's row: that row is of the rollouts
             run.log("log_metric during the evaluation before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    run.log(f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}; "
-            f"loss {_loss_text(run.logs.algo, run.loss_cfg)}")
+    before = (f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}" if run.eval_set else
+              "no evaluation (--eval-size 0)")
+    run.log(f"{before}; loss {_loss_text(run.logs.algo, run.loss_cfg)}")
     startup.open_logs(run)
     log_completions(run, 0, samples)
     logs = run.logs
@@ -103,7 +104,7 @@ def _train(run: Run, reward_fns, stop) -> dict:
             kl_obs = adapt_kl(run, batch)
             row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
             samples = []
-            if step % logs.eval_every == 0 or step == logs.steps:
+            if run.eval_set and (step % logs.eval_every == 0 or step == logs.steps):
                 row["eval_reward"], samples, metrics = evaluate_policy(run, step)
                 row.update({f"eval/{k}": v for k, v in metrics.items()})  # the evaluation's own log_metric calls
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
@@ -305,7 +306,7 @@ def log_step(run: Run, row: dict, samples: list, stopping: bool) -> None:
 def summarize(run: Run) -> dict:
     """The summary after RL (an eval unless the last step made one): summary.json, the table, the plot."""
     logs, last = run.logs, run.last
-    eval_after = (last.get("eval_reward") if last.get("eval_reward") is not None else
+    eval_after = (last.get("eval_reward") if last.get("eval_reward") is not None or not run.eval_set else
                   evaluate_policy(run, last.get("step", run.start))[0])
     summary = {"algo": logs.algo, "steps": last.get("step", run.start), "eval_reward_before": run.eval_before,
                "eval_reward_after": eval_after, "final_reward_mean": last.get("reward_mean"),

@@ -116,7 +116,8 @@ class Config:
         "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
-    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most")
+    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most; 0 = "
+                                                        "no evaluation (a TRL recipe that asks for none)")
     eval_holdout: bool = _field(True, "hold the --eval-size prompts of --dataset out of training; false: evaluate on "
                                       "training prompts (a TRL recipe that asks for no evaluation)")
     # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
@@ -592,7 +593,7 @@ def validate(cfg: Config) -> None:
         for v in values:
             if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
                 raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
-    positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
+    positive = ("n_layer", "n_embd", "n_head", "digits", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
                 "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every", "logging_steps")
     for name in positive:
@@ -601,7 +602,7 @@ def validate(cfg: Config) -> None:
     if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
         raise ValueError(f"--max-prompt-length: expected an int >= 1 or none, got {cfg.max_prompt_length}")
     for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
-                 "eval_completions"):
+                 "eval_completions", "eval_size"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
     if cfg.train_epochs is not None and not 0 < cfg.train_epochs <= 1e6:

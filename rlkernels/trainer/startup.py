@@ -96,7 +96,7 @@ def load_task(run: Run, reward_fns) -> None:
 
 def has_answers(run: Run) -> bool:
     """Whether the prompts carry the answer column that exact, regex and the warm-up read."""
-    return "answer" in run.train_set[0] and "answer" in run.eval_set[0]
+    return all("answer" in examples[0] for examples in (run.train_set, run.eval_set) if examples)
 
 
 def warms_up(run: Run) -> bool:
@@ -145,6 +145,9 @@ def load_policy(run: Run) -> None:
         if not has_answers(run):
             raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which "
                              f"--dataset {run.data.dataset} lacks; give --warmup-steps 0")
+        if run.warmup.warmup_target is not None and not run.eval_set:
+            raise ValueError("--eval-size 0: the demo's warm-up stops at --warmup-target, measured on held-out prompts; "
+                             "give --warmup-target none or an --eval-size")
         if run.warmup.warmup_batch > len(run.train_set):
             raise ValueError(f"--warmup-batch: {run.warmup.warmup_batch} is more than the {len(run.train_set)} training "
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")

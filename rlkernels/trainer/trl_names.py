@@ -49,8 +49,8 @@ OPTIONS = {
     "lora_r": (int, "LoRA rank when use_peft is true"),
     "lora_target_modules": (List[str], "LoRA modules (--lora-target)"),
     "num_train_epochs": (float, "accepted with max_steps (--steps), which counts the steps here"),
-    "eval_strategy": (str, "steps | no (no: evaluate only before and after RL)"),
-    "do_eval": (bool, "false: evaluate only before and after RL"),
+    "eval_strategy": (str, "steps (every eval_steps, and before and after RL) | no (no evaluation: --eval-size 0)"),
+    "do_eval": (bool, "false: no evaluation (--eval-size 0)"),
     "disable_tqdm": (bool, "true: --progress false"),
 }
 _NEUTRAL_SAMPLING = "sampling here is pure temperature sampling, so that the recorded log-probs are the sampler's"
@@ -265,9 +265,7 @@ def resolve(values: dict, defaults, flags=(), world: int = 1, trl_recipe: bool =
     eval_asked = trl.get("eval_strategy") == "steps" or trl.get("do_eval") is True or "eval_dataset" in values \
         or "eval_split" in values
     if trl.get("eval_strategy") == "no" or trl.get("do_eval") is False or (trl_recipe and not eval_asked):
-        set_field("eval_every", steps, "eval_strategy")
-        if trl_recipe:  # TRL trains on every prompt when no evaluation is asked for
-            set_field("eval_holdout", False, "eval_strategy")
+        set_field("eval_size", 0, "eval_strategy")  # as TRL: no evaluation, every prompt trains
     if trl_recipe:
         for name, value in TRL_DEFAULTS.items():
             values.setdefault(name, value)
