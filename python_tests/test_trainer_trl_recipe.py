@@ -16,22 +16,35 @@ from rlkernels.trainer import trl_names
 trl = pytest.importorskip("trl")
 
 
-def grpo_defaults() -> dict:
-    """Every GRPOConfig setting at its default, as a recipe would spell it."""
+def _defaults(*classes) -> dict:
     out = {}
-    for f in dataclasses.fields(trl.GRPOConfig):
-        if not f.init:
-            continue
-        out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.init:
+                out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
     return out
 
 
-def test_every_grpo_config_setting_has_a_place_here():
-    homeless = [name for name in grpo_defaults() if name not in C.FIELDS and trl_names.kind(
+def grpo_defaults() -> dict:
+    """Every GRPOConfig setting at its default, as a recipe would spell it."""
+    return _defaults(trl.GRPOConfig)
+
+
+def script_defaults() -> dict:
+    """The other three dataclasses `trl grpo` reads a recipe into (issue 40 item 1: their keys were unknown here)."""
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    return _defaults(trl.ModelConfig, trl.ScriptArguments, GRPOScriptArguments)
+
+
+@pytest.mark.parametrize("defaults", [grpo_defaults, script_defaults])
+def test_every_setting_trl_grpo_reads_has_a_place_here(defaults):
+    homeless = [name for name in defaults() if name not in C.FIELDS and trl_names.kind(
         trl_names.RENAMED.get(name, name)) is None and name not in trl_names.RENAMED]
     assert not homeless, homeless
-    assert set(trl_names.SAME_NAME) == set(grpo_defaults()) & set(C.FIELDS)
-    for name, default in grpo_defaults().items():  # TRL's default is accepted wherever only some values are
+    if defaults is grpo_defaults:
+        assert set(trl_names.SAME_NAME) == set(grpo_defaults()) & set(C.FIELDS)
+    for name, default in defaults().items():  # TRL's default is accepted wherever only some values are
         if name in trl_names.SAME_AS_HERE and default is not None:
             assert default in trl_names.SAME_AS_HERE[name][1], (name, default)
 
@@ -41,7 +54,8 @@ def recipe_of_defaults(tmp_path):
     _local_checkpoint(tmp_path / "m")
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                                               for a in range(4) for b in range(4)))
-    values = {**grpo_defaults(), "output_dir": str(tmp_path / "out"), "max_steps": 1, "max_completion_length": 4}
+    values = {**grpo_defaults(), **script_defaults(), "output_dir": str(tmp_path / "out"), "max_steps": 1,
+              "max_completion_length": 4}
     values.update(model_name_or_path=str(tmp_path / "m"), dataset_name=str(tmp_path / "d.jsonl"),
                   reward_funcs=[r"regex:(\d+)"])
     path = tmp_path / "recipe.yaml"

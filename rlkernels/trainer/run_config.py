@@ -24,7 +24,8 @@ from . import nesting, trackers, trl_names
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
-REWARD_FORMS = "exact | regex:PATTERN | package.module:function | path/to/file.py:function"
+REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | a name of trl grpo's "
+                "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment)")
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW)
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
@@ -82,6 +83,18 @@ class Config:
     lora_rank: int = _field(0, "> 0: train LoRA adapters of this rank through peft")
     lora_alpha: float = _field(16.0, "LoRA alpha")
     lora_target: str = _field("all-linear", "LoRA modules: all-linear (every linear layer but the head) or name,name,...")
+    lora_dropout: float = _field(0.0, "LoRA dropout, in [0, 1) (a TRL recipe: ModelConfig's 0.05)")
+    lora_target_parameters: List[str] = _field([], "LoRA on these parameters (peft's target_parameters, e.g. a "
+                                                   "mixture of experts' stacked weights)", action="extend")
+    lora_modules_to_save: List[str] = _field([], "modules trained in full beside the adapters (peft's "
+                                                 "modules_to_save)", action="extend")
+    use_rslora: bool = _field(False, "LoRA: rank-stabilised scaling alpha/sqrt(r) (peft's use_rslora)")
+    use_dora: bool = _field(False, "LoRA: weight-decomposed adapters (peft's use_dora)")
+    attn_implementation: Optional[str] = _field(None, "with --model: the attention kernel from_pretrained loads "
+                                                      "(eager | sdpa | flash_attention_2 | ...); none = transformers' "
+                                                      "choice")
+    chat_template: Optional[str] = _field(None, "with --model: a Jinja chat template that replaces the tokenizer's "
+                                                "(open-r1's chat_template); saved with the run's tokenizer")
     merge_lora: bool = _field(False, "save the merged weights, not the adapter (the demo model is always merged)")
     gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
                                                  "non-reentrant): less memory for longer sequences, about one more "
@@ -95,6 +108,10 @@ class Config:
                               "any others, e.g. answer; \"\" = the demo's synthetic addition (required with --model)")
     dataset_split: str = _field("train", "the split of --dataset to train on (a single file has only train)")
     prompt_column: str = _field("prompt", "the column of --dataset (and --eval-dataset) holding the prompts")
+    dataset_config: Optional[str] = _field(None, "the configuration (subset) of a --dataset folder or Hub dataset "
+                                                 "(TRL's dataset_config, load_dataset's name)")
+    system_prompt: Optional[str] = _field(None, "a system message before every prompt (open-r1's): a string prompt "
+                                                "becomes the conversation [system, user]")
     eval_dataset: str = _field("", "held-out prompts, as --dataset; \"\" = --eval-size prompts of --dataset held out "
                                    "(or its --eval-split)")
     eval_split: str = _field("", "the split of --eval-dataset, or of --dataset without it; \"\" = train of "
@@ -581,6 +598,20 @@ def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
     return cfg, set(values)
 
 
+def _validate_model_options(cfg: Config) -> None:
+    """ModelConfig's and open-r1's options of a TRL recipe (issue 40)."""
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout: expected a number in [0, 1), got {cfg.lora_dropout}")
+    for name in ("attn_implementation", "chat_template"):
+        if getattr(cfg, name) is not None and not cfg.model:
+            raise ValueError(f"{_flag(name)}: applies to a --model; the demo's tiny Llama and character tokenizer "
+                             f"have their own")
+    if any(s in trl_names.TRL_REWARD_FUNCS for s in cfg.reward) and importlib.util.find_spec("trl") is None:
+        raise ValueError("--reward: trl grpo's reward functions by name need trl (pip install trl)")
+    if cfg.system_prompt is not None and not cfg.dataset:
+        raise ValueError("--system-prompt: applies to the prompts of a --dataset, not to the demo's sums")
+
+
 def validate(cfg: Config) -> None:
     """Raise a ValueError naming the flag of the first bad value."""
     for name, allowed in CHOICES.items():
@@ -672,10 +703,12 @@ def validate(cfg: Config) -> None:
         if name != "none" and importlib.util.find_spec(name) is None:
             raise ValueError(f"--report-to {name}: needs the optional package {name} (pip install {name}), "
                              f"which is not installed")
+    _validate_model_options(cfg)
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)")
     for spec in cfg.reward:
-        if spec != "exact" and not spec.startswith("regex:") and ":" not in spec and "." not in spec:
+        if (spec != "exact" and not spec.startswith("regex:") and ":" not in spec and "." not in spec
+                and spec not in trl_names.TRL_REWARD_FUNCS):
             raise ValueError(f"--reward: expected {REWARD_FORMS}, got {spec!r}")
     if cfg.scale_rewards is not None and cfg.algo == "ppo":
         raise ValueError("--scale-rewards: the GRPO family's option; --algo ppo's advantages come from GAE")
@@ -689,7 +722,7 @@ def validate(cfg: Config) -> None:
                              f"config.json) or a Hub name in the local cache, got {path!r}: {what}{hub}")
     for name in ("dataset", "eval_dataset"):
         path = getattr(cfg, name)
-        if path and not os.path.exists(path):
+        if path and not os.path.exists(path) and not _HUB_NAME.fullmatch(path):  # a Hub id: datasets loads it
             raise ValueError(f"{_flag(name)}: no such file or folder {path!r}")
     if cfg.model and not cfg.dataset:
         raise ValueError("--dataset: required with --model (a file or folder of prompts)")
@@ -820,7 +853,8 @@ def describe(cfg: Config) -> str:
 # --resume: the checkpoint's config under this run's flags
 
 # what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
-RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
+RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "lora_target_parameters",
+                "lora_modules_to_save", "use_dora", "algo", "critic")
 # what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
 # a GPU resumes on a CPU machine)
 RESUME_FRESH = ("resume", "device", "overwrite")

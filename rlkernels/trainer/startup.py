@@ -129,7 +129,7 @@ def load_policy(run: Run) -> None:
     cfg, source = run.cfg, f" in {run.data.dataset}" if run.data.dataset else ""
     per_step = run.sampling.prompts_per_step
     if cfg.model:
-        run.policy, run.tok = task.load_model(cfg.model)
+        run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
         check_prompt_lengths(run)
     else:
         run.tok = task.CharTokenizer()
@@ -215,7 +215,10 @@ def build_update(run: Run) -> None:
             except RuntimeError as e:
                 raise unfit(cfg.resume, e) from None
     if cfg.lora_rank:
-        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target).to(place.device)
+        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target,
+                                   lora_dropout=cfg.lora_dropout, target_parameters=cfg.lora_target_parameters,
+                                   modules_to_save=cfg.lora_modules_to_save, use_rslora=cfg.use_rslora,
+                                   use_dora=cfg.use_dora).to(place.device)
     if algo_ppo:
         trunk = parts(run.policy)[0]
         run.critic = Critic(trunk, run.policy.config.hidden_size, cfg.critic == "separate").to(place.device)
