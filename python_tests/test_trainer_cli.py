@@ -125,8 +125,8 @@ def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkey
     (["--model", "{tmp}/m"], "--dataset: required with --model"),
     (["--reward-model", "{tmp}", "--reward", "exact"], "--reward-model: expected a local Hugging Face model folder"),
     (["--reward", "myrewards"], "--reward: expected exact | regex:PATTERN | package.module:function | "
-                                "path/to/file.py:function | a name of trl grpo's (accuracy_reward, "
-                                "reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment), got "
+                                "path/to/file.py:function | trl grpo's accuracy_reward, "
+                                "reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment, got "
                                 "'myrewards'"),
     (["--fsdp"], "--fsdp: shards the models over the processes of torchrun"),
 ])

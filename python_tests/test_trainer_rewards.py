@@ -93,7 +93,9 @@ def test_several_reward_flags(argv, expected):
     (["--reward-weights", "1", "x"], "--reward-weights: expected a number, got 'x'"),
     (["--reward-weights", "nan"], "--reward-weights: expected a finite number, got nan"),
     (["--reward", "exact", "fuzzy"], "--reward: expected exact | regex:PATTERN | package.module:function | "
-                                     "path/to/file.py:function, got 'fuzzy'"),
+                                     "path/to/file.py:function | trl grpo's accuracy_reward, "
+                                     "reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment, "
+                                     "got 'fuzzy'"),
     (["--reward-model", "/nonexistent"], "--reward-model: expected a local Hugging Face model folder"),
 ])
 def test_bad_reward_flags(argv, message, capsys):

@@ -24,8 +24,8 @@ from . import nesting, trackers, trl_names
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
-REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | a name of trl grpo's "
-                "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment)")
+REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | trl grpo's "
+                "accuracy_reward, reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment")
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW)
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
