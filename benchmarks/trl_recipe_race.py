@@ -1,10 +1,11 @@
 """One TRL GRPO recipe run by `trl grpo --config` and by `rlkernels train --config`, interleaved, on this machine
 (issue 40 item 9): wall time, time per step and peak memory of each process.
 
-    python -m benchmarks.trl_recipe_race [--vocab 32768] [--rounds 2] [--steps 4] [--threads 2] [--out DIR]
+    python -m benchmarks.trl_recipe_race [--vocab 32768] [--hidden 256] [--layers 4] [--rounds 3] [--steps 6]
+                                         [--threads 2] [--out DIR]
 
-Both read the same recipe file (TRL's keys only) over the same offline tiny Qwen2 (hidden 64, 2 layers, a byte-level
-tokenizer, the embedding and head of `--vocab` rows) and the same prompts and reward. Runs alternate (trl, ours,
+Both read the same recipe file (TRL's keys only) over the same offline small Qwen2 built from a config (`--hidden`,
+`--layers`, a byte-level tokenizer, the embedding and head of `--vocab` rows) and the same prompts and reward. Runs alternate (trl, ours,
 trl, ours, ...) so that a change in the machine's load falls on both. Per process: the wall time from start to
 exit (imports and model loading included), the mean of each tool's own step times after the first step (TRL's
 `step_time` metric; ours, `time_s` of metrics.jsonl), and the peak resident memory (`wait4`'s ru_maxrss). The
@@ -43,7 +44,7 @@ seed: 0
 REWARD = "def shorter(completions, **kwargs):\n    return [-len(c) / 50 for c in completions]\n"
 
 
-def build_inputs(root: str, vocab: int) -> dict:
+def build_inputs(root: str, vocab: int, hidden: int, layers: int) -> dict:
     """The model folder, the prompts and the reward module (offline, from configs)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -57,8 +58,8 @@ def build_inputs(root: str, vocab: int) -> dict:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.save_pretrained(model)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=256, pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id, bos_token_id=None)).save_pretrained(model)
     data = os.path.join(root, "prompts")  # a folder of data files: what both read as dataset_name
@@ -107,15 +108,17 @@ def _step_times(tool: str, out: str, log: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="", help="keep the runs here (default: a temporary folder, removed)")
     args = parser.parse_args()
     root = args.out or tempfile.mkdtemp(prefix="trl-race-")
     os.makedirs(root, exist_ok=True)
-    inputs = build_inputs(root, args.vocab)
-    print(f"V = {args.vocab}, {args.steps} steps, {args.threads} threads; load average "
+    inputs = build_inputs(root, args.vocab, args.hidden, args.layers)
+    print(f"V = {args.vocab}, H = {args.hidden}, {args.layers} layers, {args.steps} steps, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'run':<14}{'wall s':>9}{'s/step':>9}{'peak MB':>10}", flush=True)
     rows = []
