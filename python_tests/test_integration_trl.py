@@ -9,6 +9,7 @@ word-level tokenizer built here (nothing downloaded).
 """
 from __future__ import annotations
 
+import logging
 import math
 import types
 import warnings
@@ -302,9 +303,14 @@ def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path, monkeypat
     assert any("TRL computes this loss itself" in str(w.message) for w in caught)
 
 
-def test_config_mapping(model_id, dataset, tmp_path):
+def test_config_mapping(model_id, dataset, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rlkernels")
     trainer = RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, train_dataset=dataset,
                                    args=_config(tmp_path, loss_type="dr_grpo", delta=1.5, beta=0.0))
+    # issue 40 item 8: the drop-in says once which loss replaces TRL's
+    said = [r.getMessage() for r in caplog.records if r.name == "rlkernels"]
+    assert said == ["rlkernels: loss_type='dr_grpo' (importance_sampling_level='token') is computed by rlkernels' "
+                    "fused_linear_policy_loss: objective clip, ratio token, agg constant, clip (0.02, 0.03)"], said
     cfg, _ = rk_trl.loss_config(trainer)
     assert (cfg.agg, cfg.norm_length, cfg.delta, cfg.kl_coef) == ("constant", 6, 1.5, 0.0)
     assert (cfg.clip_low, cfg.clip_high) == (0.02, 0.03)

@@ -125,7 +125,9 @@ def test_demo_only_flag_with_model_names_the_flag(tmp_path, name, capsys, monkey
     (["--model", "{tmp}/m"], "--dataset: required with --model"),
     (["--reward-model", "{tmp}", "--reward", "exact"], "--reward-model: expected a local Hugging Face model folder"),
     (["--reward", "myrewards"], "--reward: expected exact | regex:PATTERN | package.module:function | "
-                                "path/to/file.py:function, got 'myrewards'"),
+                                "path/to/file.py:function | trl grpo's accuracy_reward, "
+                                "reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment, got "
+                                "'myrewards'"),
     (["--fsdp"], "--fsdp: shards the models over the processes of torchrun"),
 ])
 def test_file_errors_before_any_model_is_built(tmp_path, argv, message, capsys, monkeypatch):
@@ -168,7 +170,7 @@ def test_trl_names_as_flags_set_our_fields():
     ({"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}, {"lora_rank": 16, "lora_target": "q_proj,v_proj"}),
     ({"use_peft": False, "lora_r": 8}, {"lora_rank": 0}),  # TRL reads lora_r only with use_peft
     ({"warmup_ratio": 0.1, "max_steps": 50, "num_train_epochs": 3}, {"lr_warmup_steps": 5, "steps": 50}),
-    ({"eval_strategy": "no", "max_steps": 30}, {"eval_every": 30}),
+    ({"eval_strategy": "no", "max_steps": 30}, {"eval_size": 0, "steps": 30}),
     ({"use_cpu": True, "disable_tqdm": True, "top_k": 0, "top_p": 1.0, "use_vllm": False}, {"device": "cpu",
                                                                                           "progress": False}),
 ])
@@ -205,14 +207,16 @@ def test_a_trl_recipe_runs_unchanged_and_the_rest_is_named_in_one_error(tmp_path
     assert (cfg.max_new_tokens, cfg.num_generations, cfg.prompts_per_step, cfg.minibatches) == (64, 4, 4, 1)
     assert (cfg.lr_scheduler_type, cfg.lr_warmup_steps, cfg.dtype, cfg.reward, cfg.gradient_checkpointing) == (
         "cosine", 10, "float32", ["rewards.py:accuracy"], True)
-    path.write_text(recipe.replace("use_vllm: false", "use_vllm: true") + "hub_model_id: me/x\nattn_implementation: sdpa\n")
+    path.write_text(recipe.replace("use_vllm: false", "use_vllm: true") + "hub_model_id: me/x\nattn_implementaton: sdpa\n")
     with pytest.raises(ValueError) as err:
         from_args(["--config", str(path)])
-    assert all(k in str(err.value) for k in ("attn_implementation", "use_vllm=True")) and "hub_model_id" not in \
+    assert all(k in str(err.value) for k in ("attn_implementaton", "use_vllm=True")) and "hub_model_id" not in \
         str(err.value)  # hub_model_id has no effect here: accepted, and named in the log
-    path.write_text(recipe + "hub_model_id: me/x\nattn_implementation: sdpa\nlora_dropout: 0.1\n")
-    with pytest.raises(ValueError, match="unknown keys 'attn_implementation', 'lora_dropout' .not a setting of this"):
+    path.write_text(recipe + "hub_model_id: me/x\nattn_implementaton: sdpa\nlora_dropot: 0.1\n")
+    with pytest.raises(ValueError, match="unknown keys 'attn_implementaton', 'lora_dropot' .not a setting of this"):
         from_args(["--config", str(path)])
+    path.write_text(recipe + "attn_implementation: sdpa\nlora_dropout: 0.1\n")  # ModelConfig's (issue 40 item 1)
+    assert from_args(["--config", str(path)])[0].attn_implementation == "sdpa"
 
 
 RECIPE = """\

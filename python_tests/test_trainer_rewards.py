@@ -93,7 +93,9 @@ def test_several_reward_flags(argv, expected):
     (["--reward-weights", "1", "x"], "--reward-weights: expected a number, got 'x'"),
     (["--reward-weights", "nan"], "--reward-weights: expected a finite number, got nan"),
     (["--reward", "exact", "fuzzy"], "--reward: expected exact | regex:PATTERN | package.module:function | "
-                                     "path/to/file.py:function, got 'fuzzy'"),
+                                     "path/to/file.py:function | trl grpo's accuracy_reward, "
+                                     "reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment, "
+                                     "got 'fuzzy'"),
     (["--reward-model", "/nonexistent"], "--reward-model: expected a local Hugging Face model folder"),
 ])
 def test_bad_reward_flags(argv, message, capsys):
@@ -486,3 +488,76 @@ def test_resume_names_the_reward_module_before_importing_it(tmp_path, capsys):
     out = capsys.readouterr().out
     named = out.index(f"--resume: the reward functions of {tmp_path / 'o'}'s checkpoint, imported now: {spec}")
     assert named < out.index("IMPORTED noisy_reward")
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkeypatch):
+    """Issue 40 item 3: TRL's `mask_truncated_completions` (set by DAPO recipes) was refused. A completion without
+    eos trains no token; one with eos keeps its tokens up to it; both keep their reward in the group's advantages."""
+    from rlkernels.trainer import task
+
+    trained = []
+    real_head = trainer_model.loss_head
+
+    def head(model, hidden, batch, *args, **kw):
+        trained.append((batch["targets"].clone(), batch["mask"].clone(), batch["advantages"].clone()))
+        return real_head(model, hidden, batch, *args, **kw)
+
+    monkeypatch.setattr(trainer_model, "loss_head", head)
+    run(tmp_path, steps=1, algo="dapo", mask_truncated_completions=True, max_new_tokens=2, eval_every=1,
+        reward=["test_trainer_rewards:length_reward"])
+    targets, mask, advantages = (torch.cat(x) for x in zip(*trained))
+    ended = (targets == 2).any(-1)  # the demo tokenizer's eos is 2
+    assert (~ended).any() and ended.any(), "the case needs both kinds of completion"
+    assert not mask[~ended].any()
+    assert torch.equal(mask[ended], task.first_eos_mask(targets[ended], 2))
+    assert advantages[~ended].abs().sum() > 0  # their rewards (the longest) still counted in their groups
+
+    recipe = tmp_path / "dapo.yaml"
+    recipe.write_text("loss_type: dapo\nmask_truncated_completions: true\n")
+    assert from_args(["--config", str(recipe)])[0].mask_truncated_completions is True
+
+
+def length_reward(prompts, completions, **columns):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.parametrize("strategy", ["no", "epoch"])
+def test_save_strategy_no_and_epoch(tmp_path, monkeypatch, strategy):
+    """Issue 40 item 2: TRL's save_strategy "no" and "epoch" were refused. "no" checkpoints only at the end (the
+    final model is still written); "epoch" after each pass over the training prompts."""
+    from rlkernels.trainer import loop
+
+    saved, real_save = [], loop.save
+
+    def save(run, step):
+        saved.append((step, run.logs.ckpt_every, len(run.train_set)))
+        return real_save(run, step)
+
+    monkeypatch.setattr(loop, "save", save)
+    summary, rows = run(tmp_path, steps=3, ckpt_every=1, save_strategy=strategy)
+    check_run(tmp_path, summary, rows, 3)
+    epoch = math.ceil(saved[0][2] / TINY["prompts_per_step"])
+    assert [s for s, _, _ in saved] == [3] and saved[0][1] == (3 if strategy == "no" else epoch)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"loss_type: dapo\nsave_strategy: {strategy}\n")
+    assert from_args(["--config", str(recipe)])[0].save_strategy == strategy
+
+
+def test_global_step_and_log_metric_follow_trl(tmp_path):
+    """Issue 40 item 5: during step k's rollout `trainer_state.global_step` was k (TRL: k − 1, the optimizer steps
+    taken), and log_metric calls of the evaluation before RL were averaged into step 1's row. Evaluations after
+    step k see k, and their log_metric values are the row's `eval/` metrics."""
+    seen = []
+
+    def probe(prompts, completions, trainer_state, log_metric, **kwargs):
+        kind = "eval" if len(completions) == 8 else "rollout"  # eval_size 8; rollouts 4 prompts × 4
+        seen.append((kind, trainer_state.global_step))
+        log_metric("probe", 100.0 if kind == "eval" else float(trainer_state.global_step))
+        return [0.0] * len(completions)
+
+    train(Config(**{**TINY, "steps": 2, "eval_every": 1, "eval_size": 8, "warmup_steps": 0, "out": str(tmp_path)}),
+          reward_fn=probe)
+    assert [s for k, s in seen if k == "rollout"] == [0, 1]
+    assert [s for k, s in seen if k == "eval"] == [0, 1, 2]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["probe"], r["eval/probe"]) for r in rows] == [(0.0, 100.0), (1.0, 100.0)]

@@ -16,22 +16,35 @@ from rlkernels.trainer import trl_names
 trl = pytest.importorskip("trl")
 
 
-def grpo_defaults() -> dict:
-    """Every GRPOConfig setting at its default, as a recipe would spell it."""
+def _defaults(*classes) -> dict:
     out = {}
-    for f in dataclasses.fields(trl.GRPOConfig):
-        if not f.init:
-            continue
-        out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.init:
+                out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
     return out
 
 
-def test_every_grpo_config_setting_has_a_place_here():
-    homeless = [name for name in grpo_defaults() if name not in C.FIELDS and trl_names.kind(
+def grpo_defaults() -> dict:
+    """Every GRPOConfig setting at its default, as a recipe would spell it."""
+    return _defaults(trl.GRPOConfig)
+
+
+def script_defaults() -> dict:
+    """The other three dataclasses `trl grpo` reads a recipe into (issue 40 item 1: their keys were unknown here)."""
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    return _defaults(trl.ModelConfig, trl.ScriptArguments, GRPOScriptArguments)
+
+
+@pytest.mark.parametrize("defaults", [grpo_defaults, script_defaults])
+def test_every_setting_trl_grpo_reads_has_a_place_here(defaults):
+    homeless = [name for name in defaults() if name not in C.FIELDS and trl_names.kind(
         trl_names.RENAMED.get(name, name)) is None and name not in trl_names.RENAMED]
     assert not homeless, homeless
-    assert set(trl_names.SAME_NAME) == set(grpo_defaults()) & set(C.FIELDS)
-    for name, default in grpo_defaults().items():  # TRL's default is accepted wherever only some values are
+    if defaults is grpo_defaults:
+        assert set(trl_names.SAME_NAME) == set(grpo_defaults()) & set(C.FIELDS)
+    for name, default in defaults().items():  # TRL's default is accepted wherever only some values are
         if name in trl_names.SAME_AS_HERE and default is not None:
             assert default in trl_names.SAME_AS_HERE[name][1], (name, default)
 
@@ -41,7 +54,8 @@ def recipe_of_defaults(tmp_path):
     _local_checkpoint(tmp_path / "m")
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                                               for a in range(4) for b in range(4)))
-    values = {**grpo_defaults(), "output_dir": str(tmp_path / "out"), "max_steps": 1, "max_completion_length": 4}
+    values = {**grpo_defaults(), **script_defaults(), "output_dir": str(tmp_path / "out"), "max_steps": 1,
+              "max_completion_length": 4}
     values.update(model_name_or_path=str(tmp_path / "m"), dataset_name=str(tmp_path / "d.jsonl"),
                   reward_funcs=[r"regex:(\d+)"])
     path = tmp_path / "recipe.yaml"
@@ -59,18 +73,24 @@ def test_a_recipe_of_every_default_gets_trls_defaults(recipe_of_defaults):
         1e-6, "linear", 0, 0.9, 0.999, 1e-8)
     assert (cfg.temperature, cfg.seed, cfg.logging_steps, cfg.ckpt_every, cfg.gradient_checkpointing) == (
         1.0, 42, 10, 500, True)
-    assert cfg.eval_holdout is False and cfg.eval_every == cfg.steps == 1  # eval_strategy no: nothing held out
+    assert cfg.eval_size == 0  # eval_strategy no: no evaluation at all, every prompt trains (issue 40 item 6)
     ignored, differs = notes
     assert ignored.startswith("TRL settings with no effect here: ") and "use_liger_kernel" in ignored
     assert differs.startswith("TRL recipe: trains as trl grpo does but ")
 
 
-def test_a_recipe_of_every_default_trains(recipe_of_defaults, capsys):
+def test_a_recipe_of_every_default_trains(recipe_of_defaults, capsys, monkeypatch):
+    from rlkernels.trainer import generation
+
+    evaluated = []
+    monkeypatch.setattr(generation, "evaluate", lambda *a, **k: evaluated.append(1) or (0.0, []))
     assert main(["--config", str(recipe_of_defaults), "--progress", "false"]) == 0
     out = capsys.readouterr().out
     assert out.count("TRL settings with no effect here") == 1 and "16 training prompts" in out
     summary = json.loads((recipe_of_defaults.parent / "out" / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["config"]["algo"] == "dapo"
+    # issue 40 item 6: TRL's defaults ask for no evaluation, and none runs (64 greedy completions before and after)
+    assert evaluated == [] and summary["eval_reward_before"] is None and summary["eval_reward_after"] is None
 
 
 def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):
@@ -81,12 +101,10 @@ def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):
     path.write_text(yaml.safe_dump({**base, "activation_checkpointing": None, "epsilon_high": None, "beta": None}))
     cfg, _ = from_args(["--config", str(path)])
     assert (cfg.gradient_checkpointing, cfg.clip_high, cfg.kl_coef) == (True, 0.2, 0.0)
-    path.write_text(yaml.safe_dump({**base, "mask_truncated_completions": True, "off_policy_mask_threshold": 0.5,
-                                    "optim": "sgd"}))
+    path.write_text(yaml.safe_dump({**base, "off_policy_mask_threshold": 0.5, "optim": "sgd"}))
     with pytest.raises(ValueError) as err:
         from_args(["--config", str(path)])
-    for text in ("mask_truncated_completions=True (truncated completions are trained like the others)",
-                 "off_policy_mask_threshold=0.5 (no off-policy", "optim='sgd' (the optimizer is"):
+    for text in ("off_policy_mask_threshold=0.5 (no off-policy", "optim='sgd' (the optimizer is"):
         assert text in str(err.value)
 
 

@@ -6,9 +6,15 @@ Layers (docs/design.md §1), bottom up: the shared helpers; `kernels` (passes ov
 `integrations`, `trainer` and the command line. `reference` (the naive truth) is imported by none.
 
 The public names are imported on first use (PEP 562), so that the `rlkernels` command answers `--help` and
-flag errors without importing torch; `import rlkernels` alone registers no op.
+flag errors without importing torch. The ops (`torch.ops.rlkernels_C.*`, `torch.ops.rlkernels.*`) are defined as
+soon as both rlkernels and torch are imported, in either order (`_define_ops_with_torch`): an exported or compiled
+graph finds them before any rlkernels function has run.
 """
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 __version__ = "0.1.0"
 __all__ = [
@@ -60,3 +66,41 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted({*globals(), *__all__})
+
+
+def _define_ops() -> None:
+    try:
+        from .ops.token_logprobs import define_available
+        define_available()
+    except Exception as e:  # never break `import torch` or `import rlkernels`; the first call then says what fails
+        warnings.warn(f"rlkernels: its torch ops could not be defined at import ({type(e).__name__}: {e})")
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Defines the ops right after `import torch`, where `import rlkernels` came first (isort's order): torch's own
+    loader runs unchanged, then `_define_ops`. It removes itself at that import."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _define_ops()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _define_ops_with_torch() -> None:
+    if "torch" in sys.modules:
+        _define_ops()
+    elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorch())
+
+
+_define_ops_with_torch()

@@ -43,9 +43,14 @@ def _probe(name: str):
     return _status[name]
 
 
+def available(name: str) -> bool:
+    """Whether backend `name` can run here (its module imports and says so)."""
+    return _probe(name)[0] is not None
+
+
 def backend_info() -> Dict[str, Dict[str, object]]:
     """{backend: {"available": bool, "reason": str}} for every backend."""
-    return {name: {"available": _probe(name)[0] is not None, "reason": _probe(name)[1]} for name in BACKENDS}
+    return {name: {"available": available(name), "reason": _probe(name)[1]} for name in BACKENDS}
 
 
 def _device_ok(name: str, device: torch.device) -> bool:
@@ -64,7 +69,7 @@ def resolve(backend: Optional[str], device: torch.device) -> str:
     source = "backend" if backend is not None else ENV_VAR
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, ("torch",)):
-            if _probe(name)[0] is not None and _device_ok(name, device):
+            if available(name) and _device_ok(name, device):
                 return name
         return "torch"
     if requested not in BACKENDS:

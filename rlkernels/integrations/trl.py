@@ -75,6 +75,7 @@ tested definition.)
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import warnings
 from typing import Optional, Tuple
@@ -495,12 +496,40 @@ def _log_ratio_metrics(self, logp, inputs, mask, cfg, is_weights):
     self._metrics[mode]["clip_ratio/high_max"].append(extreme_row_mean(high, torch.max))
 
 
+_LOG = logging.getLogger("rlkernels")
+
+
+def describe(trainer) -> str:
+    """One line: which rlkernels loss computes the trainer's `loss_type`, or why TRL's own loss stays."""
+    cfg, why = loss_config(trainer)
+    what = f"loss_type={trainer.loss_type!r} (importance_sampling_level={trainer.importance_sampling_level!r})"
+    if cfg is None:
+        return f"rlkernels: {what} stays TRL's own loss because of {why}; the log-probs are rlkernels'"
+    bounds = "" if cfg.clip_low is None and cfg.clip_high is None else f", clip ({cfg.clip_low}, {cfg.clip_high})"
+    kl = f", KL {cfg.kl_estimator} × {cfg.kl_coef:g}" if cfg.kl_coef else ""
+    return (f"rlkernels: {what} is computed by rlkernels' fused_linear_policy_loss: objective {cfg.objective}, "
+            f"ratio {cfg.ratio}, agg {cfg.agg}{bounds}{kl}")
+
+
+def _announce(trainer) -> None:
+    """Log `describe` once per trainer, on the main process, visible without any logging set up (a handler of
+    its own on the `rlkernels` logger unless the application configured logging)."""
+    if not trainer.accelerator.is_main_process:
+        return
+    if not _LOG.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _LOG.addHandler(handler)
+        _LOG.setLevel(logging.INFO)
+    _LOG.info(describe(trainer))
+
+
 def _prepare(trainer) -> None:
-    """Give the trainer's models the rlkernels keyword, and check a preset's `loss_type` now, not at the first step."""
+    """Give the trainer's models the rlkernels keyword, check a preset's `loss_type` now, not at the first step, and
+    say which loss replaces TRL's."""
     for module in _models(trainer):
         _install_forward(module)
-    if preset_of(trainer.loss_type) is not None:
-        loss_config(trainer)
+    _announce(trainer)
 
 
 class RLKernelsGRPOTrainer(GRPOTrainer):
@@ -542,4 +571,4 @@ def apply() -> None:
     GRPOTrainer._rlkernels_applied = True
 
 
-__all__ = ["apply", "RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config", "preset_of"]
+__all__ = ["apply", "RLKernelsGRPOTrainer", "patch_trl_grpo_trainer", "loss_config", "preset_of", "describe"]

@@ -42,6 +42,16 @@ def _define(name: str):
         return _OPS[name]
 
 
+def define_available() -> Tuple[str, ...]:
+    """Define the ops of every backend available here (`import rlkernels` does, docs/design.md §5), so that
+    `torch.ops.rlkernels_C.*` and `torch.ops.rlkernels.token_logprobs_{fwd,bwd}_<backend>` exist before any
+    call: a graph exported or compiled in another process finds them. Returns the backends defined."""
+    names = tuple(n for n in _backend.BACKENDS if _backend.available(n))
+    for name in names:
+        _define(name)
+    return names
+
+
 def _register(name: str):
     if name == "triton":
         register, launch = torch.library.triton_op, {"wrap": torch.library.wrap_triton}

@@ -19,8 +19,10 @@ def take(part, cfg, **derived):
 class Data:
     """data.py: the prompts of --dataset and those held out."""
     dataset: str
+    dataset_config: Optional[str]
     dataset_split: str
     prompt_column: str
+    system_prompt: Optional[str]
     eval_dataset: str
     eval_split: str
     eval_size: int
@@ -52,6 +54,7 @@ class Sampling:
     overlong_buffer: int
     pods_keep: int
     dynamic_sampling: bool
+    mask_truncated_completions: bool
     eval_completions: int
     greedy_baseline: bool  # ReMax: each prompt's greedy completion is scored too
 

@@ -1,5 +1,5 @@
 """The prompts of a `--dataset` run, as TRL reads them: a local JSON/JSONL/CSV/Parquet file or a `datasets`
-folder (`save_to_disk`'s, or a folder of data files), a split, and a prompt column.
+folder (`save_to_disk`'s, or a folder of data files) or a Hub dataset id, a split, and a prompt column.
 
 Every example is a dict of the row's columns, the prompt under "prompt" (from `--prompt-column`), a string or
 a conversation (a list of {"role": str, "content": str}); the other columns (`answer`, `solution`, ...) reach
@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import random
-from typing import List, Tuple
+import re
+from typing import List, Optional, Tuple
 
 FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMS = "a .json, .jsonl, .csv or .parquet file, or a datasets folder"
+FORMS = "a .json, .jsonl, .csv or .parquet file, a datasets folder, or a Hub dataset id (owner/name)"
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # and no such file or folder here
 
 
-def _load(path: str, split: str, flag: str, split_flag: str) -> List[dict]:
-    """The rows of `split` of the dataset at `path`."""
+def _load(path: str, split: str, flag: str, split_flag: str, config: Optional[str] = None) -> List[dict]:
+    """The rows of `split` of the dataset at `path`: a local file or folder, or a Hub dataset's id, loaded as
+    `trl grpo` loads it (`load_dataset(id, name=config)`; needs the network or the datasets cache)."""
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
@@ -25,7 +28,9 @@ def _load(path: str, split: str, flag: str, split_flag: str) -> List[dict]:
     try:
         if os.path.isdir(path):
             saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
-            ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+            ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, name=config)
+        elif not os.path.exists(path) and HUB_ID.fullmatch(path):
+            ds = datasets.load_dataset(path, name=config)
         else:
             kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
             if kind is None:
@@ -56,9 +61,11 @@ def _is_conversation(prompt) -> bool:
                     for m in prompt))
 
 
-def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: str) -> List[dict]:
-    """The rows of a dataset as examples (module docstring), checked."""
-    rows = _load(path, split, flag, split_flag)
+def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: str, config: Optional[str] = None,
+             system_prompt: Optional[str] = None) -> List[dict]:
+    """The rows of a dataset as examples (module docstring), checked; with `system_prompt` (open-r1's) every prompt
+    a conversation that starts with it (a string prompt: [system, user])."""
+    rows = _load(path, split, flag, split_flag, config)
     if rows and prompt_column not in rows[0]:
         raise ValueError(f"--prompt-column: {path!r} has no column {prompt_column!r} (its columns: "
                          f"{', '.join(rows[0])})")
@@ -68,6 +75,10 @@ def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: s
         if not (isinstance(prompt, str) or _is_conversation(prompt)):
             raise ValueError(f"{flag}: {path!r} row {n}: expected a prompt that is a string or a conversation "
                              f"[{{\"role\": str, \"content\": str}}, ...], got {str(prompt)[:80]!r}")
+        if system_prompt is not None:
+            turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if turns[0]["role"] != "system":
+                prompt = [{"role": "system", "content": system_prompt}] + turns
         out.append({"prompt": prompt, **row})
     return out
 
@@ -75,11 +86,19 @@ def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: s
 def load(source) -> Tuple[List[dict], List[dict], str]:
     """(train examples, held-out examples, a line that says where the held-out ones come from); `source`: a
     config_parts.Data (or what has its fields)."""
-    train = examples(source.dataset, source.dataset_split, source.prompt_column, "--dataset", "--dataset-split")
+    train = examples(source.dataset, source.dataset_split, source.prompt_column, "--dataset", "--dataset-split",
+                     source.dataset_config, source.system_prompt)
+    if source.eval_size == 0:
+        if not train:
+            raise ValueError(f"--dataset: no prompts in {source.dataset!r}")
+        random.Random(source.seed + 12345).shuffle(train)
+        return train, [], "no evaluation (--eval-size 0)"
     if source.eval_dataset or source.eval_split:
         where, split = source.eval_dataset or source.dataset, source.eval_split or "train"
         flag = "--eval-dataset" if source.eval_dataset else "--dataset"
-        held_out = examples(where, split, source.prompt_column, flag, "--eval-split")[:source.eval_size]
+        config = source.dataset_config if where == source.dataset else None  # TRL's is of its one dataset
+        held_out = examples(where, split, source.prompt_column, flag, "--eval-split", config,
+                            source.system_prompt)[:source.eval_size]
         if not train or not held_out:
             raise ValueError(f"{'--dataset' if not train else flag}: no prompts in {where!r}")
         return train, held_out, f"{len(held_out)} held-out prompts from {where} ({split})"

@@ -99,6 +99,9 @@ def sample_groups(policy, tok, prompts, part, rng, reward_fn, first_group, place
         seq, attn, P, tree_ids = rollout(policy, tok, prompts, part, rng)
     targets = seq[:, P:]
     mask = task.first_eos_mask(targets, tok.eos_id)
+    lengths = mask.sum(-1)
+    if part.mask_truncated_completions:  # TRL's: no eos, no loss (the reward still counts in the group's advantages)
+        mask = mask & (targets == tok.eos_id).any(-1, keepdim=True)
     group_ids = torch.arange(len(prompts), device=seq.device).repeat_interleave(G) + first_group
     texts = [tok.decode(row) for row in targets.tolist()]
     totals, parts = reward_fn.score([ex for ex in prompts for _ in range(G)], texts, _trl_kwargs(context, targets, tok))
@@ -108,7 +111,6 @@ def sample_groups(policy, tok, prompts, part, rng, reward_fn, first_group, place
     reward_parts = torch.tensor([[math.nan if r is None else r for r in fn_rewards] for fn_rewards in parts],
                                 dtype=torch.float64).T
     score = rewards.clone()  # the weighted reward before the overlong penalty, reported as reward_mean
-    lengths = mask.sum(-1)
     if part.overlong_buffer:
         rewards = rewards + sampling.overlong_penalty(lengths, part.max_new_tokens, part.overlong_buffer)
     baselines = (greedy_rewards(policy, tok, prompts, part, reward_fn, place, context).repeat_interleave(G)

@@ -76,10 +76,13 @@ def _train(run: Run, reward_fns, stop) -> dict:
     startup.build_update(run)
     startup.restore(run)
     samples = []  # a resumed run's are in its completions.jsonl
-    if run.eval_before is None:
-        run.eval_before, samples = evaluate_policy(run)
-    run.log(f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}; "
-            f"loss {_loss_text(run.logs.algo, run.loss_cfg)}")
+    if run.eval_before is None and run.eval_set:
+        run.eval_before, samples, metrics = evaluate_policy(run, run.start)
+        if metrics:  # not into step 1's row: that row is of the rollouts
+            run.log("log_metric during the evaluation before RL: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    before = (f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}" if run.eval_set else
+              "no evaluation (--eval-size 0)")
+    run.log(f"{before}; loss {_loss_text(run.logs.algo, run.loss_cfg)}")
     startup.open_logs(run)
     log_completions(run, 0, samples)
     logs = run.logs
@@ -101,8 +104,9 @@ def _train(run: Run, reward_fns, stop) -> dict:
             kl_obs = adapt_kl(run, batch)
             row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
             samples = []
-            if step % logs.eval_every == 0 or step == logs.steps:
-                row["eval_reward"], samples = evaluate_policy(run)
+            if run.eval_set and (step % logs.eval_every == 0 or step == logs.steps):
+                row["eval_reward"], samples, metrics = evaluate_policy(run, step)
+                row.update({f"eval/{k}": v for k, v in metrics.items()})  # the evaluation's own log_metric calls
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
             run.last = row
@@ -140,7 +144,7 @@ def collect(run: Run, step: int) -> dict:
         chosen = run.rng.sample(run.train_set, part.prompts_per_step * world)
         prompts = chosen[rank * part.prompts_per_step:(rank + 1) * part.prompts_per_step]
         first_group = (len(parts) * world + rank) * part.prompts_per_step
-        run.reward_context.state.global_step = step
+        run.reward_context.state.global_step = step - 1  # as TRL's: the optimizer steps taken so far
         parts.append(sharding.gathered(run.engine, sample_groups, run.policy, run.tok, prompts, run.sampling, run.rng,
                                        run.reward_fn, first_group, run.place, run.reward_context))
         if not part.dynamic_sampling or len(parts) == part.max_gen_batches:
@@ -269,10 +273,13 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints, the summary
 
-def evaluate_policy(run: Run) -> tuple:
-    """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root)."""
-    return sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set, run.reward_fn,
-                             run.sampling, run.place, context=run.reward_context)
+def evaluate_policy(run: Run, step: int) -> tuple:
+    """`evaluate` of the policy on the held-out set (under FSDP, as a forward of the root) after `step` steps:
+    (reward, sample completions, the means of what the rewards sent through log_metric meanwhile)."""
+    run.reward_context.state.global_step = step
+    reward, samples = sharding.gathered(run.engine, generation.evaluate, run.policy, run.tok, run.eval_set,
+                                        run.reward_fn, run.sampling, run.place, context=run.reward_context)
+    return reward, samples, run.reward_context.log.take_metrics()
 
 
 def log_completions(run: Run, step: int, samples: list) -> None:
@@ -299,7 +306,8 @@ def log_step(run: Run, row: dict, samples: list, stopping: bool) -> None:
 def summarize(run: Run) -> dict:
     """The summary after RL (an eval unless the last step made one): summary.json, the table, the plot."""
     logs, last = run.logs, run.last
-    eval_after = last.get("eval_reward") if last.get("eval_reward") is not None else evaluate_policy(run)[0]
+    eval_after = (last.get("eval_reward") if last.get("eval_reward") is not None or not run.eval_set else
+                  evaluate_policy(run, last.get("step", run.start))[0])
     summary = {"algo": logs.algo, "steps": last.get("step", run.start), "eval_reward_before": run.eval_before,
                "eval_reward_after": eval_after, "final_reward_mean": last.get("reward_mean"),
                "final_kl": last.get("kl"), "final_entropy": last.get("entropy"), "skipped_steps": run.skipped_total,

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import warnings
-from typing import List
+from typing import List, Optional
 
 from .._pyplot import pyplot
 
@@ -73,7 +73,7 @@ def dumps(obj, **kw) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
-def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: float) -> bool:
+def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: Optional[float]) -> bool:
     """Reward (`reward` names it), KL, entropy and clip fraction against step, the held-out reward from its
     step-0 evaluation (`eval_before`, before RL) on; False when matplotlib is missing."""
     plt = pyplot()
@@ -85,8 +85,10 @@ def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: floa
         if pts:
             ax.plot(*zip(*pts), label="train (sampled)" if key == "reward_mean" else key)
         if key == "reward_mean":
-            ev = [(0, eval_before)] + [(r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
-            ax.plot(*zip(*ev), "o-", label="held-out (greedy)")
+            ev = [(0, eval_before)] * (eval_before is not None) + [
+                (r["step"], r["eval_reward"]) for r in rows if r.get("eval_reward") is not None]
+            if ev:
+                ax.plot(*zip(*ev), "o-", label="held-out (greedy)")
             ax.legend()
             label = f"reward: {reward}"
         ax.set_title(label)

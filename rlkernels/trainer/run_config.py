@@ -24,7 +24,8 @@ from . import nesting, trackers, trl_names
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
-REWARD_FORMS = "exact | regex:PATTERN | package.module:function | path/to/file.py:function"
+REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | trl grpo's "
+                "accuracy_reward, reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment")
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW)
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
@@ -82,6 +83,18 @@ class Config:
     lora_rank: int = _field(0, "> 0: train LoRA adapters of this rank through peft")
     lora_alpha: float = _field(16.0, "LoRA alpha")
     lora_target: str = _field("all-linear", "LoRA modules: all-linear (every linear layer but the head) or name,name,...")
+    lora_dropout: float = _field(0.0, "LoRA dropout, in [0, 1) (a TRL recipe: ModelConfig's 0.05)")
+    lora_target_parameters: List[str] = _field([], "LoRA on these parameters (peft's target_parameters, e.g. a "
+                                                   "mixture of experts' stacked weights)", action="extend")
+    lora_modules_to_save: List[str] = _field([], "modules trained in full beside the adapters (peft's "
+                                                 "modules_to_save)", action="extend")
+    use_rslora: bool = _field(False, "LoRA: rank-stabilised scaling alpha/sqrt(r) (peft's use_rslora)")
+    use_dora: bool = _field(False, "LoRA: weight-decomposed adapters (peft's use_dora)")
+    attn_implementation: Optional[str] = _field(None, "with --model: the attention kernel from_pretrained loads "
+                                                      "(eager | sdpa | flash_attention_2 | ...); none = transformers' "
+                                                      "choice")
+    chat_template: Optional[str] = _field(None, "with --model: a Jinja chat template that replaces the tokenizer's "
+                                                "(open-r1's chat_template); saved with the run's tokenizer")
     merge_lora: bool = _field(False, "save the merged weights, not the adapter (the demo model is always merged)")
     gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
                                                  "non-reentrant): less memory for longer sequences, about one more "
@@ -95,6 +108,10 @@ class Config:
                               "any others, e.g. answer; \"\" = the demo's synthetic addition (required with --model)")
     dataset_split: str = _field("train", "the split of --dataset to train on (a single file has only train)")
     prompt_column: str = _field("prompt", "the column of --dataset (and --eval-dataset) holding the prompts")
+    dataset_config: Optional[str] = _field(None, "the configuration (subset) of a --dataset folder or Hub dataset "
+                                                 "(TRL's dataset_config, load_dataset's name)")
+    system_prompt: Optional[str] = _field(None, "a system message before every prompt (open-r1's): a string prompt "
+                                                "becomes the conversation [system, user]")
     eval_dataset: str = _field("", "held-out prompts, as --dataset; \"\" = --eval-size prompts of --dataset held out "
                                    "(or its --eval-split)")
     eval_split: str = _field("", "the split of --eval-dataset, or of --dataset without it; \"\" = train of "
@@ -116,7 +133,8 @@ class Config:
         "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
         "prompt group, the weighted sum of those normalised over the whole batch)")
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
-    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most")
+    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most; 0 = "
+                                                        "no evaluation (a TRL recipe that asks for none)")
     eval_holdout: bool = _field(True, "hold the --eval-size prompts of --dataset out of training; false: evaluate on "
                                       "training prompts (a TRL recipe that asks for no evaluation)")
     # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
@@ -192,6 +210,9 @@ class Config:
     dynamic_sampling: bool = _field(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
     max_gen_batches: int = _field(4, "dynamic sampling: rollout batches per step at most (then train on what is kept)")
     overlong_buffer: int = _field(0, "> 0: DAPO overlong penalty over the last `buffer` tokens")
+    mask_truncated_completions: bool = _field(False, "DAPO (TRL's option of that name): a completion that ends without "
+                                                     "eos is left out of the loss (its tokens masked; its reward still "
+                                                     "counts in its group's advantages)")
     tree: bool = _field(False, "Tree-GRPO: branch continuations from sampled prefixes")
     tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
     # logging / checkpoints
@@ -202,7 +223,10 @@ class Config:
     report_to: List[str] = _field(["none"], "metrics and eval completions also to: none | tensorboard | wandb (several "
                                             "allowed; W&B offline unless WANDB_MODE says otherwise), besides "
                                             "metrics.jsonl and completions.jsonl", action="extend")
-    ckpt_every: int = _field(50, "checkpoint every N steps")
+    ckpt_every: int = _field(50, "checkpoint every N steps (with --save-strategy steps)")
+    save_strategy: str = _field("steps", "when to checkpoint (TRL's option): steps (every --ckpt-every steps) | epoch "
+                                         "(after each pass over the training prompts) | no (only at the end: the final "
+                                         "model and the checkpoint that --resume continues)")
 
     def __post_init__(self):
         # a field of several values also takes one (Config(reward="exact"), and checkpoints from before the
@@ -213,6 +237,8 @@ class Config:
         for name, (demo, model) in MODE_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, model if self.model else demo)
+        if str(self.save_strategy).lower() == "false":  # YAML 1.1 reads an unquoted `save_strategy: no` as false
+            self.save_strategy = "no"
         if isinstance(self.scale_rewards, (bool, str)):  # TRL also takes true (group) and false (none)
             self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(),
                                                                          self.scale_rewards)
@@ -222,7 +248,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
 CHOICES = {"critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
            "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none")}
+           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none"),
+           "save_strategy": ("steps", "epoch", "no")}
 
 
 def _flag(name: str) -> str:
@@ -571,6 +598,20 @@ def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
     return cfg, set(values)
 
 
+def _validate_model_options(cfg: Config) -> None:
+    """ModelConfig's and open-r1's options of a TRL recipe (issue 40)."""
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout: expected a number in [0, 1), got {cfg.lora_dropout}")
+    for name in ("attn_implementation", "chat_template"):
+        if getattr(cfg, name) is not None and not cfg.model:
+            raise ValueError(f"{_flag(name)}: applies to a --model; the demo's tiny Llama and character tokenizer "
+                             f"have their own")
+    if any(s in trl_names.TRL_REWARD_FUNCS for s in cfg.reward) and importlib.util.find_spec("trl") is None:
+        raise ValueError("--reward: trl grpo's reward functions by name need trl (pip install trl)")
+    if cfg.system_prompt is not None and not cfg.dataset:
+        raise ValueError("--system-prompt: applies to the prompts of a --dataset, not to the demo's sums")
+
+
 def validate(cfg: Config) -> None:
     """Raise a ValueError naming the flag of the first bad value."""
     for name, allowed in CHOICES.items():
@@ -583,7 +624,7 @@ def validate(cfg: Config) -> None:
         for v in values:
             if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
                 raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
-    positive = ("n_layer", "n_embd", "n_head", "digits", "eval_size", "steps", "prompts_per_step",
+    positive = ("n_layer", "n_embd", "n_head", "digits", "steps", "prompts_per_step",
                 "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
                 "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every", "logging_steps")
     for name in positive:
@@ -592,7 +633,7 @@ def validate(cfg: Config) -> None:
     if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
         raise ValueError(f"--max-prompt-length: expected an int >= 1 or none, got {cfg.max_prompt_length}")
     for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
-                 "eval_completions"):
+                 "eval_completions", "eval_size"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
     if cfg.train_epochs is not None and not 0 < cfg.train_epochs <= 1e6:
@@ -662,10 +703,12 @@ def validate(cfg: Config) -> None:
         if name != "none" and importlib.util.find_spec(name) is None:
             raise ValueError(f"--report-to {name}: needs the optional package {name} (pip install {name}), "
                              f"which is not installed")
+    _validate_model_options(cfg)
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank: needs the optional package peft (pip install peft)")
     for spec in cfg.reward:
-        if spec != "exact" and not spec.startswith("regex:") and ":" not in spec and "." not in spec:
+        if (spec != "exact" and not spec.startswith("regex:") and ":" not in spec and "." not in spec
+                and spec not in trl_names.TRL_REWARD_FUNCS):
             raise ValueError(f"--reward: expected {REWARD_FORMS}, got {spec!r}")
     if cfg.scale_rewards is not None and cfg.algo == "ppo":
         raise ValueError("--scale-rewards: the GRPO family's option; --algo ppo's advantages come from GAE")
@@ -679,7 +722,7 @@ def validate(cfg: Config) -> None:
                              f"config.json) or a Hub name in the local cache, got {path!r}: {what}{hub}")
     for name in ("dataset", "eval_dataset"):
         path = getattr(cfg, name)
-        if path and not os.path.exists(path):
+        if path and not os.path.exists(path) and not _HUB_NAME.fullmatch(path):  # a Hub id: datasets loads it
             raise ValueError(f"{_flag(name)}: no such file or folder {path!r}")
     if cfg.model and not cfg.dataset:
         raise ValueError("--dataset: required with --model (a file or folder of prompts)")
@@ -810,7 +853,8 @@ def describe(cfg: Config) -> str:
 # --resume: the checkpoint's config under this run's flags
 
 # what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
-RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "algo", "critic")
+RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "lora_target_parameters",
+                "lora_modules_to_save", "use_dora", "algo", "critic")
 # what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
 # a GPU resumes on a CPU machine)
 RESUME_FRESH = ("resume", "device", "overwrite")

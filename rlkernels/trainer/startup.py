@@ -70,6 +70,13 @@ def load_task(run: Run, reward_fns) -> None:
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, source.eval_size, source.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
+    if run.cfg.save_strategy != "steps":  # TRL's epoch / no, as the steps between checkpoints
+        per_step = run.sampling.prompts_per_step * run.world
+        every = math.ceil(len(run.train_set) / per_step) if run.cfg.save_strategy == "epoch" else run.logs.steps
+        config_parts.attach(run, dataclasses.replace(run.cfg, ckpt_every=every))
+        run.log(f"--save-strategy {run.cfg.save_strategy}: a checkpoint every {every} steps"
+                + (f" ({len(run.train_set)} prompts, {per_step} a step)" if run.cfg.save_strategy == "epoch" else
+                   " (the last)"))
     fns, weights = reward_fns
     columns = [k for k in run.train_set[0] if k != "prompt"]
     for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
@@ -89,7 +96,7 @@ def load_task(run: Run, reward_fns) -> None:
 
 def has_answers(run: Run) -> bool:
     """Whether the prompts carry the answer column that exact, regex and the warm-up read."""
-    return "answer" in run.train_set[0] and "answer" in run.eval_set[0]
+    return all("answer" in examples[0] for examples in (run.train_set, run.eval_set) if examples)
 
 
 def warms_up(run: Run) -> bool:
@@ -122,7 +129,7 @@ def load_policy(run: Run) -> None:
     cfg, source = run.cfg, f" in {run.data.dataset}" if run.data.dataset else ""
     per_step = run.sampling.prompts_per_step
     if cfg.model:
-        run.policy, run.tok = task.load_model(cfg.model)
+        run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
         check_prompt_lengths(run)
     else:
         run.tok = task.CharTokenizer()
@@ -138,6 +145,9 @@ def load_policy(run: Run) -> None:
         if not has_answers(run):
             raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which "
                              f"--dataset {run.data.dataset} lacks; give --warmup-steps 0")
+        if run.warmup.warmup_target is not None and not run.eval_set:
+            raise ValueError("--eval-size 0: the demo's warm-up stops at --warmup-target, measured on held-out prompts; "
+                             "give --warmup-target none or an --eval-size")
         if run.warmup.warmup_batch > len(run.train_set):
             raise ValueError(f"--warmup-batch: {run.warmup.warmup_batch} is more than the {len(run.train_set)} training "
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")
@@ -174,6 +184,7 @@ def warm_up(run: Run) -> None:
         if w.warmup_target is not None and it % w.warmup_eval_every == 0 and it < w.warmup_steps:
             reached = generation.evaluate(policy, run.tok, run.eval_set, run.reward_fn, run.sampling, place,
                                           context=run.reward_context)[0]
+            run.reward_context.log.take_metrics()  # the warm-up's checks are not RL step 1's
             bar.set_postfix(eval=f"{reached:.3f}", target=w.warmup_target)
             in_a_row = in_a_row + 1 if reached >= w.warmup_target else 0
             if in_a_row == 2:
@@ -204,7 +215,10 @@ def build_update(run: Run) -> None:
             except RuntimeError as e:
                 raise unfit(cfg.resume, e) from None
     if cfg.lora_rank:
-        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target).to(place.device)
+        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target,
+                                   lora_dropout=cfg.lora_dropout, target_parameters=cfg.lora_target_parameters,
+                                   modules_to_save=cfg.lora_modules_to_save, use_rslora=cfg.use_rslora,
+                                   use_dora=cfg.use_dora).to(place.device)
     if algo_ppo:
         trunk = parts(run.policy)[0]
         run.critic = Critic(trunk, run.policy.config.hidden_size, cfg.critic == "separate").to(place.device)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from . import plugins
+from . import plugins, trl_names
 from .run_config import REWARD_FORMS
 
 
@@ -131,6 +131,11 @@ def make_reward(spec: str) -> Callable:
             return float(got is not None and got.strip() == str(answer).strip())
 
         return regex_reward
+    if spec in trl_names.TRL_REWARD_FUNCS:  # `trl grpo`'s registry
+        from trl import rewards
+
+        f = getattr(rewards, spec)
+        return f(**trl_names.TRL_SOFT_OVERLONG) if spec == "get_soft_overlong_punishment" else f
     return _load_function(spec.removeprefix("module:"))  # module:... was this flag's form before
 
 
@@ -164,25 +169,35 @@ def tiny_model(tok: CharTokenizer, prompt_len: int, *, n_layer: int, n_embd: int
     return LlamaForCausalLM(config)
 
 
-def load_model(path: str):
-    """(model, tokenizer) from a local Hugging Face checkpoint, offline."""
+def load_model(path: str, attn_implementation: Optional[str] = None, chat_template: Optional[str] = None):
+    """(model, tokenizer) from a local Hugging Face checkpoint, offline; `attn_implementation` as from_pretrained
+    takes it, `chat_template` replacing the tokenizer's (both TRL's / open-r1's recipe keys)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model: cannot load {path!r} as a Hugging Face causal LM ({e})") from None
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, **extra)
+    except (OSError, ValueError, ImportError) as e:
+        flag = "--attn-implementation" if extra and "attn" in str(e).lower() else "--model"
+        raise ValueError(f"{flag}: cannot load {path!r} as a Hugging Face causal LM ({e})") from None
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return model, HFTokenizer(tok)
 
 
-def add_lora(model, rank: int, alpha: float, target: str = "all-linear"):
+def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **options):
     """Wrap `model` in peft LoRA adapters on `target`: "all-linear" (every linear layer but the head, for
-    any architecture) or comma-separated module names."""
+    any architecture) or comma-separated module names; `options`: more of LoraConfig's (lora_dropout,
+    target_parameters, modules_to_save, use_rslora, use_dora)."""
     from peft import LoraConfig, get_peft_model  # run_config.validate has checked that it is installed
     targets = target if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
+    options = {k: v for k, v in options.items() if v not in ([], None)}
     try:
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, **options))
     except ValueError as e:  # e.g. no module of that name in this model
         raise ValueError(f"--lora-target: {e}") from None
 

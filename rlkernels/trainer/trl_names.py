@@ -30,6 +30,7 @@ RENAMED = {
     "prompts": "dataset",  # this trainer's name before --dataset read more than JSONL
     "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
     "use_bias_correction_kl": "kl_bias_correction",
+    "dataset_prompt_column": "prompt_column",  # open-r1's
 }
 # (type, help); list types take several values
 OPTIONS = {
@@ -49,10 +50,12 @@ OPTIONS = {
     "lora_r": (int, "LoRA rank when use_peft is true"),
     "lora_target_modules": (List[str], "LoRA modules (--lora-target)"),
     "num_train_epochs": (float, "accepted with max_steps (--steps), which counts the steps here"),
-    "eval_strategy": (str, "steps | no (no: evaluate only before and after RL)"),
-    "do_eval": (bool, "false: evaluate only before and after RL"),
+    "eval_strategy": (str, "steps (every eval_steps, and before and after RL) | no (no evaluation: --eval-size 0)"),
+    "do_eval": (bool, "false: no evaluation (--eval-size 0)"),
     "disable_tqdm": (bool, "true: --progress false"),
 }
+_NO_QUANTISATION = ("the policy trains from float weights (bitsandbytes' quantised layers are not supported); LoRA on a "
+                    "bfloat16 model (--dtype bfloat16) saves memory instead")
 _NEUTRAL_SAMPLING = "sampling here is pure temperature sampling, so that the recorded log-probs are the sampler's"
 SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "use_vllm": (bool, (False,), "rollouts use transformers' generate"),
@@ -62,10 +65,13 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "top_k": (int, (0, None), _NEUTRAL_SAMPLING),
     "min_p": (float, (None,), _NEUTRAL_SAMPLING),
     "repetition_penalty": (float, (1.0,), _NEUTRAL_SAMPLING),
-    "save_strategy": (str, ("steps",), "checkpoints every --ckpt-every steps"),
     "logging_strategy": (str, ("steps",), "metrics every --logging-steps steps"),
     "save_total_limit": (int, (1,), "a run folder keeps its last checkpoint"),
     "model_revision": (str, ("main",), "--model is a local folder, of one revision"),
+    "lora_task_type": (str, ("CAUSAL_LM",), "the policy is a causal LM"),
+    "load_in_8bit": (bool, (False,), _NO_QUANTISATION),
+    "load_in_4bit": (bool, (False,), _NO_QUANTISATION),
+    "dataset_streaming": (bool, (False,), "prompts are drawn at random from the whole split, which is read into memory"),
     # set to TRL's default, or to what this trainer always does
     "optim": (str, ("adamw_torch_fused", "adamw_torch"), "the optimizer is torch's AdamW (--adam-beta1/2, --adam-epsilon)"),
     "optim_args": (str, (None,), "the optimizer is torch's AdamW (--adam-beta1/2, --adam-epsilon)"),
@@ -88,7 +94,6 @@ SAME_AS_HERE = {  # name: (type, accepted values, why only those)
     "sync_ref_model": (bool, (False,), "the reference model stays the initial policy"),
     "use_adaptive_entropy": (bool, (False,), "--entropy-coef is fixed"),
     "off_policy_mask_threshold": (float, (None,), "no off-policy sequence masking"),
-    "mask_truncated_completions": (bool, (False,), "truncated completions are trained like the others"),
     "average_tokens_across_devices": (bool, (True,), "token means are over every process's tokens"),
     "load_best_model_at_end": (bool, (False,), "the run folder keeps the last model"),
     "resume_from_checkpoint": (str, (None,), "a run continues with --resume RUN_FOLDER (a folder of this trainer)"),
@@ -127,6 +132,9 @@ IGNORED = {  # why each group has no effect here
         "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap"),
+    "quantisation options (load_in_4bit and load_in_8bit are false here)": (
+        "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"),
+    "the script's DDP buffer option (the trainer's DDP broadcasts no buffers to ignore)": ("ignore_bias_buffers",),
     "options of settings this trainer leaves off (sync_ref_model, use_adaptive_entropy)": (
         "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
         "entropy_target"),
@@ -135,12 +143,13 @@ IGNORED = {  # why each group has no effect here
 SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
              "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
              "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
-             "delta", "top_entropy_quantile", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+             "delta", "top_entropy_quantile", "mask_truncated_completions", "save_strategy", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
 # GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
 TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
                 "lr": 1e-6, "lr_scheduler_type": "linear", "lr_warmup_steps": 0, "seed": 42, "logging_steps": 10,
-                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999, "kl_bias_correction": True}
+                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999, "kl_bias_correction": True,
+                "lora_alpha": 32.0, "lora_dropout": 0.05}  # the last two: ModelConfig's
 # where a TRL recipe still trains or reports otherwise than `trl grpo`, for its log line
 DIFFERENCES = ("a step is one rollout batch (TRL's max_steps counts optimizer steps: the same with steps_per_generation "
                "= gradient_accumulation_steps and num_iterations 1)", "evaluation is the greedy reward of --eval-size "
@@ -148,6 +157,11 @@ DIFFERENCES = ("a step is one rollout batch (TRL's max_steps counts optimizer st
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 TRL_BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
              "generation_batch_size")
+
+
+# `trl grpo`'s reward_funcs by name (its script's registry); the last one is a factory the script calls with these
+TRL_REWARD_FUNCS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+TRL_SOFT_OVERLONG = {"max_completion_len": 1280, "soft_punish_cache": 256}
 
 
 def kind(name: str):
@@ -264,12 +278,10 @@ def resolve(values: dict, defaults, flags=(), world: int = 1, trl_recipe: bool =
         set_field("lr_warmup_steps", round(trl["warmup_ratio"] * steps), "warmup_ratio")
     if trl.get("eval_strategy") not in (None, "steps", "no"):
         raise ValueError(f"eval_strategy: expected steps or no, got {trl['eval_strategy']!r}")
-    eval_asked = trl.get("eval_strategy") == "steps" or trl.get("do_eval") is True or "eval_dataset" in values \
-        or "eval_split" in values
+    # as `trl grpo`: dataset_test_split alone (every recipe of defaults has "test") asks for no evaluation
+    eval_asked = trl.get("eval_strategy") == "steps" or trl.get("do_eval") is True or "eval_dataset" in values
     if trl.get("eval_strategy") == "no" or trl.get("do_eval") is False or (trl_recipe and not eval_asked):
-        set_field("eval_every", steps, "eval_strategy")
-        if trl_recipe:  # TRL trains on every prompt when no evaluation is asked for
-            set_field("eval_holdout", False, "eval_strategy")
+        set_field("eval_size", 0, "eval_strategy")  # as TRL: no evaluation, every prompt trains
     if trl_recipe:
         for name, value in TRL_DEFAULTS.items():
             values.setdefault(name, value)
