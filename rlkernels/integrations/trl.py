@@ -91,6 +91,7 @@ _TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrai
 
 from .. import presets as _presets
 from ..losses import PolicyLossConfig
+from ..losses import objectives as _objectives
 from ..losses.objectives import GROUPED_RATIOS
 from ..losses.spec import high_entropy_tokens, vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
@@ -151,16 +152,16 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     if trainer.top_entropy_quantile < 1.0:
         masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     if preset is not None:
-        return _preset_config(trainer, preset, {**kl, **masks}), ""
+        own = _trl_arguments(args, _presets.fields(preset)["objective"])
+        return _preset_config(trainer, preset, {**own, **kl, **masks}), ""
     ratio = level
     if loss_type == "cispo":
         clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
     elif loss_type == "sapo":
-        clip = dict(objective="sapo", sapo_tau_pos=args.sapo_temperature_pos, sapo_tau_neg=args.sapo_temperature_neg)
+        clip = dict(objective="sapo", **_trl_arguments(args, "sapo"))
     elif loss_type == "vespo":  # its own sequence ratio Σ_t log(π/π_old), whatever the level
         ratio = "sequence_sum"
-        clip = dict(objective="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
-                    vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+        clip = dict(objective="vespo", **_trl_arguments(args, "vespo"))
     else:
         clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
@@ -169,6 +170,13 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     except (TypeError, ValueError) as err:  # e.g. delta <= 0, which TRL does not check
         return None, str(err)
     return cfg, ""
+
+
+def _trl_arguments(args, objective: str) -> dict:
+    """The fields and scalars of `objective` that the trainer's args set: the `GRPOConfig` arguments its registry
+    entry names (`Objective.trl`: TRL's own, or a plug-in's scalar's, on a user's args), those that are set."""
+    names = _objectives.get(objective).trl
+    return {field: getattr(args, arg) for field, arg in names.items() if getattr(args, arg, None) is not None}
 
 
 def _preset_config(trainer, preset, trl_fields) -> PolicyLossConfig:
