@@ -13,7 +13,7 @@ from rlkernels import presets, reference
 from rlkernels.losses import objectives
 
 from loss_inputs import random_loss_inputs
-from plugin_objectives import ppo_clip, registered, spo
+from plugin_objectives import PLUGINS, ppo_clip, registered, spo
 
 
 @pytest.fixture
@@ -251,3 +251,25 @@ def test_plugin_scalar_is_set_by_verl_and_trl():
         assert cfg == presets.get("my_spo", spo_eps=0.5, kl_estimator=None, kl_coef=0.0), why
         trainer.args = SimpleNamespace()  # a GRPOConfig without the argument: the preset's
         assert trl.loss_config(trainer)[0].spo_eps == 0.3
+
+
+@pytest.mark.parametrize("preset", sorted(PLUGINS))
+def test_every_plugin_runs_on_the_fused_ops_as_the_spec(preset):
+    """Each plug-in of plugin_objectives.py, at its preset, through the fused op on logits of the CPU backend: the
+    loss and gradient of `policy_loss` (the spec) at the same log-probs, without a case written for it."""
+    if not rlkernels.backend_info()["cpu"]["available"]:
+        pytest.skip(rlkernels.backend_info()["cpu"]["reason"])
+    g = torch.Generator().manual_seed(11)
+    B, T, V = 4, 5, 13
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    with registered(preset):
+        config = presets.get(preset)
+        adv = torch.randn((B, T) if config.ratio == "token" else (B,), generator=g, dtype=torch.float64)
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        old = logp.detach() + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+        want = rlkernels.policy_loss(logp, adv, mask, config, old_logp=old).loss
+        got = rlkernels.fused_policy_loss(logits, targets, adv, mask, config, old_logp=old, backend="cpu").loss
+        _close(got, want)
+        _close(*(torch.autograd.grad(x, logits)[0] for x in (got, want)))

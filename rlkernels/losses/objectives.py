@@ -65,7 +65,8 @@ class Objective:
     fields it reads; `required`: those of them that must be set. `weights_in_ratio`: importance weights enter its
     ratio instead of weighting each token's loss (VESPO). `presets`: its built-in presets, name → the other
     `PolicyLossConfig` fields they set (`rlkernels.presets`, in the registry's order). `plugin`: registered by a
-    user. `scalars`: a plug-in's own hyperparameters, name → `Scalar`. Its foreign names, which the adapters look
+    user. `chooses_tokens`: its loss first chooses tokens by the whole call's covariance of A and ℓ (Clip-Cov,
+    KL-Cov): the per-token kernels evaluate it after that choice (`ops/_covariance_step.py`). `scalars`: a plug-in's own hyperparameters, name → `Scalar`. Its foreign names, which the adapters look
     up: `verl` (`Verl`: verl's keys for its fields and scalars, its fixed aggregation) and `trl`: field → the
     `GRPOConfig` argument that sets it (TRL's own for the built-ins; a plug-in's scalar's, on a user's args)."""
 
@@ -77,6 +78,7 @@ class Objective:
     weights_in_ratio: bool = False
     presets: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
     plugin: bool = False
+    chooses_tokens: bool = False
     scalars: Mapping[str, Scalar] = dataclasses.field(default_factory=dict)
     verl: Verl = Verl()
     trl: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -177,7 +179,7 @@ for _divergence, _bound in (("tv", 0.15), ("kl", 0.05)):
                                                        agg="token_mean")},
                        # verl: config.get("clip_ratio_c", 20.0) caps the detached ratio
                        verl=Verl(keys={"ratio_cap": ("clip_ratio_c", 20.0)})))
-_declare(Objective("clip_cov", {"token": s.at(s.token_ratio, s.clip_cov)}, clip="ratio",
+_declare(Objective("clip_cov", {"token": s.at(s.token_ratio, s.clip_cov)}, clip="ratio", chooses_tokens=True,
                    fields=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_draw"), presets={
                        "clip_cov": dict(ratio="token", clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
                                         clip_cov_lb=1.0, clip_cov_ub=5.0, agg="token_mean")},
@@ -185,7 +187,8 @@ _declare(Objective("clip_cov", {"token": s.at(s.token_ratio, s.clip_cov)}, clip=
                                    "clip_cov_lb": ("policy_loss.clip_cov_lb", 1.0),
                                    "clip_cov_ub": ("policy_loss.clip_cov_ub", 5.0)},
                              fixed={"clip_cov_draw": "verl"})))  # verl's tokens
-_declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, fields=("kl_cov_ratio", "kl_cov_coef"),
+_declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, chooses_tokens=True,
+                   fields=("kl_cov_ratio", "kl_cov_coef"),
                    presets={"kl_cov": dict(ratio="token", kl_cov_ratio=2e-4, kl_cov_coef=0.1, agg="token_mean")},
                    verl=Verl(keys={"kl_cov_ratio": ("policy_loss.kl_cov_ratio", 2e-4),
                                    "kl_cov_coef": ("policy_loss.ppo_kl_coef", 1.0)})))

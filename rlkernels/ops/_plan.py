@@ -71,7 +71,8 @@ def _token_objective(config: PolicyLossConfig) -> bool:
 
 def _covariance(config: PolicyLossConfig) -> bool:
     """`_covariance_step` evaluates this config (Clip-Cov, KL-Cov) with `policy_token_loss`."""
-    return (config.ratio == "token" and config.objective in ("clip_cov", "kl_cov") and config.off_policy_mask is None
+    return (config.ratio == "token" and objectives.get(config.objective).chooses_tokens
+            and config.off_policy_mask is None
             and config.top_entropy_quantile is None and _kernel_terms(config))
 
 
