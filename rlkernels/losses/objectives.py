@@ -66,7 +66,9 @@ class Objective:
     ratio instead of weighting each token's loss (VESPO). `presets`: its built-in presets, name → the other
     `PolicyLossConfig` fields they set (`rlkernels.presets`, in the registry's order). `plugin`: registered by a
     user. `chooses_tokens`: its loss first chooses tokens by the whole call's covariance of A and ℓ (Clip-Cov,
-    KL-Cov): the per-token kernels evaluate it after that choice (`ops/_covariance_step.py`). `scalars`: a plug-in's own hyperparameters, name → `Scalar`. Its foreign names, which the adapters look
+    KL-Cov): the per-token kernels evaluate it after that choice (`ops/_covariance_step.py`). `sequence_steps`:
+    sequence-level ratio → the evaluator of `ops/_sequence_step.py` (`EVALUATORS`) that computes it at given
+    log-probs in a few launches, without autograd; a ratio without one takes the general path. `scalars`: a plug-in's own hyperparameters, name → `Scalar`. Its foreign names, which the adapters look
     up: `verl` (`Verl`: verl's keys for its fields and scalars, its fixed aggregation) and `trl`: field → the
     `GRPOConfig` argument that sets it (TRL's own for the built-ins; a plug-in's scalar's, on a user's args)."""
 
@@ -79,6 +81,7 @@ class Objective:
     presets: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
     plugin: bool = False
     chooses_tokens: bool = False
+    sequence_steps: Mapping[str, str] = dataclasses.field(default_factory=dict)
     scalars: Mapping[str, Scalar] = dataclasses.field(default_factory=dict)
     verl: Verl = Verl()
     trl: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -101,6 +104,9 @@ def _declare(objective: Objective) -> Objective:
     taken = set(objective.presets) & set(presets())
     if taken:
         raise ValueError(f"objective {objective.name!r}: presets {sorted(taken)} exist")
+    if not set(objective.sequence_steps) <= set(objective.ratios) - {"token"}:
+        raise ValueError(f"objective {objective.name!r}: sequence_steps for ratios it does not take at sequence "
+                         f"level: {sorted(objective.sequence_steps)}")
     unknown = (set(objective.verl.keys) | set(objective.trl)) - set(objective.fields) - set(objective.scalars)
     if unknown:
         raise ValueError(f"objective {objective.name!r}: verl keys or TRL arguments for fields it does not read: "
@@ -145,7 +151,8 @@ _declare(Objective("clip", {
     "token": s.at(s.token_ratio, s.clip), "sequence": s.at(s.sequence_ratio, s.clip),
     "sequence_token": s.at(s.sequence_token_ratio, s.clip), "sequence_sum": s.fspo,
     "group_expectation": s.group_expectation, "geometric": s.geometric,
-}, clip="ratio", fields=("delta", "dual_clip", "fspo_c_low", "fspo_c_high"), presets={
+}, sequence_steps={"sequence": "gspo", "sequence_token": "gspo_token", "sequence_sum": "fspo",
+                   "group_expectation": "gepo", "geometric": "geometric"}, clip="ratio", fields=("delta", "dual_clip", "fspo_c_low", "fspo_c_high"), presets={
     "ppo": dict(ratio="token", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token_mean"),
     "grpo": dict(ratio="token", clip_low=0.2, clip_high=0.2, kl_estimator="k3", kl_coef=0.04,
                  agg="seq_mean_token_mean"),
@@ -160,11 +167,13 @@ _declare(Objective("clip", {
     "luspo": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum"),
 }))
 _declare(Objective("cispo", {"token": s.at(s.token_ratio, s.cispo), "sequence": s.at(s.sequence_ratio, s.cispo)},
-                   clip="band", presets={"cispo": dict(ratio="token", clip_low=None, clip_high=4.0, agg="token_mean")}))
-_declare(Objective("reinforce", {"token": s.at(s.token_ratio, s.reinforce), "snis": s.snis}, presets={
+                   clip="band", sequence_steps={"sequence": "sequence_cispo"}, presets={"cispo": dict(ratio="token", clip_low=None, clip_high=4.0, agg="token_mean")}))
+_declare(Objective("reinforce", {"token": s.at(s.token_ratio, s.reinforce), "snis": s.snis},
+                   sequence_steps={"snis": "snis"}, presets={
     "snis": dict(ratio="snis", agg=_PER_ROW), "gpg": dict(ratio="token", agg="token_mean")}))
 _declare(Objective("sapo", {"token": s.at(s.token_ratio, s.sapo), "sequence": s.at(s.sequence_ratio, s.sapo),
                             "sequence_token": s.at(s.sequence_token_ratio, s.sapo)},
+                   sequence_steps={"sequence": "gspo", "sequence_token": "gspo_token"},
                    fields=("sapo_tau_pos", "sapo_tau_neg"), presets={
                        "sapo": dict(ratio="token", sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="seq_mean_token_mean")},
                    # verl's sapo reads tau_pos / tau_neg and always aggregates seq-mean-token-mean
@@ -195,7 +204,7 @@ _declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, chooses_t
 _declare(Objective("dro", {"token": s.at(s.token_ratio, s.dro)}, fields=("dro_beta",), required=("dro_beta",),
                    presets={"dro": dict(ratio="token", dro_beta=0.1, agg="token_mean")},
                    verl=Verl(keys={"dro_beta": ("policy_loss.dro_beta", None)})))  # required, as by verl's dro
-_declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True,
+_declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True, sequence_steps={"sequence_sum": "vespo"},
                    fields=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), presets={
                        "vespo": dict(ratio="sequence_sum", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                                      vespo_lambda_neg=2.0, agg="token_mean")},
