@@ -37,9 +37,11 @@ accumulation steps in training (1 in evaluation):
 
 `loss_type="rlkernels_<preset>"` selects any registered preset, a user's plug-in objective included (TRL does not
 check `loss_type`, so `GRPOConfig`, recipes and `rlkernels trl grpo --loss_type` take it). The preset chooses the
-loss: its objective, ratio, clip and aggregation; TRL's `epsilon`, `epsilon_high`, `delta`,
-`importance_sampling_level` (but for the ratio of `use_bias_correction_kl`, as in TRL) and `sapo_*` / `vespo_*` are
-its own loss types' settings and do not apply. TRL supplies the rest, as for its own loss types: β (the preset's KL
+loss: its objective, ratio, clip and aggregation; TRL's `epsilon`, `epsilon_high`, `delta` and
+`importance_sampling_level` (but for the ratio of `use_bias_correction_kl`, as in TRL) are its own loss types'
+settings and do not apply. The arguments the objective's registry entry names (`Objective.trl`: `sapo_temperature_*`
+for `sapo`, `vespo_*` for `vespo`, a plug-in's scalar `<name>` on a user's args) set its fields, where the args
+carry them. TRL supplies the rest, as for its own loss types: β (the preset's KL
 replaced by TRL's k3 with `kl_coef = beta`, none at β = 0, when TRL has no reference model), the entropy bonus, the off-policy and top-entropy masks, vLLM's IS weights and the
 counts. An unknown preset is a ValueError when the trainer is built; so are the presets whose ratio needs whole
 prompt groups in each micro-batch (`gepo`, `snis`: TRL shuffles rows across micro-batches), and the batches TRL would

@@ -16,7 +16,9 @@ hidden-state log-prob/entropy op in verl's fused-kernel path (`model.use_fused_k
 verl_fused.py); by default verl's own kernels stay untouched.
 
 How verl's settings map onto `PolicyLossConfig` (the preset chooses the algorithm, verl's
-config its numbers, as verl's own losses read them):
+config its numbers, as verl's own losses read them). The clip and aggregation rows are verl's for every
+objective; the objective-specific rows are declared in each objective's registry entry (`Objective.verl`:
+keys, verl's defaults, fixed fields and aggregation), a plug-in's scalars there too:
 
 | verl | rlkernels |
 |---|---|
@@ -35,6 +37,7 @@ config its numbers, as verl's own losses read them):
 | `policy_loss.kl_cov_ratio` / `ppo_kl_coef` | `kl_cov_ratio` / `kl_cov_coef` of `kl_cov` |
 | `policy_loss.dro_beta` | `dro_beta` of `dro` (required, as by verl's `dro`) |
 | `policy_loss.vespo.k_pos` / `lambda_pos` / `k_neg` / `lambda_neg` | `vespo_k_pos` / ... of `vespo` (the keys the VESPO authors' verl loss reads; absent: the preset's) |
+| `policy_loss.<name>` (or its `verl_keys=` key) | a plug-in's own scalar `<name>` (`register_objective(scalars=...)`; absent: the preset's; its range checked under verl's key) |
 
 The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
 `global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
