@@ -273,3 +273,16 @@ def test_every_plugin_runs_on_the_fused_ops_as_the_spec(preset):
         got = rlkernels.fused_policy_loss(logits, targets, adv, mask, config, old_logp=old, backend="cpu").loss
         _close(got, want)
         _close(*(torch.autograd.grad(x, logits)[0] for x in (got, want)))
+
+
+def test_a_wrong_entry_is_refused_with_a_value_error():
+    """`_declare` raises, not asserts (`python -O` removes asserts): a bad clip kind, a ratio that does not exist, a
+    verl key for a field the objective does not read."""
+    surrogate = {"token": objectives.PLUGIN_RATIOS["token"]}
+    for entry, message in [(dict(clip="bogus"), "clip expected one of"),
+                           (dict(surrogates={"nope": surrogate["token"]}), "ratios expected a non-empty subset"),
+                           (dict(verl=objectives.Verl(keys={"dro_beta": ("policy_loss.dro_beta", None)})),
+                            "verl keys or TRL arguments for fields it does not read")]:
+        with pytest.raises(ValueError, match=message):
+            objectives._declare(objectives.Objective(**{"name": "wrong", "surrogates": surrogate, **entry}))
+    assert "wrong" not in objectives.names()
