@@ -2,6 +2,8 @@
 ratio it takes, what it reads of the config and its presets (§9). `PolicyLossConfig` validates against it,
 `policy_loss` evaluates through it, `rlkernels.presets` lists its presets, the docs' lists are checked against it, and
 `register_objective` adds a user's objective written in plain PyTorch (docs/design.md, "Adding an objective").
+The entry is the objective's only description: the verl and TRL adapters read its foreign names (`Objective.verl`,
+`Objective.trl`), the ops its sequence-level evaluators and whether it chooses tokens over the whole call.
 
 A surrogate is `f(b: Batch, cfg) -> Surrogate` over `(B, T)`; `surrogates.at(weight, f)` evaluates a
 ratio-taking `f(w, b, cfg)` at the weight of a ratio, so one function serves every ratio of an objective.
