@@ -1,6 +1,6 @@
 """Objectives and presets a user registers from outside rlkernels, in plain PyTorch (`rlkernels.register_objective`,
-`presets.register`), for the tests of the plug-in paths: a token-level one with PPO's clip and a sequence-level one
-without a clip."""
+`presets.register`), for the tests of the plug-in paths: a token-level one with PPO's clip, a sequence-level one
+without a clip and SPO with a scalar of its own."""
 from __future__ import annotations
 
 import contextlib
@@ -25,18 +25,27 @@ def tanh_weight(*, ratio, advantages, **_):
     return -advantages * (1 + torch.tanh(ratio - 1))
 
 
+def spo(*, ratio, advantages, config, **_):
+    """SPO (Xie et al., ICML 2025): −(A·w − |A|/(2ε)·(w − 1)²), ε its own scalar `spo_eps`."""
+    return -(advantages * ratio - advantages.abs() / (2 * config.spo_eps) * (ratio - 1) ** 2)
+
+
+# objective -> its own scalars (`register_objective(scalars=...)`)
+SCALARS = {"my_spo": {"spo_eps": objectives.Scalar(0.2, low=0.0, low_open=True, doc="SPO's ε")}}
 # preset -> (objective, its surrogate, the ratios it takes, clip, the preset's fields)
 PLUGINS = {
     "my_dapo": ("my_clip", ppo_clip, ("token", "sequence"), True,
                 dict(ratio="token", clip_low=0.2, clip_high=0.28, agg="token_mean")),
     "my_seq": ("my_tanh", tanh_weight, ("sequence",), False,
                dict(ratio="sequence", clip_low=None, clip_high=None, agg="seq_mean_token_mean")),
+    "my_spo": ("my_spo", spo, ("token", "sequence_sum", "group_expectation"), False,
+               dict(ratio="token", spo_eps=0.3, agg="token_mean")),
 }
 
 
 def register_objective(preset: str) -> None:
     objective, surrogate, ratios, clip, _ = PLUGINS[preset]
-    rlkernels.register_objective(objective, surrogate, ratios=ratios, clip=clip)
+    rlkernels.register_objective(objective, surrogate, ratios=ratios, clip=clip, scalars=SCALARS.get(objective))
 
 
 def register_preset(preset: str) -> None:

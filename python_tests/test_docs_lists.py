@@ -23,8 +23,10 @@ def test_readme_lists_every_preset():
     listed = re.search(r"Presets \(\[docs/math\.md[^)]*\)\): `([^`]*)`", text)
     assert listed, "README.md: no 'Presets ([docs/math.md ...]): `a, b, ...`' line"
     assert [n.strip() for n in listed.group(1).split(",")] == list(presets.NAMES)
-    count = re.search(r"PPO, GRPO, GSPO, DAPO and (\d+) more", text)
+    count = re.search(r"PPO, GRPO, GSPO, DAPO and (\d+) more presets of (\d+) objectives", text)
     assert count and int(count.group(1)) == len(presets.NAMES) - 4, "README.md: the count of presets"
+    built_in = [name for name in objectives.names() if not objectives.get(name).plugin]
+    assert int(count.group(2)) == len(built_in), "README.md: the count of objectives (not of presets)"
 
 
 def test_math_preset_table_is_the_presets():

@@ -17,11 +17,12 @@ import torch
 
 from token_loss_cases import (  # sets TRITON_INTERPRET=1 before triton is imported where there is no GPU
     BAD_LOSS_SCALARS, BRANCHES, BY_NAME, CASES, CLIP_HIGH, CLIP_LOW, ENTROPY, KL, LOSS, NAN_CASES, PADDING,
-    branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches, params, seed, shape_params, spec,
-    token_args, with_nan_fields,
+    branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches, params, registry_cases, seed,
+    shape_params, spec, token_args, with_nan_fields,
 )
 from rlkernels.kernels import cpu, cuda
-from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS
+from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS, OBJECTIVES
+from rlkernels.losses import objectives
 from rlkernels.losses import PolicyLossConfig
 from rlkernels.ops.kernel_params import token_loss_params
 
@@ -85,6 +86,20 @@ def test_matches_autograd_of_the_spec(name, backend):
     if case.params.entropy_coef != 0:  # −w_agg·c_H, whether H is given or not
         torch.testing.assert_close(grad_entropy.double().cpu(), -x.weight.reshape(-1) * case.params.entropy_coef,
                                    rtol=1e-15 if backend.fp64 else 1e-6, atol=0)
+
+
+def test_every_table_objective_has_a_case_without_a_hand_written_one():
+    """With no hand-written case, the registry gives each objective of the kernels' table a case (but the covariance
+    pair, which chooses its tokens over the whole call first): its token preset's, which the CPU kernel evaluates as
+    the spec does. `CASES` holds one for every objective, hand-written or derived."""
+    per_token = {e.name for e in OBJECTIVES if not objectives.get(e.name).chooses_tokens}
+    derived = registry_cases(covered=set())
+    assert {case.config.objective for case in derived.values()} == per_token
+    assert per_token <= {case.config.objective for case in CASES.values()}
+    for name, case in derived.items():
+        x = _inputs(case, CPU, seed(name))
+        grad_logp, grad_entropy, stats = _call(CPU, x, case.params)
+        close_to_spec(grad_logp, grad_entropy, stats, spec(case, x), CPU.loss_tol)
 
 
 @pytest.mark.parametrize("backend", params())

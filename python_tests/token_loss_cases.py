@@ -36,6 +36,7 @@ from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS, STATS, Token
 from rlkernels.losses import PolicyLossConfig  # noqa: E402
 from rlkernels.losses.aggregation import aggregation_weights  # noqa: E402
 from rlkernels.losses.inputs import LossInputs  # noqa: E402
+from rlkernels.losses import objectives  # noqa: E402
 from rlkernels.losses.kl import kl_estimate  # noqa: E402
 from rlkernels.losses.policy_loss import per_token_loss  # noqa: E402
 from rlkernels.ops.kernel_params import surrogate_params, token_loss_params, token_terms_params  # noqa: E402
@@ -228,6 +229,29 @@ CASES = {
                           exercises=("clip_low", "clip_high")),
     "no_adv_no_ref": make_case(adv=False, objective="reinforce", entropy=False),
 }
+
+
+
+def registry_cases(covered) -> dict:
+    """A case for each objective of the kernels' table that no case of `covered` (names of objectives) tests: its
+    first token-ratio preset of the registry (`objectives.get(name).presets`; without one, the config's defaults),
+    without the preset's KL term (the KL cases test those). So an objective added to the table and the registry is
+    tested by every op and backend without a hand-written case. Clip-Cov and KL-Cov choose their tokens over the
+    whole call first (`Objective.chooses_tokens`): test_covariance_choice.py tests them."""
+    cases = {}
+    for entry in P.OBJECTIVES:
+        objective = objectives.get(entry.name)
+        if entry.name in covered or objective.chooses_tokens:
+            continue
+        preset = next((f for f in objective.presets.values() if f["ratio"] == "token"), {})
+        fields = {"objective": entry.name, **{k: v for k, v in preset.items() if k not in ("kl_estimator", "kl_coef")}}
+        if fields.get("agg") == "constant":
+            fields.setdefault("norm_length", 16)
+        cases[f"preset_{entry.name}"] = make_case(**fields)
+    return cases
+
+
+CASES.update(registry_cases({case.config.objective for case in CASES.values()}))
 
 # `surrogate_params`: the clip surrogate of a config with its KL and entropy terms left out.
 _FULL = PolicyLossConfig(clip_low=0.1, clip_high=0.3, delta=2.0, kl_estimator="k3", kl_coef=0.1, entropy_coef=0.01)

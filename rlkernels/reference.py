@@ -215,6 +215,223 @@ def _rollout_correction(config, old, rollout, valid, is_weights, C):
     return kept, w
 
 
+class _Row:
+    """The valid tokens of one row i (vectors of length L_i) and what the objectives read of its row and group: each
+    objective's truth below is a function of it."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    @property
+    def log_s(self):                    # §4 GSPO: log s_i = mean_t (ℓ - ℓ_old), clamped
+        return torch.clamp((self.l - self.lo).mean(), -self.C, self.C)
+
+
+# §5 each objective at the token ratio w_t: (surrogate per token, clipped below, clipped above)
+def _token_clip(r, config):
+    return _clip_surrogate(r.w_tok, r.a, config)
+
+
+def _token_cispo(r, config):            # §5 -sg(clip(w)) A ℓ
+    return (-_clamp(r.w_tok, *_band(config)).detach() * r.a * r.l, *_clipped(r.w_tok, *_band(config)))
+
+
+def _token_reinforce(r, config):        # §5 -A ℓ
+    return -r.a * r.l, r.none, r.none
+
+
+def _token_sapo(r, config):             # §5 soft gate
+    return _soft_gate(r.w_tok, r.a, config), r.none, r.none
+
+
+def _token_dppo(r, config):             # §5 -A sg(min(w, cap)) ℓ inside the trust region
+    inside = _dppo_inside(r.l, r.lo, r.a, config, config.objective[5:])
+    cap = config.ratio_cap
+    weight = (r.w_tok if cap is None else torch.clamp(r.w_tok, max=cap)).detach()
+    return -r.a * weight * r.l * inside.to(r.dt), ~inside & (r.a < 0), ~inside & (r.a > 0)
+
+
+def _token_dro(r, config):              # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
+    return -(r.a * r.l - 0.5 * config.dro_beta * (r.l - r.lo) ** 2), r.none, r.none
+
+
+def _token_topr(r, config):             # §5 -A ℓ for A ≥ 0, -sg(clip(w, 0, 1)) A ℓ for A < 0
+    weight = torch.where(r.a < 0, torch.clamp(r.w_tok, 0, 1), torch.ones_like(r.w_tok)).detach()
+    return -weight * r.a * r.l, r.none, (r.w_tok > 1) & (r.a < 0)
+
+
+def _token_clip_cov(r, config):         # §5 PPO clip, no gradient on the chosen tokens
+    surr, low, high = _clip_surrogate(r.w_tok, r.a, config)
+    surr = torch.where(r.chosen, torch.zeros((), dtype=r.dt), surr)
+    return surr, low | (r.chosen & (r.a < 0)), high | (r.chosen & (r.a > 0))
+
+
+def _token_kl_cov(r, config):           # §5 -A w, + coef |ℓ - ℓ_old| on the chosen tokens
+    penalty = torch.where(r.chosen, config.kl_cov_coef * (r.l - r.lo).abs(), torch.zeros((), dtype=r.dt))
+    return -r.a * r.w_tok + penalty, r.none, r.none
+
+
+def _token_gppo(r, config):             # §5 PPO's clip, but a clipped token keeps -β·bound·A·∇ℓ
+    lo_b, hi_b = _band(config)
+    low, high = _clipped(r.w_tok, lo_b, hi_b, r.a)
+    d = torch.clamp(r.l - r.lo, -r.C, r.C)
+    bound = torch.where(low, torch.tensor(config.gppo_beta_low * lo_b, dtype=r.dt), config.gppo_beta_high * hi_b)
+    surr = -r.a * torch.where(low | high, bound * torch.exp(d - d.detach()), r.w_tok)
+    if config.dual_clip is not None:
+        surr = torch.where(r.a < 0, torch.minimum(surr, -config.dual_clip * r.a), surr)
+    return surr, low, high
+
+
+_TOKEN_OBJECTIVES = {"clip": _token_clip, "cispo": _token_cispo, "reinforce": _token_reinforce, "sapo": _token_sapo,
+                     "dppo_tv": _token_dppo, "dppo_kl": _token_dppo, "dro": _token_dro, "topr": _token_topr,
+                     "clip_cov": _token_clip_cov, "kl_cov": _token_kl_cov, "gppo": _token_gppo}
+
+
+# §4-§5 the sequence-level ratios, each with the objectives it takes: (surrogate per token, clipped below, clipped
+# above, ratio metric per token)
+def _gspo(r, config):                   # GSPO: s_i broadcast to the row
+    s = torch.exp(r.log_s)
+    if config.objective == "sapo":
+        surr, low, high = _soft_gate(s, r.a_row, config).expand(r.L), r.none, r.none
+    elif config.objective == "cispo":   # TRL's sequence-level CISPO: -sg(clip(s_i)) A ℓ per token
+        surr = -_clamp(s, *_band(config)).detach() * r.a * r.l
+        low, high = (x.expand(r.L) for x in _clipped(s, *_band(config)))
+    else:
+        surr, low, high = (x.expand(r.L) for x in _clip_surrogate(s, r.a_row, config))
+    return surr, low, high, s.expand(r.L)
+
+
+def _gspo_token(r, config):             # GSPO-token: sg(log s_i) + ℓ - sg(ℓ)
+    w = torch.exp(r.log_s.detach() + r.l - r.l.detach())
+    if config.objective == "sapo":
+        surr, low, high = _soft_gate(w, r.a, config), r.none, r.none
+    else:
+        surr, low, high = _clip_surrogate(w, r.a, config)
+    return surr, low, high, torch.exp(r.log_s).expand(r.L)
+
+
+def _vespo(r, config):                  # VESPO: -sg(φ(w_i)) A ℓ
+    log_w = torch.clamp(r.l - r.lo, -r.C, r.C).sum()
+    if r.is_weights is not None:        # TRL: the importance weights enter w_i, not the per-token loss
+        log_w = log_w + torch.clamp(torch.log(r.is_weights), math.log(1e-8), r.C).sum()
+    log_w = torch.clamp(log_w, math.log(1e-8), r.C).detach()
+    w = torch.exp(log_w)
+    pos = bool(r.a_row >= 0)
+    k = getattr(config, "vespo_k_pos" if pos else "vespo_k_neg")
+    lam = max(getattr(config, "vespo_lambda_pos" if pos else "vespo_lambda_neg"), 1e-4)
+    phi = torch.exp(lam + k * log_w - lam * w)
+    phi = phi if bool(torch.isfinite(phi)) else torch.zeros_like(phi)
+    return -phi * r.a * r.l, r.none, r.none, w.expand(r.L)
+
+
+def _topr_trajectory(r, config):        # TOPR at the trajectory ratio π(τ)/μ(τ)
+    w = torch.exp(torch.clamp((r.l - r.lo).sum(), -r.C, r.C)).detach()
+    surr = -(torch.clamp(w, 0, 1) if bool(r.a_row < 0) else torch.ones_like(w)) * r.a * r.l
+    return surr, r.none, ((w > 1) & (r.a_row < 0)).expand(r.L), w.expand(r.L)
+
+
+def _fspo(r, config):                   # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
+    S = torch.clamp((r.l - r.lo).sum(), -r.C, r.C)
+    band = (-config.fspo_c_low * math.sqrt(r.L), config.fspo_c_high * math.sqrt(r.L))
+    row = -torch.minimum(torch.exp(S) * r.a_row, torch.exp(torch.clamp(S, *band)) * r.a_row)
+    low, high = (x.expand(r.L) for x in _clipped(S, *band, r.a_row))
+    return row.expand(r.L), low, high, torch.exp(S).expand(r.L)
+
+
+def _sequence_sum(r, config):
+    return {"vespo": _vespo, "topr": _topr_trajectory}.get(config.objective, _fspo)(r, config)
+
+
+def _gepo(r, config):                   # GEPO: log w_i = mean_t ℓ - log Ê_g
+    w = torch.exp(torch.clamp(r.l.mean() - r.log_E, -r.C, r.C))
+    surr, low, high = (x.expand(r.L) for x in _clip_surrogate(w, r.a_row, config))
+    return surr, low, high, w.expand(r.L)
+
+
+def _gmpo(r, config):                   # GMPO: sign-aware log-space clip per token
+    d = torch.clamp(r.l - r.lo, -r.C, r.C)
+    band = (None if config.clip_low is None else -config.clip_low, config.clip_high)
+    sgn = torch.sign(r.a_row)
+    d_tilde = sgn * torch.minimum(sgn * d, sgn * _clamp(d, *band))
+    surr = (-r.a_row * torch.exp(d_tilde.mean())).expand(r.L)   # row loss -A_i s̃_i
+    low, high = _clipped(d, *band, r.a_row)
+    return surr, low, high, torch.exp(d.mean()).expand(r.L)
+
+
+def _snis(r, config):                   # -sg(ŵ_i)(R_i - sg(b_g)) · Σ_t ℓ
+    surr = (-r.w_hat * (r.reward - r.baseline) * r.l.sum()).expand(r.L)
+    return surr, r.none, r.none, torch.exp(torch.clamp((r.l - r.lo).sum(), -r.C, r.C)).expand(r.L)
+
+
+_SEQUENCE_RATIOS = {"sequence": _gspo, "sequence_token": _gspo_token, "sequence_sum": _sequence_sum,
+                    "group_expectation": _gepo, "geometric": _gmpo, "snis": _snis}
+
+
+def _surrogate(r, config):
+    """(surrogate, clipped below, clipped above, ratio metric) of row `r`, per valid token."""
+    if config.ratio == "token":
+        if config.objective not in _TOKEN_OBJECTIVES:
+            raise ValueError(f"unknown objective {config.objective!r}")
+        return (*_TOKEN_OBJECTIVES[config.objective](r, config), r.w_tok)
+    if config.ratio not in _SEQUENCE_RATIOS:
+        raise ValueError(f"unknown ratio {config.ratio!r}")
+    return _SEQUENCE_RATIOS[config.ratio](r, config)
+
+
+def _group_quantities(logp, old, rows, valid, rewards, config, group_ids, dt):
+    """§4 group-level quantities over the non-empty rows of each group: GEPO's log Ê_g, SNIS's ŵ_j and b_g."""
+    B = logp.shape[0]
+    log_E, w_hat, baseline = {}, {}, {}
+    for g in _groups(B, group_ids, config.group_size):
+        g = [j for j in g if j in rows]
+        if not g:
+            continue
+        if config.ratio == "group_expectation":
+            # log Ê_g = logsumexp_j(2 log q_j) - logsumexp_j(log q_j), log q_j = mean_t ℓ_old
+            log_q = torch.stack([old[j][valid[j]].mean() for j in g])
+            for j in g:
+                log_E[j] = torch.logsumexp(2 * log_q, 0) - torch.logsumexp(log_q, 0)
+        else:
+            # ρ_j = π/π_old of the whole sequence, unclamped; ŵ_j = ρ_j / mean_g ρ
+            # = n·e^{log ρ_j − lse_g log ρ}; b_g = mean_g ŵ_j R_j  (constants)
+            log_rho = torch.stack([(logp[j][valid[j]] - old[j][valid[j]]).sum() for j in g]).detach()
+            for j, w in zip(g, len(g) * torch.softmax(log_rho, 0)):
+                w_hat[j] = w
+            for j in g:
+                baseline[j] = _mean([w_hat[k] * rewards[k].to(dt) for k in g])
+    return log_E, w_hat, baseline
+
+
+def _covariance_choice(logp, old, advantages, valid, config, C):
+    """§5 Clip-Cov / KL-Cov: the batch-level choice of tokens (i, t) by the covariance of A and ℓ."""
+    B, T = logp.shape
+    cells = [(i, t) for i in range(B) for t in range(T) if bool(valid[i, t])]   # row-major
+    if not cells:
+        return set()
+    A = [float(advantages[i, t]) for i, t in cells]
+    lp = [float(logp[i, t].detach()) for i, t in cells]
+    mean_A, mean_l = sum(A) / len(A), sum(lp) / len(lp)
+    cov = [(x - mean_A) * (y - mean_l) for x, y in zip(A, lp)]
+    if config.objective == "kl_cov":
+        k = max(1, int(len(cells) * config.kl_cov_ratio))
+        top = sorted(range(len(cells)), key=lambda j: -cov[j])[:k]   # stable: ties by position
+        return {cells[j] for j in top}
+    lo_, hi_ = _band(config)
+    cand = []
+    for c, (i, t), x in zip(cov, cells, A):
+        w = torch.exp(torch.clamp(logp[i, t].detach() - old[i, t], -C, C))
+        clipped = bool(-x * torch.clamp(w, lo_, hi_) > -x * w)
+        if not clipped and config.clip_cov_lb < c < config.clip_cov_ub:
+            cand.append((i, t))
+    k = max(int(config.clip_cov_ratio * len(cells)), 1)
+    if config.clip_cov_draw == "device":   # the k candidates of smallest uniform keys
+        keys = torch.rand(B, T, device=logp.device)
+        return set(sorted(cand, key=lambda it: (float(keys[it]), it[0] * T + it[1]))[:k])
+    if cand:   # verl's draw: torch.randperm(n) on the default generator
+        return {cand[j] for j in torch.randperm(len(cand))[:min(k, len(cand))].tolist()}
+    return set()
+
+
 def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None, entropy=None,
                 group_ids=None, rewards=None, num_items=None, num_seqs=None, is_weights=None, rollout_logp=None):
     """(loss, metrics) of docs/math.md §3-§10 for logp (B, T); `config` is read by attribute name.
@@ -231,7 +448,6 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
             raise ValueError("rollout_logp: config.rollout_is / rollout_rs need old_logp and rollout_logp")
         valid, is_weights = _rollout_correction(config, old, rollout_logp.detach().to(dt), valid, is_weights, C)
     ratio, objective = config.ratio, config.objective
-    eps_low, eps_high = config.clip_low, config.clip_high
     rows = [i for i in range(B) if bool(valid[i].any())]      # empty rows take part in nothing
     if advantages is not None:
         advantages = advantages.detach().to(dt)
@@ -241,57 +457,12 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
     def tok(x, i):                      # the valid tokens of row i, as a vector of length L_i
         return x[i][valid[i]]
 
-    def log_s(i):                       # §4 GSPO: log s_i = mean_t (ℓ - ℓ_old), clamped
-        return torch.clamp((tok(logp, i) - tok(old, i)).mean(), -C, C)
-
-    # §4 group-level quantities over the non-empty rows of each group (GEPO, SNIS)
     log_E, w_hat, baseline = {}, {}, {}
     if ratio in ("group_expectation", "snis"):
-        for g in _groups(B, group_ids, config.group_size):
-            g = [j for j in g if j in rows]
-            if not g:
-                continue
-            if ratio == "group_expectation":
-                # log Ê_g = logsumexp_j(2 log q_j) - logsumexp_j(log q_j), log q_j = mean_t ℓ_old
-                log_q = torch.stack([tok(old, j).mean() for j in g])
-                for j in g:
-                    log_E[j] = torch.logsumexp(2 * log_q, 0) - torch.logsumexp(log_q, 0)
-            else:
-                # ρ_j = π/π_old of the whole sequence, unclamped; ŵ_j = ρ_j / mean_g ρ
-                # = n·e^{log ρ_j − lse_g log ρ}; b_g = mean_g ŵ_j R_j  (constants)
-                log_rho = torch.stack([(tok(logp, j) - tok(old, j)).sum() for j in g]).detach()
-                for j, w in zip(g, len(g) * torch.softmax(log_rho, 0)):
-                    w_hat[j] = w
-                for j in g:
-                    baseline[j] = _mean([w_hat[k] * rewards[k].to(dt) for k in g])
-
-    # §5 Clip-Cov / KL-Cov: batch-level choice of tokens by the covariance of A and ℓ
+        log_E, w_hat, baseline = _group_quantities(logp, old, rows, valid, rewards, config, group_ids, dt)
     chosen = set()
     if ratio == "token" and objective in ("clip_cov", "kl_cov"):
-        cells = [(i, t) for i in range(B) for t in range(T) if bool(valid[i, t])]   # row-major
-        if cells:
-            A = [float(advantages[i, t]) for i, t in cells]
-            lp = [float(logp[i, t].detach()) for i, t in cells]
-            mean_A, mean_l = sum(A) / len(A), sum(lp) / len(lp)
-            cov = [(x - mean_A) * (y - mean_l) for x, y in zip(A, lp)]
-            if objective == "clip_cov":
-                lo_, hi_ = _band(config)
-                cand = []
-                for c, (i, t), x in zip(cov, cells, A):
-                    w = torch.exp(torch.clamp(logp[i, t].detach() - old[i, t], -C, C))
-                    clipped = bool(-x * torch.clamp(w, lo_, hi_) > -x * w)
-                    if not clipped and config.clip_cov_lb < c < config.clip_cov_ub:
-                        cand.append((i, t))
-                k = max(int(config.clip_cov_ratio * len(cells)), 1)
-                if config.clip_cov_draw == "device":   # the k candidates of smallest uniform keys
-                    keys = torch.rand(B, T, device=logp.device)
-                    chosen = set(sorted(cand, key=lambda it: (float(keys[it]), it[0] * T + it[1]))[:k])
-                elif cand:   # verl's draw: torch.randperm(n) on the default generator
-                    chosen = {cand[j] for j in torch.randperm(len(cand))[:min(k, len(cand))].tolist()}
-            else:
-                k = max(1, int(len(cells) * config.kl_cov_ratio))
-                top = sorted(range(len(cells)), key=lambda j: -cov[j])[:k]   # stable: ties by position
-                chosen = {cells[j] for j in top}
+        chosen = _covariance_choice(logp, old, advantages, valid, config, C)
 
     rho = config.top_entropy_quantile   # §7 entropy mask: threshold over all valid tokens
     h_thr = None
@@ -305,113 +476,16 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         a = tok(advantages, i) if advantages is not None else torch.zeros_like(l)
         a_row = a[0]                                      # one advantage per row (seq ratios)
         w_tok = torch.exp(torch.clamp(l - lo, -C, C))      # §4 token ratio
-        low = high = torch.zeros(L, dtype=torch.bool)
-
-        if ratio == "token":
-            r_metric = w_tok
-            if objective == "clip":
-                surr, low, high = _clip_surrogate(w_tok, a, config)
-            elif objective == "cispo":              # §5 -sg(clip(w)) A ℓ
-                surr = -_clamp(w_tok, *_band(config)).detach() * a * l
-                low, high = _clipped(w_tok, *_band(config))
-            elif objective == "reinforce":          # §5 -A ℓ
-                surr = -a * l
-            elif objective == "sapo":               # §5 soft gate
-                surr = _soft_gate(w_tok, a, config)
-            elif objective in ("dppo_tv", "dppo_kl"):   # §5 -A sg(min(w, cap)) ℓ inside the trust region
-                inside = _dppo_inside(l, lo, a, config, objective[5:])
-                cap = config.ratio_cap
-                weight = (w_tok if cap is None else torch.clamp(w_tok, max=cap)).detach()
-                surr = -a * weight * l * inside.to(dt)
-                low, high = ~inside & (a < 0), ~inside & (a > 0)
-            elif objective == "dro":                # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
-                surr = -(a * l - 0.5 * config.dro_beta * (l - lo) ** 2)
-            elif objective == "topr":               # §5 -A ℓ for A ≥ 0, -sg(clip(w, 0, 1)) A ℓ for A < 0
-                surr = -torch.where(a < 0, torch.clamp(w_tok, 0, 1), torch.ones_like(w_tok)).detach() * a * l
-                high = (w_tok > 1) & (a < 0)
-            elif objective == "clip_cov":           # §5 PPO clip, no gradient on the chosen tokens
-                surr, low, high = _clip_surrogate(w_tok, a, config)
-                cols = torch.nonzero(valid[i]).reshape(-1).tolist()
-                pick = torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool)
-                surr = torch.where(pick, torch.zeros((), dtype=dt), surr)
-                low, high = low | (pick & (a < 0)), high | (pick & (a > 0))
-            elif objective == "kl_cov":             # §5 -A w, + coef |ℓ - ℓ_old| on the chosen tokens
-                cols = torch.nonzero(valid[i]).reshape(-1).tolist()
-                pick = torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool)
-                surr = -a * w_tok + torch.where(pick, config.kl_cov_coef * (l - lo).abs(),
-                                                torch.zeros((), dtype=dt))
-            elif objective == "gppo":               # §5 PPO's clip, but a clipped token keeps -β·bound·A·∇ℓ
-                lo_b, hi_b = _band(config)
-                low, high = _clipped(w_tok, lo_b, hi_b, a)
-                r = torch.clamp(l - lo, -C, C)
-                bound = torch.where(low, torch.tensor(config.gppo_beta_low * lo_b, dtype=dt), config.gppo_beta_high * hi_b)
-                surr = -a * torch.where(low | high, bound * torch.exp(r - r.detach()), w_tok)
-                if config.dual_clip is not None:
-                    surr = torch.where(a < 0, torch.minimum(surr, -config.dual_clip * a), surr)
-            else:
-                raise ValueError(f"unknown objective {objective!r}")
-        elif ratio == "sequence":                   # GSPO: s_i broadcast to the row
-            s = torch.exp(log_s(i))
-            if objective == "sapo":
-                surr = _soft_gate(s, a_row, config).expand(L)
-            elif objective == "cispo":              # TRL's sequence-level CISPO: -sg(clip(s_i)) A ℓ per token
-                surr = -_clamp(s, *_band(config)).detach() * a * l
-                low, high = (x.expand(L) for x in _clipped(s, *_band(config)))
-            else:
-                surr, low, high = (x.expand(L) for x in _clip_surrogate(s, a_row, config))
-            r_metric = s.expand(L)
-        elif ratio == "sequence_token":             # GSPO-token: sg(log s_i) + ℓ - sg(ℓ)
-            w = torch.exp(log_s(i).detach() + l - l.detach())
-            if objective == "sapo":
-                surr = _soft_gate(w, a, config)
-            else:
-                surr, low, high = _clip_surrogate(w, a, config)
-            r_metric = torch.exp(log_s(i)).expand(L)
-        elif ratio == "sequence_sum" and objective == "vespo":   # VESPO: -sg(φ(w_i)) A ℓ
-            log_w = torch.clamp(l - lo, -C, C).sum()
-            if is_weights is not None:       # TRL: the importance weights enter w_i, not the per-token loss
-                w_is = is_weights.detach().to(dt)
-                w_is = tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
-                log_w = log_w + torch.clamp(torch.log(w_is), math.log(1e-8), C).sum()
-            log_w = torch.clamp(log_w, math.log(1e-8), C).detach()
-            w = torch.exp(log_w)
-            pos = bool(a_row >= 0)
-            k = getattr(config, "vespo_k_pos" if pos else "vespo_k_neg")
-            lam = max(getattr(config, "vespo_lambda_pos" if pos else "vespo_lambda_neg"), 1e-4)
-            phi = torch.exp(lam + k * log_w - lam * w)
-            phi = phi if bool(torch.isfinite(phi)) else torch.zeros_like(phi)
-            surr = -phi * a * l
-            r_metric = w.expand(L)
-        elif ratio == "sequence_sum" and objective == "topr":   # TOPR at the trajectory ratio π(τ)/μ(τ)
-            w = torch.exp(torch.clamp((l - lo).sum(), -C, C)).detach()
-            surr = -(torch.clamp(w, 0, 1) if bool(a_row < 0) else torch.ones_like(w)) * a * l
-            high = ((w > 1) & (a_row < 0)).expand(L)
-            r_metric = w.expand(L)
-        elif ratio == "sequence_sum":               # FSPO: S_i = Σ_t (ℓ - ℓ_old), √L band
-            S = torch.clamp((l - lo).sum(), -C, C)
-            band = (-config.fspo_c_low * math.sqrt(L),
-                    config.fspo_c_high * math.sqrt(L))
-            row = -torch.minimum(torch.exp(S) * a_row, torch.exp(torch.clamp(S, *band)) * a_row)
-            surr = row.expand(L)
-            low, high = (x.expand(L) for x in _clipped(S, *band, a_row))
-            r_metric = torch.exp(S).expand(L)
-        elif ratio == "group_expectation":          # GEPO: log w_i = mean_t ℓ - log Ê_g
-            w = torch.exp(torch.clamp(l.mean() - log_E[i], -C, C))
-            surr, low, high = (x.expand(L) for x in _clip_surrogate(w, a_row, config))
-            r_metric = w.expand(L)
-        elif ratio == "geometric":                  # GMPO: sign-aware log-space clip per token
-            d = torch.clamp(l - lo, -C, C)
-            band = (None if eps_low is None else -eps_low, eps_high)
-            sgn = torch.sign(a_row)
-            d_tilde = sgn * torch.minimum(sgn * d, sgn * _clamp(d, *band))
-            surr = (-a_row * torch.exp(d_tilde.mean())).expand(L)   # row loss -A_i s̃_i
-            low, high = _clipped(d, *band, a_row)
-            r_metric = torch.exp(d.mean()).expand(L)
-        elif ratio == "snis":                       # -sg(ŵ_i)(R_i - sg(b_g)) · Σ_t ℓ
-            surr = (-w_hat[i] * (rewards[i].to(dt) - baseline[i]) * l.sum()).expand(L)
-            r_metric = torch.exp(torch.clamp((l - lo).sum(), -C, C)).expand(L)
-        else:
-            raise ValueError(f"unknown ratio {ratio!r}")
+        w_is = None
+        if is_weights is not None and objective == "vespo":
+            w_is = is_weights.detach().to(dt)
+            w_is = tok(w_is.reshape(B, 1).expand(B, T) if w_is.numel() == B else w_is, i)
+        cols = torch.nonzero(valid[i]).reshape(-1).tolist()
+        r = _Row(l=l, lo=lo, a=a, a_row=a_row, w_tok=w_tok, L=L, C=C, dt=dt, none=torch.zeros(L, dtype=torch.bool),
+                 chosen=torch.tensor([(i, t) in chosen for t in cols], dtype=torch.bool), is_weights=w_is,
+                 log_E=log_E.get(i), w_hat=w_hat.get(i), baseline=baseline.get(i),
+                 reward=None if rewards is None else rewards[i].to(dt))
+        surr, low, high, r_metric = _surrogate(r, config)
 
         loss_tok = surr
         omega = torch.ones(L, dtype=dt)      # §7 ω: importance weights times the off-policy mask
@@ -438,7 +512,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 if kl_clamp is not None:
                     k = torch.clamp(k, -kl_clamp, kl_clamp)
                 if config.kl_bias_correction:   # with the ratio's gradient: the token's, or the row's
-                    k = k * (w_tok if config.kl_bias_ratio == "token" else torch.exp(log_s(i)))
+                    k = k * (w_tok if config.kl_bias_ratio == "token" else torch.exp(r.log_s))
                 loss_tok = loss_tok + coef * k
             else:
                 k = _kl(d_ref, "k3", C)

@@ -37,9 +37,11 @@ accumulation steps in training (1 in evaluation):
 
 `loss_type="rlkernels_<preset>"` selects any registered preset, a user's plug-in objective included (TRL does not
 check `loss_type`, so `GRPOConfig`, recipes and `rlkernels trl grpo --loss_type` take it). The preset chooses the
-loss: its objective, ratio, clip and aggregation; TRL's `epsilon`, `epsilon_high`, `delta`,
-`importance_sampling_level` (but for the ratio of `use_bias_correction_kl`, as in TRL) and `sapo_*` / `vespo_*` are
-its own loss types' settings and do not apply. TRL supplies the rest, as for its own loss types: β (the preset's KL
+loss: its objective, ratio, clip and aggregation; TRL's `epsilon`, `epsilon_high`, `delta` and
+`importance_sampling_level` (but for the ratio of `use_bias_correction_kl`, as in TRL) are its own loss types'
+settings and do not apply. The arguments the objective's registry entry names (`Objective.trl`: `sapo_temperature_*`
+for `sapo`, `vespo_*` for `vespo`, a plug-in's scalar `<name>` on a user's args) set its fields, where the args
+carry them. TRL supplies the rest, as for its own loss types: β (the preset's KL
 replaced by TRL's k3 with `kl_coef = beta`, none at β = 0, when TRL has no reference model), the entropy bonus, the off-policy and top-entropy masks, vLLM's IS weights and the
 counts. An unknown preset is a ValueError when the trainer is built; so are the presets whose ratio needs whole
 prompt groups in each micro-batch (`gepo`, `snis`: TRL shuffles rows across micro-batches), and the batches TRL would
@@ -92,6 +94,7 @@ _TRL_LOGPS, _TRL_LOSS = GRPOTrainer._get_per_token_logps_and_entropies, GRPOTrai
 
 from .. import presets as _presets
 from ..losses import PolicyLossConfig
+from ..losses import objectives as _objectives
 from ..losses.objectives import GROUPED_RATIOS
 from ..losses.spec import high_entropy_tokens, vespo_weight
 from ..ops import fused_linear_policy_loss, linear_token_logprobs
@@ -152,16 +155,16 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     if trainer.top_entropy_quantile < 1.0:
         masks["top_entropy_quantile"] = float(trainer.top_entropy_quantile)
     if preset is not None:
-        return _preset_config(trainer, preset, {**kl, **masks}), ""
+        own = _trl_arguments(args, _presets.fields(preset)["objective"])
+        return _preset_config(trainer, preset, {**own, **kl, **masks}), ""
     ratio = level
     if loss_type == "cispo":
         clip = dict(objective="cispo", clip_low=None, clip_high=trainer.epsilon_high - 1.0)
     elif loss_type == "sapo":
-        clip = dict(objective="sapo", sapo_tau_pos=args.sapo_temperature_pos, sapo_tau_neg=args.sapo_temperature_neg)
+        clip = dict(objective="sapo", **_trl_arguments(args, "sapo"))
     elif loss_type == "vespo":  # its own sequence ratio Σ_t log(π/π_old), whatever the level
         ratio = "sequence_sum"
-        clip = dict(objective="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
-                    vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+        clip = dict(objective="vespo", **_trl_arguments(args, "vespo"))
     else:
         clip = dict(objective="clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, delta=args.delta)
     norm = dict(norm_length=trainer.max_completion_length) if loss_type == "dr_grpo" else {}
@@ -170,6 +173,13 @@ def loss_config(trainer) -> Tuple[Optional[PolicyLossConfig], str]:
     except (TypeError, ValueError) as err:  # e.g. delta <= 0, which TRL does not check
         return None, str(err)
     return cfg, ""
+
+
+def _trl_arguments(args, objective: str) -> dict:
+    """The fields and scalars of `objective` that the trainer's args set: the `GRPOConfig` arguments its registry
+    entry names (`Objective.trl`: TRL's own, or a plug-in's scalar's, on a user's args), those that are set."""
+    names = _objectives.get(objective).trl
+    return {field: getattr(args, arg) for field, arg in names.items() if getattr(args, arg, None) is not None}
 
 
 def _preset_config(trainer, preset, trl_fields) -> PolicyLossConfig:

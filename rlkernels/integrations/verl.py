@@ -16,7 +16,9 @@ hidden-state log-prob/entropy op in verl's fused-kernel path (`model.use_fused_k
 verl_fused.py); by default verl's own kernels stay untouched.
 
 How verl's settings map onto `PolicyLossConfig` (the preset chooses the algorithm, verl's
-config its numbers, as verl's own losses read them):
+config its numbers, as verl's own losses read them). The clip and aggregation rows are verl's for every
+objective; the objective-specific rows are declared in each objective's registry entry (`Objective.verl`:
+keys, verl's defaults, fixed fields and aggregation), a plug-in's scalars there too:
 
 | verl | rlkernels |
 |---|---|
@@ -35,6 +37,7 @@ config its numbers, as verl's own losses read them):
 | `policy_loss.kl_cov_ratio` / `ppo_kl_coef` | `kl_cov_ratio` / `kl_cov_coef` of `kl_cov` |
 | `policy_loss.dro_beta` | `dro_beta` of `dro` (required, as by verl's `dro`) |
 | `policy_loss.vespo.k_pos` / `lambda_pos` / `k_neg` / `lambda_neg` | `vespo_k_pos` / ... of `vespo` (the keys the VESPO authors' verl loss reads; absent: the preset's) |
+| `policy_loss.<name>` (or its `verl_keys=` key) | a plug-in's own scalar `<name>` (`register_objective(scalars=...)`; absent: the preset's; its range checked under verl's key) |
 
 The counts come from `config.global_batch_info` (verl fills `dp_size`, `batch_num_tokens`,
 `global_batch_size`; when absent they are the micro-batch's own, as in verl's `agg_loss`).
@@ -78,8 +81,6 @@ from ..losses import rollout_is_weights as is_weights_of  # verl's argument take
 from ..losses.spec import masked_mean
 from .verl_fused import FusedLinearForPPO, linear_cross_entropy, patch_fused_kernels
 
-# verl losses that ignore loss_agg_mode: sapo always aggregates "seq-mean-token-mean"
-_FIXED_AGG = {"sapo": "seq-mean-token-mean"}
 # verl 0.9.1's policy-loss modes whose preset has another name (sapo, gspo, gpg, dppo_*, clip_cov, kl_cov,
 # dro and cispo are presets of the same name); `register()` adds rlkernels_<mode> for them too.
 VERL_MODES = {"vanilla": "ppo", "geo_mean": "gmpo"}
@@ -159,7 +160,7 @@ def loss_config(preset: str, config=None, **overrides) -> PolicyLossConfig:
     if base.get("ratio") in _objectives.GROUPED_RATIOS and _get(config, "rollout_n") is not None:
         fields["group_size"] = int(_get(config, "rollout_n"))
     if config is not None:
-        fields.update(_objective_fields(base["objective"], config, overrides))
+        fields.update(_objective_fields(preset, base["objective"], config, overrides))
     return _presets.get(preset, **{**fields, **overrides})
 
 
@@ -171,32 +172,28 @@ def _takes_verl_clip(preset_fields: dict) -> bool:
         objective == "clip" and preset_fields.get("ratio") == "sequence_sum")
 
 
-def _objective_fields(objective: str, config, overrides) -> dict:
-    """The fields of the new objectives, read from verl's ActorConfig as verl's own loss functions read them."""
-    pl = _get(config, "policy_loss")
-    if objective == "sapo":
-        return {"sapo_tau_pos": _number("tau_pos", _get(config, "tau_pos", 1.0)),
-                "sapo_tau_neg": _number("tau_neg", _get(config, "tau_neg", 1.05))}
-    if objective in ("dppo_tv", "dppo_kl"):  # verl: config.get("clip_ratio_c", 20.0) caps the detached ratio
-        return {"ratio_cap": _number("clip_ratio_c", _get(config, "clip_ratio_c", 20.0))}
-    if objective == "clip_cov":
-        return {"clip_cov_ratio": _number("policy_loss.clip_cov_ratio", _get(pl, "clip_cov_ratio", 2e-4)),
-                "clip_cov_lb": _number("policy_loss.clip_cov_lb", _get(pl, "clip_cov_lb", 1.0)),
-                "clip_cov_ub": _number("policy_loss.clip_cov_ub", _get(pl, "clip_cov_ub", 5.0)),
-                "clip_cov_draw": "verl"}  # verl's tokens
-    if objective == "kl_cov":
-        return {"kl_cov_ratio": _number("policy_loss.kl_cov_ratio", _get(pl, "kl_cov_ratio", 2e-4)),
-                "kl_cov_coef": _number("policy_loss.ppo_kl_coef", _get(pl, "ppo_kl_coef", 1.0))}
-    if objective == "vespo":  # the VESPO authors' verl loss reads policy_loss.vespo.{k,lambda}_{pos,neg}
-        vespo, base = _get(pl, "vespo"), _presets.fields("vespo")
-        return {f"vespo_{key}": _number(f"policy_loss.vespo.{key}", _get(vespo, key, base[f"vespo_{key}"]))
-                for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
-    if objective == "dro":
-        beta = _get(pl, "dro_beta")
-        if beta is None and "dro_beta" not in overrides:
-            raise ValueError("policy_loss.dro_beta: required (a positive value) for rlkernels_dro, as for verl's dro")
-        return {} if beta is None else {"dro_beta": _number("policy_loss.dro_beta", beta)}
-    return {}
+def _objective_fields(preset: str, objective: str, config, overrides) -> dict:
+    """The fields and scalars of the objective that verl's ActorConfig sets, by the keys of its registry entry
+    (`Objective.verl`), as verl's own loss functions read them; absent, verl's default or the preset's."""
+    entry = _objectives.get(objective)
+    fields = dict(entry.verl.fixed)
+    for field, (key, default) in entry.verl.keys.items():
+        value = _lookup(config, key)
+        if value is None and field in entry.required and field not in overrides:
+            raise ValueError(f"{key}: required (a positive value) for {PREFIX}{preset}, as for verl's {objective}")
+        value = default if value is None else value
+        if value is not None:
+            fields[field] = _number(key, value)
+            if field in entry.scalars:  # its range, under verl's name
+                _objectives.check_scalar(key, fields[field], entry.scalars[field])
+    return fields
+
+
+def _lookup(config, key: str):
+    """verl's setting at dotted `key` ("policy_loss.vespo.k_pos"), or None."""
+    for part in key.split("."):
+        config = _get(config, part)
+    return config
 
 
 def verl_mode_fn(mode: str, **overrides) -> Callable:
@@ -231,7 +228,8 @@ def policy_loss_fn(preset: str, _all_rows: bool = False, **overrides) -> Callabl
             agg_fields, counts = {"agg": "seq_mean_token_mean"}, {"num_items": None,
                                                                   "num_seqs": float(response_mask.shape[0])}
         else:
-            agg_fields, counts = aggregation(_FIXED_AGG.get(preset, loss_agg_mode), response_mask, config)
+            fixed = _objectives.get(_presets.fields(preset)["objective"]).verl.loss_agg_mode
+            agg_fields, counts = aggregation(fixed or loss_agg_mode, response_mask, config)
         cfg = loss_config(preset, config, **{**agg_fields, **overrides})
         logp = log_prob if log_prob.dtype in (torch.float32, torch.float64) else log_prob.float()
         advantages = advantages.to(logp.dtype)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple, Union
 
 from .._checks import check_choice, check_int, check_real
 from .._token_loss_table import BOOL, KL_ESTIMATOR_ID, OBJECTIVE_ID, PARAMS, REAL, Param
@@ -86,10 +86,36 @@ class PolicyLossConfig(KernelScalarFields):
     # of `rlkernels.rollout_rejection_mask`, level token / seq_sum / seq_mean / seq_max; a rejected token
     # leaves the mask
     rollout_rs: Tuple[Tuple[str, Optional[float], Optional[float]], ...] = ()
+    # a plug-in objective's own scalars (`register_objective(scalars=...)`), name → value, each read as an attribute
+    # (`config.spo_eps`); the undeclared ones take their defaults. Held as a tuple of (name, value) pairs (hashable)
+    scalars: Union[Mapping[str, float], Tuple[Tuple[str, float], ...]] = ()
+
+    @classmethod
+    def of(cls, **fields) -> "PolicyLossConfig":
+        """The config of `fields`, among them the objective's own scalars by name (`spo_eps=0.5`)."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        extra = {name: fields.pop(name) for name in list(fields) if name not in own}
+        if extra:
+            declared = objectives.get(fields.get("objective", cls.objective)).scalars
+            unknown = sorted(set(extra) - set(declared))
+            if unknown:
+                raise ValueError(f"fields: unknown PolicyLossConfig fields {unknown} (objective "
+                                 f"{fields.get('objective', cls.objective)!r} declares the scalars {tuple(declared)})")
+            fields["scalars"] = {**dict(fields.get("scalars", ())), **extra}
+        return cls(**fields)
+
+    def __getattr__(self, name):
+        # only for names the instance lacks: a scalar of the objective's (not while unpickling, before `scalars` is set)
+        scalars = self.__dict__.get("scalars", ())
+        for key, value in scalars:
+            if key == name:
+                return value
+        raise AttributeError(f"{type(self).__name__!r} has no field or scalar {name!r}")
 
     def __post_init__(self):
         check_choice("ratio", self.ratio, RATIOS)
         objective = objectives.get(self.objective)
+        object.__setattr__(self, "scalars", _scalars(self.scalars, objective))
         if self.kl_estimator == "full":
             raise ValueError("kl_estimator: 'full' (verl's name) needs the whole distributions of π and π_ref, not "
                              "the sampled tokens' log-probs a policy loss takes (verl 0.9.1 raises "
@@ -184,10 +210,25 @@ class PolicyLossConfig(KernelScalarFields):
                 for name, lo, hi in self.rollout_rs]
 
     def replace(self, **overrides) -> "PolicyLossConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **overrides)
+        """A copy with some fields changed, the objective's scalars among them by name (validated again). A change of
+        objective leaves the old one's scalars behind."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if overrides.get("objective", self.objective) != self.objective:
+            fields["scalars"] = ()
+        return PolicyLossConfig.of(**{**fields, **overrides})
 
 
+def _scalars(given, objective) -> Tuple[Tuple[str, float], ...]:
+    """`scalars` checked against the objective's declared ones, every one of them present, in declaration order."""
+    given = dict(given)
+    unknown = sorted(set(given) - set(objective.scalars))
+    if unknown:
+        raise ValueError(f"scalars: objective {objective.name!r} declares {tuple(objective.scalars)}, got {unknown}")
+    return tuple((name, objectives.check_scalar(name, given.get(name, scalar.default), scalar))
+                 for name, scalar in objective.scalars.items())
+
+
+objectives.reserve(f.name for f in dataclasses.fields(PolicyLossConfig))
 _RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 

@@ -23,20 +23,23 @@ def fields(name: str) -> dict:
 def get(name: str, **overrides) -> PolicyLossConfig:
     """The preset called `name` with `overrides` applied."""
     merged = {**fields(name), **overrides}
-    unknown = set(overrides) - {f.name for f in PolicyLossConfig.__dataclass_fields__.values()}
-    if unknown:
-        raise ValueError(f"overrides: unknown PolicyLossConfig fields {sorted(unknown)}")
     if merged.get("agg") == "constant" and merged.get("norm_length") is None:
         raise ValueError(
             f"norm_length: the {name!r} preset divides the summed loss by a constant length (Dr. GRPO) and has no "
             f"default; pass the maximum completion length, e.g. presets.{name}(norm_length=max_completion_length)"
         )
-    return PolicyLossConfig(**merged)
+    try:
+        return PolicyLossConfig.of(**merged)
+    except ValueError as err:
+        if str(err).startswith("fields: unknown"):
+            raise ValueError(f"overrides{str(err)[len('fields'):]}") from None
+        raise
 
 
 def register(name: str, *, replace: bool = False, **preset_fields) -> None:
-    """Add preset `name` with these `PolicyLossConfig` fields (a user's, say for an objective of
-    `register_objective`); it joins `NAMES`, so the trainer and the verl adapter offer it. Validated now."""
+    """Add preset `name` with these `PolicyLossConfig` fields, its objective's own scalars among them by name (a
+    user's, say for an objective of `register_objective`); it joins `NAMES`, so the trainer and the verl adapter
+    offer it. Validated now."""
     global NAMES
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name: expected an identifier, got {name!r}")
@@ -44,7 +47,7 @@ def register(name: str, *, replace: bool = False, **preset_fields) -> None:
         raise ValueError(f"name: preset {name!r} exists" + (" (a built-in)" if name in _BUILT_IN else
                                                              "; pass replace=True to replace it"))
     # validated as a config (a Dr. GRPO-like preset leaves norm_length to its caller, as `get` says)
-    PolicyLossConfig(**{**preset_fields, **({"norm_length": 1} if preset_fields.get("agg") == "constant" else {})})
+    PolicyLossConfig.of(**{**preset_fields, **({"norm_length": 1} if preset_fields.get("agg") == "constant" else {})})
     _PRESETS[name] = dict(preset_fields)
     NAMES = tuple(_PRESETS)
 
@@ -56,6 +59,15 @@ def unregister(name: str) -> None:
         raise ValueError(f"name: expected a registered user preset, got {name!r}")
     del _PRESETS[name]
     NAMES = tuple(_PRESETS)
+
+
+def _unregister_presets_of(objective: str) -> None:
+    """A plug-in's presets go with it (`objectives.unregister_objective`)."""
+    for name in [n for n in NAMES if n not in _BUILT_IN and _PRESETS[n].get("objective") == objective]:
+        unregister(name)
+
+
+objectives.on_unregister(_unregister_presets_of)
 
 
 def _preset(name):

@@ -281,14 +281,20 @@ def vespo_weight(log_ratio_sum: torch.Tensor, adv_row: torch.Tensor, cfg, is_wei
     return torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), w
 
 
-def group_expectation(b: Batch, cfg) -> Surrogate:
-    """GEPO: log w_i = log p_i − log Ê_g with Ê_g = Σ_g q_j² / Σ_g q_j, all in log space."""
+def group_expectation_ratio(b: Batch, cfg) -> torch.Tensor:
+    """GEPO's w_i = p_i / Ê_g on each token of its row (B, T): log w_i = log p_i − log Ê_g with
+    Ê_g = Σ_g q_j² / Σ_g q_j, all in log space."""
     valid = b.lengths > 0
     i = b.inputs
     log_e = gepo_log_expectation(b.row_mean(b.old_logp), i.group, i.num_groups, valid, i.group_size)
     log_w = (b.row_mean(b.logp) - log_e).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_w = torch.where(valid, log_w, torch.zeros_like(log_w))  # a group of empty rows has no Ê_g
-    return clip_objective(b.per_token(torch.exp(log_w)), b.adv, cfg)
+    return b.per_token(torch.exp(log_w))
+
+
+def group_expectation(b: Batch, cfg) -> Surrogate:
+    """GEPO: PPO's clip of the group-expectation ratio."""
+    return clip_objective(group_expectation_ratio(b, cfg), b.adv, cfg)
 
 
 def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor,

@@ -21,7 +21,7 @@ from ..kernels import Kernels
 from ..kernels.token_loss_params import FWD, KL_ESTIMATORS, OBJECTIVES
 from ..losses import PolicyLossConfig
 from ..losses.spec import objectives
-from ._sequence_step import PAIRS as SEQUENCE_PAIRS
+from ._sequence_step import takes as sequence_step_takes
 
 # the forward kernel's objectives and the kernels' KL estimators, by their config names (the table)
 _FORWARD_OBJECTIVES = frozenset(e.name for e in OBJECTIVES if FWD in e.ops)
@@ -48,7 +48,7 @@ def plan(config: PolicyLossConfig, kernels: Kernels, forward: bool = True) -> Pl
     if forward and kernels.supports("policy_token_fwd") is None and kernel_supports(config):
         return Plan(Step.FORWARD)
     if kernels.supports("policy_token_loss") is None and _kernel_terms(config) and (
-            (config.ratio, config.objective) in SEQUENCE_PAIRS or _token_objective(config)):
+            sequence_step_takes(config) or _token_objective(config)):
         return Plan(Step.SEQUENCE)
     if kernels.supports("covariance_choice") is None and _covariance(config):
         return Plan(Step.COVARIANCE)
@@ -71,7 +71,8 @@ def _token_objective(config: PolicyLossConfig) -> bool:
 
 def _covariance(config: PolicyLossConfig) -> bool:
     """`_covariance_step` evaluates this config (Clip-Cov, KL-Cov) with `policy_token_loss`."""
-    return (config.ratio == "token" and config.objective in ("clip_cov", "kl_cov") and config.off_policy_mask is None
+    return (config.ratio == "token" and objectives.get(config.objective).chooses_tokens
+            and config.off_policy_mask is None
             and config.top_entropy_quantile is None and _kernel_terms(config))
 
 

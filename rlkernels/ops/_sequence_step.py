@@ -62,7 +62,8 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, Stat.RATIO].view(B, T))
         return loss_from_stats(tok_stats, inputs), tok_grad, grad_h
 
-    surrogate = _weighted_token if config.ratio == "token" else SURROGATES[config.ratio, config.objective]
+    surrogate = _weighted_token if config.ratio == "token" else \
+        EVALUATORS[objectives.get(config.objective).sequence_steps[config.ratio]]
     sur_grad, sums, ratio_max = surrogate(kernels, logp, rows, weights, omega, inputs, config)
 
     tok_sums = tok_stats.sum(0)
@@ -308,12 +309,17 @@ def _max(ratios: Tensor) -> Tensor:
     return ratios.amax() if ratios.numel() else ratios.new_zeros(())
 
 
-# How each sequence-level (ratio, objective) pair's surrogate is evaluated; SNIS's comes in the KL and entropy call.
-SURROGATES = {
-    ("sequence", "clip"): _Gspo(), ("sequence", "sapo"): _Gspo(), ("sequence_sum", "clip"): _Fspo(),
-    ("group_expectation", "clip"): _Gepo(), ("sequence_token", "clip"): _gspo_token,
-    ("sequence_token", "sapo"): _gspo_token, ("sequence", "cispo"): _sequence_cispo, ("sequence_sum", "vespo"): _vespo,
-    ("geometric", "clip"): _geometric,
-}
-# every sequence-level pair taken here (`_plan.plan`; token-level objectives of the kernels' table come too)
-PAIRS = frozenset(SURROGATES) | {("snis", "reinforce")}
+# The evaluators that the registry's entries name (`Objective.sequence_steps`, ratio → name); SNIS's surrogate comes
+# in the KL and entropy call.
+EVALUATORS = {"gspo": _Gspo(), "fspo": _Fspo(), "gepo": _Gepo(), "gspo_token": _gspo_token,
+              "sequence_cispo": _sequence_cispo, "vespo": _vespo, "geometric": _geometric, "snis": None}
+_named = {name for o in map(objectives.get, objectives.names()) for name in o.sequence_steps.values()}
+if not _named <= set(EVALUATORS):  # a built-in entry naming an evaluator that is not here: fail at import
+    raise ImportError(f"objectives name sequence-level evaluators that ops/_sequence_step.py lacks: "
+                      f"{sorted(_named - set(EVALUATORS))}")
+
+
+def takes(config: PolicyLossConfig) -> bool:
+    """Whether a sequence-level evaluator here computes this config's surrogate (`_plan.plan`; token-level
+    objectives of the kernels' table come too)."""
+    return config.ratio in objectives.get(config.objective).sequence_steps
