@@ -90,3 +90,12 @@ def test_extension_errors_raise_and_never_crash():
         if what.startswith("cuda") and not torch.cuda.is_available():
             continue
         exec(exception_probe.program(call, error, name), {})  # raises AssertionError unless `error` names `name`
+
+
+def test_first_touch_rows(capsys):
+    """benchmarks.first_touch at a tiny size: eager, the op, the kernel alone and the first touch, in that order."""
+    from benchmarks import first_touch
+
+    first_touch.main(["--n", "64", "--seq-len", "32", "--vocab", "256", "--reps", "1"])
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows == ["row", "eager", "rlkernels", "kernel", "first touch"]
