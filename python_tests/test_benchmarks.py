@@ -52,6 +52,10 @@ def test_report_writes_table_json_and_plots(tmp_path):
     providers = {p.name for op in OPS for p, why in runnable(op, CPU, args.providers) if not why}
     assert len(data["rows"]) == points * len(MODES) * len(OPS) * len(providers)
     assert all("error" not in r and r["ms"] > 0 and 0 < r["roofline"] for r in data["rows"])
+    # every case also as it finished, one JSON line each (a run killed at its limit keeps them)
+    lines = (tmp_path / "smoke.rows.jsonl").read_text().splitlines()
+    assert [(r["op"], r["mode"], r["provider"], r["ms"]) for r in map(json.loads, lines)] == [
+        (r["op"], r["mode"], r["provider"], r["ms"]) for r in data["rows"]]
     for op in OPS:
         assert f"| {op} | fwd+bwd | {max(args.vocabs)} | {args.n} | rlkernels-cpu |" in md
         assert (tmp_path / f"smoke_{op}.png").stat().st_size > 10_000
