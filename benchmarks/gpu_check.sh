@@ -10,15 +10,19 @@
 #             ends (no xdist worker outlives it); JUnit XML (written even when cut: SIGINT) and a failure summary
 #             (benchmarks/junit_summary.py, from the XML or the -v log)
 #   twopass   the CUDA two-pass kernel (sm_90 clusters) against the 3-pass kernels and the reference
-#             (python_tests/test_two_pass_cuda.py), then both timed beside Liger at N = 8192, V = 151936, bf16,
-#             contiguous and logits[:, :-1] (benchmarks/two_pass.py)
-#   probe     mm(bf16, bf16, out_dtype=float32), and which hidden-state design ran (benchmarks/head_probe.py)
+#             (python_tests/test_two_pass_cuda.py), then its resident clusters checked (3 blocks per SM) and
+#             both timed beside Liger at N = 8192, V = 151936, bf16, contiguous and logits[:, :-1]
+#             (benchmarks/two_pass.py)
+#   probe     mm(bf16, bf16, out_dtype=float32), the GEMM the hidden-state path takes (its value checked),
+#             and which hidden-state design ran (benchmarks/head_probe.py)
 #   head      the benchmark's grpo_linear and grpo_sliced, N = 8192 (T = 512), V = 151936, H = 4096, bf16,
 #             fwd+bwd then fwd; rlkernels-cuda / -triton with Liger, eager and torch.compile beside
 #             (rlkernels-torch is not timed on CUDA: benchmarks/providers.py)
 #   sliced64  grpo_sliced at B = 64 × T = 128 (the slice path's launches per sequence)
 #   sass      the SASS of the Triton kernels this machine compiled for the benchmark (benchmarks/device_sass.py)
-#   counts    the traffic model with launches and host time per call; every preset's launches and syncs
+#   counts    the traffic model with launches and host time per call (row by row); every preset's launches
+#             and syncs
+# Every stage prints (or writes: benchmarks.report's <name>.rows.jsonl) each row as it finishes: a cut loses a row.
 #   rest      grpo and token_logprobs from contiguous logits, in whatever time is left
 # Without a CUDA device it prints one line (the plan) and exits 0: a dry run. `--plan` prints the stages and
 # their limits. Other arguments go to every benchmarks.report call (e.g. --reps 5).
