@@ -2,7 +2,7 @@
 occupancy and instructions per logit.
 
     python -m benchmarks.gpu_static [--arch sm_80 sm_90] [--backend triton|cuda] [--dtype fp32 bf16 fp16]
-                                    [--quick] [--jobs N] [--out FILE] [--json FILE]
+                                    [--quick] [--jobs N] [--triton-python PYTHON ...] [--out FILE] [--json FILE]
 
 prints one markdown table (kernel, backend, arch, dtype, configuration, registers, stack and spill bytes,
 128-bit global loads, widest global load, resident threads per SM, instructions per logit) and exits 1
@@ -88,8 +88,16 @@ the loop from `cuobjdump -sass` of the binary, a CUDA kernel's block from `cuobj
 toolkit's cuobjdump, else the one in Triton's wheel). Triton is skipped, with a note, when it is not
 importable; CUDA when nvcc or cuobjdump is missing. The whole sweep is 320 Triton variants (30 of them
 elementwise) at 0.5-2 s each and one nvcc run per .cu file, the files in parallel (166 CUDA rows): 250 s
-measured on 2 busy cores. --quick: the streaming configurations (and their odd V) and the elementwise
-kernels with their default flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
+measured on 2 busy cores. --quick: the streaming configurations with every flag combination of a kernel that has
+at most 4 (NEED_ENTROPY, HAS_H; else its default flags), their odd V and the elementwise kernels with their default
+flags, and the nvcc runs: 30 s on 2 cores for sm_90 and bf16.
+
+Triton versions: ptxas's registers are those of the Triton (and its bundled ptxas) that compiles, and they move
+between versions (issue 38: the no-entropy forward took 61 registers under Triton 3.6, 40 under 3.9).
+--triton-python PYTHON ...: each interpreter (a virtual environment with another Triton and torch, the project on
+its PYTHONPATH) compiles the same Triton variants too, in its own process; every row names the Triton that
+compiled it (the backend column, `triton 3.6.0`) and is held to the same checks. The table of the device's own
+Triton is the one that counts for a run there; this one is how it is known before.
 """
 from __future__ import annotations
 
@@ -245,6 +253,7 @@ class Row:
     dynamic_shared: int = 0  # bytes per block its launcher asks at V = 151936 (the cluster kernel's slice)
     cluster: int = 0  # blocks per thread-block cluster at V = 151936 (0: not a cluster kernel)
     stores_128: int = 0  # 128-bit global stores
+    triton: str = ""  # the version of the Triton that compiled a Triton row ("" for a CUDA one)
 
     @property
     def threads_per_sm(self):
@@ -284,7 +293,7 @@ class Row:
                 "shared_bytes": self.shared, "block_threads": self.block, "loads_128": self.loads_128,
                 "widest_load": self.widest_load, "streaming": self.streaming, "elementwise": self.elementwise,
                 "capped": self.capped, "dynamic_shared_bytes": self.dynamic_shared, "cluster": self.cluster,
-                "stores_128": self.stores_128, "problems": self.problems()}
+                "stores_128": self.stores_128, "triton": self.triton, "problems": self.problems()}
 
     @classmethod
     def from_json(cls, row):
@@ -298,6 +307,10 @@ def _per_element(r):
     return "-" if r.instructions_per_element is None else f"{r.instructions_per_element:.1f}"
 
 
+def _backend(r):
+    return f"{r.backend} {r.triton}" if r.triton else r.backend
+
+
 def markdown(rows):
     lines = ["| kernel | backend | arch | dtype | configuration | registers | stack bytes | spill bytes (st/ld) "
              "| 128-bit loads | widest load | threads/SM | instructions/logit | check |",
@@ -305,7 +318,7 @@ def markdown(rows):
     for r in rows:
         check = "; ".join(r.problems()) or ("ok" if r.streaming else "ok (elementwise)" if r.elementwise
                                             else "ok (one tile)")
-        lines.append(f"| {r.kernel} | {r.backend} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.stack} "
+        lines.append(f"| {r.kernel} | {_backend(r)} | {r.arch} | {r.dtype} | {r.config} | {r.registers} | {r.stack} "
                      f"| {r.spill_stores}/{r.spill_loads} | {r.loads_128} | {r.widest_load} bits "
                      f"| {r.threads_per_sm} | {_per_element(r)} | {check} |")
     return "\n".join(lines)
@@ -470,8 +483,8 @@ class TritonJob:
 
 
 def triton_jobs(archs, dtypes, quick=False):
-    """Every variant to compile (quick: the streaming configuration, or an elementwise kernel's one, with the
-    default flags)."""
+    """Every variant to compile (quick: the streaming configuration with every flag combination of a kernel that has
+    at most _FULL_PRODUCT, else its default ones; an elementwise kernel's one configuration, default flags)."""
     jobs = []
     _, fixed = _flag_domains()
     for module_name, name in triton_kernels():
@@ -495,7 +508,7 @@ def triton_jobs(archs, dtypes, quick=False):
             for (block, warps), vocab in table.items():
                 long_rows = vocab > block
                 if quick:
-                    flag_sets = everywhere[:1] if long_rows else []
+                    flag_sets = everywhere if long_rows else []  # every combination, or the default (flag_plan)
                 else:
                     flag_sets = streaming if long_rows else everywhere
                 for flags in flag_sets:
@@ -564,9 +577,10 @@ def compile_triton(job, cuobjdump):
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         (function,) = sass.functions(cubin.name, cuobjdump).values()
-    return _row(job.kernel, "triton", job.arch, job.dtype, job.config, entry, compiled.metadata.shared,
-                compiled.metadata.num_warps * 32, function, job.streaming, job.elementwise,
-                dict(job.flags).get("HAS_CAP") == "1")
+    row = _row(job.kernel, "triton", job.arch, job.dtype, job.config, entry, compiled.metadata.shared,
+               compiled.metadata.num_warps * 32, function, job.streaming, job.elementwise,
+               dict(job.flags).get("HAS_CAP") == "1")
+    return dataclasses.replace(row, triton=triton.__version__)
 
 
 def _compile_job(job_and_tool):
@@ -708,6 +722,28 @@ def cuda_rows(archs, cuobjdump, out_dir):
 # --- command line ----------------------------------------------------------------------------------------
 
 
+def other_triton_rows(python, args):
+    """(rows, notes) of the same Triton variants compiled by another interpreter's Triton (`--triton-python`): this
+    module run there with --backend triton, the project first on its path; a run that brings back no rows is a
+    FAILED note."""
+    cmd = [python, "-m", "benchmarks.gpu_static", "--backend", "triton", "--arch", *args.arch, "--dtype", *args.dtype,
+           "--jobs", str(args.jobs), *(["--quick"] if args.quick else [])]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    with tempfile.TemporaryDirectory(prefix="gpu_static_other_") as out:
+        path = os.path.join(out, "rows.json")
+        proc = subprocess.run([*cmd, "--json", path], cwd=ROOT, env=env, capture_output=True, text=True)
+        rows = []
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = [Row.from_json(r) for r in json.load(f)]
+    # Its own compile failures; the rows' problems are checked here again.
+    notes = [line[len("FAIL "):] for line in proc.stderr.splitlines() if line.startswith("FAIL FAILED")]
+    if not rows:
+        notes.append(f"FAILED: {python} compiled no Triton row (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return rows, notes
+
+
 def _triton_missing():
     try:
         import triton  # noqa: F401
@@ -744,6 +780,9 @@ def main(argv: Optional[list] = None) -> int:
                         help="Triton: only the streaming configuration (an elementwise kernel: its one) "
                              "with the default flags")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="Triton compiles in parallel")
+    parser.add_argument("--triton-python", nargs="+", default=[], metavar="PYTHON",
+                        help="also compile the Triton rows with the Triton of each of these interpreters (another "
+                             "version's virtual environment, with torch)")
     parser.add_argument("--out", help="also write the table (and notes) to this file")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
@@ -774,6 +813,11 @@ def main(argv: Optional[list] = None) -> int:
                 rows += triton
                 notes += [f"FAILED to compile (twice): {job.kernel} {job.arch} {job.dtype} {job.config}: {error}"
                           for job, error in failed_jobs]
+        if args.backend in (None, "triton"):
+            for python in args.triton_python:
+                other, other_notes = other_triton_rows(python, args)
+                rows += other
+                notes += other_notes
         if cuda is not None:
             rows += [r for r in cuda.result() if r.dtype in args.dtype or r.dtype == "-"]
 
@@ -787,7 +831,9 @@ def main(argv: Optional[list] = None) -> int:
     if clusters:
         notes.insert(0, f"Cluster kernels at V = {CLUSTER_VOCAB} (dynamic shared memory: the row's slice per block, "
                         f"counted in threads/SM; instructions per logit: load loop + store loop):\n\n{clusters}")
-    text = toolchain(argv) + "\n\n" + markdown(rows) + "".join(f"\n\n{n}" for n in notes)
+    versions = sorted({r.triton for r in rows if r.triton})
+    text = toolchain(argv) + (f" Triton rows by Triton {', '.join(versions)}." if len(versions) > 1 else "")
+    text += "\n\n" + markdown(rows) + "".join(f"\n\n{n}" for n in notes)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
@@ -795,7 +841,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_json() for r in rows], f, indent=1)
-    failures = [f"{r.kernel} ({r.backend} {r.arch} {r.dtype} {r.config}): {p}" for r in rows for p in r.problems()]
+    failures = [f"{r.kernel} ({_backend(r)} {r.arch} {r.dtype} {r.config}): {p}" for r in rows for p in r.problems()]
     failures += [n for n in notes if n.startswith("FAILED")]
     print(f"gpu_static: {len(rows)} kernels in {time.monotonic() - start:.0f} s, {len(failures)} failures",
           file=sys.stderr)

@@ -22,6 +22,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlkernels.ops import _linear_head
+
 GEMMS = ("mm", "addmm", "bmm", "baddbmm")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,6 +117,12 @@ def main(argv=None) -> int:
     status = 0
     for line in probe_out_dtype(dtype, device):
         print(f"out_dtype GEMM, {args.dtype} on {device}: {line}")
+    try:  # the path's own probe: a value it finds wrong raises
+        print(f"hidden-state path's GEMM, {args.dtype} on {device}: "
+              f"{_linear_head.head_gemm(torch.empty(1, dtype=dtype, device=device))}")
+    except RuntimeError as e:
+        print(f"hidden-state path's GEMM, {args.dtype} on {device}: FAILED: {e}")
+        status = 1
     print(f"hidden-state path, N = {args.n}, V = {args.vocab}, H = {args.hidden}, {args.dtype} on {device}, "
           "GRPO forward + backward:")
     for label, kw in (("default", {}), ("memory_budget=None (speed)", {"memory_budget": None})):

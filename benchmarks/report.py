@@ -154,6 +154,10 @@ def run(args):
     dtypes = [args.dtype] if "grpo_linear" in args.ops else []
     before = machine_limits(device, dtypes)
     rows, start = [], time.time()
+    # Each case as it finishes, a JSON line in <out>/<name>.rows.jsonl (and one line on stderr): a run killed at
+    # its time limit (gpu_check) keeps the cases it measured, where the report files come only at the end.
+    os.makedirs(args.out, exist_ok=True)
+    partial = open(os.path.join(args.out, f"{args.name or machine_name(device)}.rows.jsonl"), "w")
     bar = tqdm(todo, desc="benchmarks", dynamic_ncols=True, file=sys.stderr)
     for case, provider in bar:
         bar.set_postfix_str(f"{case.op} {case.mode} V={case.vocab} N={case.n} {provider.name}")
@@ -161,8 +165,11 @@ def run(args):
             skipped.append(f"{case.op} {case.mode} V={case.vocab} N={case.n} {provider.name}: over --budget-s")
             continue
         rows.append(run_one(case, provider, device, args))
-        if "error" in rows[-1]:
-            bar.write(f"{case.op} {case.mode} V={case.vocab} N={case.n} {provider.name}: {rows[-1]['error']}")
+        what = rows[-1].get("error") or f"{rows[-1]['ms']:.3f} ms, extra peak {rows[-1]['peak_mb']:.0f} MB"
+        bar.write(f"{case.op} {case.mode} V={case.vocab} N={case.n} {provider.name}: {what}")
+        partial.write(json.dumps(rows[-1]) + "\n")
+        partial.flush()
+    partial.close()
     # Measured before and after the cases, the best of both: a shared machine's noise lowers a
     # rate, so the higher one is the better estimate of the limit.
     after = machine_limits(device, dtypes)

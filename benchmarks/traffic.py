@@ -354,25 +354,23 @@ def _timed(out, name, reps, sync, interpreted, step, leaves):
     out[name] = (counted.ops, None if interpreted else 1e3 * statistics.median(times[1:]))
 
 
-def table(rows: List[Traffic], n, vocab, hidden, dtype, calls: Optional[Dict[str, Dict[str, tuple]]] = None) -> str:
-    """`calls`: {label: per_call(...)}, shown as a launches column and a host-time column each."""
-    calls = calls or {}
+def table_head(n, vocab, hidden, dtype, labels=()) -> str:
+    """The table's title and header; `labels`: the per-call columns' (a launches and a host-time column each)."""
     floor_ms = 1e3 * 3 * 2 * n * hidden * vocab / MATMUL_FLOPS_PER_S
-    extra = "".join(f" launches per call ({label}) | host ms per call ({label}) |" for label in calls)
-    lines = [f"N = {n}, V = {vocab}, H = {hidden}, {str(dtype).replace('torch.', '')}; H200 model: "
-             f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s; 3-GEMM floor {floor_ms:.2f} ms",
-             "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | "
-             "extra peak / N·V·b | modelled ms |" + extra, "|---|---|---|---|---|---|---|" + "---|---|" * len(calls)]
-    for r in rows:
-        ratio = "-" if r.gemm_ratio is None else f"{r.gemm_ratio:.3f}"
-        cells = ""
-        for counts in calls.values():
-            ops, ms = counts.get(r.path, (None, None))
-            cells += f" {'-' if ops is None else ops} | {'-' if ms is None else f'{ms:.2f}'} |"
-        lines.append(f"| {r.path} | {r.passes:.2f} | {r.bytes / 1e9:.2f} | {ratio} | {r.peak_bytes / 1e9:.2f} | "
-                     f"{r.extra_peak:.1%} | "
-                     f"{r.model_ms:.2f} |" + cells)
-    return "\n".join(lines)
+    extra = "".join(f" launches per call ({label}) | host ms per call ({label}) |" for label in labels)
+    return "\n".join([
+        f"N = {n}, V = {vocab}, H = {hidden}, {str(dtype).replace('torch.', '')}; H200 model: "
+        f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s; 3-GEMM floor {floor_ms:.2f} ms",
+        "", "| path | passes over N·V·b | GB moved | GEMM FLOPs / 3·2·N·H·V | peak allocated (GB) | "
+        "extra peak / N·V·b | modelled ms |" + extra, "|---|---|---|---|---|---|---|" + "---|---|" * len(labels)])
+
+
+def table_row(r: Traffic, counts=()) -> str:
+    """One path's line; `counts`: its (launches, host ms) per per-call column, (None, None) where not measured."""
+    ratio = "-" if r.gemm_ratio is None else f"{r.gemm_ratio:.3f}"
+    cells = "".join(f" {'-' if ops is None else ops} | {'-' if ms is None else f'{ms:.2f}'} |" for ops, ms in counts)
+    return (f"| {r.path} | {r.passes:.2f} | {r.bytes / 1e9:.2f} | {ratio} | {r.peak_bytes / 1e9:.2f} | "
+            f"{r.extra_peak:.1%} | {r.model_ms:.2f} |" + cells)
 
 
 def designs_table(rows: List[Traffic], n, vocab, hidden, dtype) -> str:
@@ -408,7 +406,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     parser.add_argument("--per-call", nargs="*", default=["cuda", "triton"] if cuda else ["cpu"], metavar="BACKEND",
                         help="backends whose launches and host time per call are measured on real tensors "
-                             "(default: cuda triton on a GPU, else cpu; none: skip)")
+                             "(default: cuda triton on a GPU, else cpu; none, or no name: skip)")
     parser.add_argument("--per-call-vocab", type=int, help="their V (default: --vocab on a GPU, else 16)")
     parser.add_argument("--per-call-hidden", type=int, help="their H (default: --hidden on a GPU, else 64)")
     args = parser.parse_args(argv)
@@ -420,10 +418,15 @@ def main(argv=None):
     # The hidden-state path's design depends on V and H: at other sizes its launches are another design's.
     same = (vocab, hidden) == (args.vocab, args.hidden)
     only = [r.path for r in rows if same or not r.path.startswith("fused_linear")]
-    calls = {f"{b} on {device}, V = {vocab}": per_call(args.n, vocab, hidden, dtype, b, device, only=only)
-             for b in args.per_call}
-    print(table(rows, args.n, args.vocab, args.hidden, dtype, calls))
-    if calls and not same:
+    backends = [b for b in args.per_call if b != "none"]
+    # Row by row, each printed as soon as its calls are timed: a run cut at a time limit keeps the rows it finished.
+    print(table_head(args.n, args.vocab, args.hidden, dtype, [f"{b} on {device}, V = {vocab}" for b in backends]),
+          flush=True)
+    for r in rows:
+        counts = [per_call(args.n, vocab, hidden, dtype, b, device, only=[r.path]).get(r.path, (None, None))
+                  if r.path in only else (None, None) for b in backends]
+        print(table_row(r, counts), flush=True)
+    if backends and not same:
         print(f"\nPer call: real tensors at V = {vocab}, H = {hidden} (N and B as above); the hidden-state rows are "
               "left out there (their design depends on V and H).")
     print("\n" + designs_table(rows, args.n, args.vocab, args.hidden, dtype))

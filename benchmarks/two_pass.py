@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 import time
 
@@ -113,6 +114,24 @@ def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=No
     return {name: statistics.median(t) for name, t in times.items()}, times
 
 
+# The cluster kernel's design: 3 blocks of 512 threads per SM (csrc/cuda/cluster_row.cuh, kBlocksPerSm).
+BLOCKS_PER_SM = 3
+
+
+def cluster_occupancy(vocab, dtype) -> tuple:
+    """(line, ok): the CUDA two-pass kernel's resident clusters on this device (cudaOccupancyMaxActiveClusters through
+    the extension's `two_pass_active_clusters`) as blocks per SM, against BLOCKS_PER_SM."""
+    from rlkernels.kernels import _extension  # noqa: F401  (loads the extension's ops)
+
+    logits = torch.empty(1, vocab, dtype=DTYPES[dtype], device="cuda")
+    clusters, size = torch.ops.rlkernels_C.two_pass_active_clusters(logits)
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+    per_sm = clusters * size / sms
+    ok = per_sm >= BLOCKS_PER_SM
+    return (f"cluster kernel, V = {vocab} {dtype}: {clusters} clusters of {size} blocks resident on {sms} SMs = "
+            f"{per_sm:.2f} blocks per SM (design {BLOCKS_PER_SM}){'' if ok else ': FAILED'}"), ok
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="the backend of that name too")
@@ -131,6 +150,12 @@ def main(argv=None):
     layouts = [("contiguous", False, False)] + ([("sliced", True, False)] if args.device == "cuda" else []) + (
         [("in place", False, True)] if args.inplace else [])
     unit, scale = ("ms", 1e3) if args.device == "cuda" else ("s", 1.0)
+    status = 0
+    if args.device == "cuda":  # the occupancy the timing assumes, asserted first (the timing still runs)
+        for dtype in dtypes:
+            line, ok = cluster_occupancy(args.vocab, dtype)
+            print(line, flush=True)
+            status |= not ok
     print(f"| preset | dtype | layout | two passes ({unit}) | three passes ({unit}) | speed-up | Liger ({unit}) | "
           f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -148,7 +173,8 @@ def main(argv=None):
                       f"{min(times['two']) * scale:.3f} / {min(times['three']) * scale:.3f} | "
                       f"{fmt(times['two'])} / {fmt(times['three'])} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    return int(status)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

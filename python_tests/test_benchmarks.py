@@ -52,6 +52,10 @@ def test_report_writes_table_json_and_plots(tmp_path):
     providers = {p.name for op in OPS for p, why in runnable(op, CPU, args.providers) if not why}
     assert len(data["rows"]) == points * len(MODES) * len(OPS) * len(providers)
     assert all("error" not in r and r["ms"] > 0 and 0 < r["roofline"] for r in data["rows"])
+    # every case also as it finished, one JSON line each (a run killed at its limit keeps them)
+    lines = (tmp_path / "smoke.rows.jsonl").read_text().splitlines()
+    assert [(r["op"], r["mode"], r["provider"], r["ms"]) for r in map(json.loads, lines)] == [
+        (r["op"], r["mode"], r["provider"], r["ms"]) for r in data["rows"]]
     for op in OPS:
         assert f"| {op} | fwd+bwd | {max(args.vocabs)} | {args.n} | rlkernels-cpu |" in md
         assert (tmp_path / f"smoke_{op}.png").stat().st_size > 10_000
@@ -90,3 +94,12 @@ def test_extension_errors_raise_and_never_crash():
         if what.startswith("cuda") and not torch.cuda.is_available():
             continue
         exec(exception_probe.program(call, error, name), {})  # raises AssertionError unless `error` names `name`
+
+
+def test_first_touch_rows(capsys):
+    """benchmarks.first_touch at a tiny size: eager, the op, the kernel alone and the first touch, in that order."""
+    from benchmarks import first_touch
+
+    first_touch.main(["--n", "64", "--seq-len", "32", "--vocab", "256", "--reps", "1"])
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows == ["row", "eager", "rlkernels", "kernel", "first touch"]

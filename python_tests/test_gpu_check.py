@@ -180,3 +180,34 @@ def test_head_probe_reads_the_design_from_the_gemms():
               ("mm", (256, 200), torch.bfloat16, torch.bfloat16), ("mm", (200, 64), torch.bfloat16, torch.bfloat16)]
     assert head_probe.design(blocks, 256, 600, 64).startswith("vocabulary blocks: 256 rows × 400 columns; 6 GEMMs")
     assert "{'bfloat16→bfloat16': 2}" in head_probe.design(blocks, 256, 600, 64)
+
+
+WORKER_TREE = '''
+import os, subprocess, sys, time
+# a controller with a worker (as xdist's): the worker ignores SIGINT, as a worker in a kernel would not answer it
+worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                           "time.sleep(300)"])
+open(sys.argv[1], "w").write(str(worker.pid))
+time.sleep(300)
+'''
+
+
+def test_in_group_ends_the_whole_group_at_its_limit(tmp_path):
+    """The tests stage's pytest runs in its own process group, and the stage ends all of it: a controller cut at
+    the limit leaves no worker behind (`timeout`, as before, signalled the controller only)."""
+    body = open(SCRIPT).read()
+    function = body[body.index("in_group() {"):body.index("\nin_group_cut=0\n")]
+    (tmp_path / "tree.py").write_text(WORKER_TREE)
+    pid_file = tmp_path / "worker.pid"
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "-c", f'PY="{sys.executable}"\n' + function + f'\nin_group 2 "$PY" tree.py {pid_file}; '
+                           'echo "rc $? cut $in_group_cut"'], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    # the controller heard SIGINT at 2 s (KeyboardInterrupt), not the SIGKILL (rc 137) 10 s later
+    rc, _, cut = proc.stdout.split()[-3:]
+    assert time.monotonic() - start < 8 and rc != "137" and cut == "1", proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" in proc.stderr
+    worker = int(pid_file.read_text())
+    time.sleep(0.5)
+    with open(f"/proc/{worker}/stat") if os.path.exists(f"/proc/{worker}") else open(os.devnull) as f:
+        state = f.read().split()[2:3]
+    assert state in ([], ["Z"]), f"worker {worker} outlived its group: {state}"

@@ -4,6 +4,8 @@ memory, and the path on fake tensors (benchmarks/traffic.py). Values against the
 the fp64 reference are in test_linear_path.py."""
 from __future__ import annotations
 
+import functools
+
 import pathlib
 import subprocess
 import sys
@@ -129,10 +131,30 @@ def test_fp32_out_gemm_probe(monkeypatch):
     assert _linear_head.fp32_out_gemm(x) is False and _linear_head.fp32_out_gemm(x) is False
     assert calls == [torch.float32]  # probed once
 
+    # A GEMM that takes out_dtype is used only if its values are the fp32 products, the aliased out=acc included.
+    def mm(a, b, out_dtype, out):
+        out.copy_(a.double() @ b.double())
+
+    def addmm(acc, a, b, out_dtype, out, wrong=0.0):
+        out.copy_(acc.double() + a.double() @ b.double() + wrong)
+
     cache.clear()
-    monkeypatch.setattr(torch, "mm", lambda *a, **k: None)
-    monkeypatch.setattr(torch, "addmm", lambda *a, **k: None)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
     assert _linear_head.fp32_out_gemm(x) is True
+    assert _linear_head.head_gemm(x) == "mm / addmm(out_dtype=float32) of the bfloat16 operands"
+    for wrong_mm, wrong_addmm in (
+            (lambda a, b, out_dtype, out: out.copy_((a.float() @ b.float()).to(a.dtype)), addmm),  # rounded to bf16
+            (mm, lambda acc, a, b, out_dtype, out: out.copy_(a.double() @ b.double())),  # acc not added (aliased)
+            (mm, functools.partial(addmm, wrong=2 ** -20))):
+        cache.clear()
+        monkeypatch.setattr(torch, "mm", wrong_mm)
+        monkeypatch.setattr(torch, "addmm", wrong_addmm)
+        with pytest.raises(RuntimeError, match="fp32_out_gemm: .* its fp32-output GEMM is wrong here"):
+            _linear_head.fp32_out_gemm(x)
+    monkeypatch.setattr(torch, "mm", refuse)
+    cache.clear()
+    assert _linear_head.head_gemm(x) == "upcast: the bfloat16 operands copied to fp32, then mm in fp32"
     cache.clear()
     with FakeTensorMode():
         assert _linear_head.fp32_out_gemm(torch.empty(1, dtype=torch.float16)) is False  # a fake CPU tensor

@@ -173,3 +173,27 @@ def test_printout_has_launches_and_host_time(capsys):
     assert int(launches) > 0 and float(host_ms) > 0
     linear = next(line for line in out.splitlines() if line.startswith("| fused_linear_policy_loss grpo |"))
     assert linear.endswith("| - | - |")  # another V and H than the model's: another design; not shown
+
+
+
+def _rows(out):
+    return sum(line.startswith("| ") and not line.startswith(("| path", "|---")) for line in out.splitlines())
+
+
+def test_per_call_none_skips_and_rows_stream(capsys, monkeypatch):
+    """--per-call none: the model's table without per-call columns (it raised KeyError: 'none'); each row is printed
+    as soon as it is done, before the next path's calls run (a run cut at its limit keeps the rows it finished)."""
+    traffic.main(["--n", "64", "--vocab", "256", "--hidden", "16", "--dtype", "fp32", "--per-call", "none"])
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("| path |")).endswith("| modelled ms |")
+    assert _rows(out) > 0
+    real, printed = traffic.per_call, []
+
+    def per_call(*args, **kwargs):
+        printed.append(_rows(capsys.readouterr().out))  # rows printed since the previous call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(traffic, "per_call", per_call)
+    traffic.main(["--n", "64", "--vocab", "256", "--hidden", "16", "--dtype", "fp32", "--per-call", "cpu",
+                  "--per-call-vocab", "16"])
+    assert len(printed) > 2 and printed[0] == 0 and min(printed[1:]) >= 1  # (unmeasured rows print between)

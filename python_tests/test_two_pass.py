@@ -196,6 +196,19 @@ def test_default_is_two_passes_on_cpu_only_for_forward_configs():
         assert want in [name for name, _, _ in ops.ops]
 
 
+def test_default_takes_two_passes_from_the_measured_row_length():
+    """Rows shorter than TWO_PASS_BY_DEFAULT's length keep three passes by default (issue 38: slower at V = 16)."""
+    from rlkernels.ops.fused_policy_loss import TWO_PASS_BY_DEFAULT
+
+    config, _, targets, adv, mask, kw = _case("grpo")
+    shortest = TWO_PASS_BY_DEFAULT["cpu"]
+    for vocab, two in ((16, False), (shortest - 1, False), (shortest, True)):
+        x = torch.randn(*targets.shape, vocab).requires_grad_(True)
+        with _Ops() as ops:
+            rlkernels.fused_policy_loss(x, targets % vocab, adv, mask, config, backend="cpu", **kw)
+        assert ("rlkernels_C.policy_token_fwd_grad" in [n for n, _, _ in ops.ops]) == two, vocab
+
+
 def test_fp16_declares_its_loss_scale_or_keeps_three_passes():
     """fp16 logits train under a loss scale (test_gpu_ready.py): not two-pass by default; with the scale declared,
     the written gradient is the three-pass one under that scale."""

@@ -31,6 +31,9 @@ TORCH_LIBRARY(rlkernels_C, m) {
         " float softcap, float[] params, float scale, Tensor(a!) out) -> (Tensor, Tensor, Tensor)");
   // grad ×= grad_out / assumed unless the one number grad_out equals `assumed`: the backward of the two-pass row.
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_out, float assumed) -> ()");
+  // CUDA only: (clusters resident at once, blocks per cluster) of the two-pass kernel on logits' device for rows
+  // like logits' (its occupancy, checked by benchmarks/gpu_check.sh before the kernel is timed).
+  m.def("two_pass_active_clusters(Tensor logits) -> (int, int)");
   // The per-token policy loss at given log-probs (N,); `params` as in policy_token_fwd.
   // `chosen`: Clip-Cov's and KL-Cov's tokens, as covariance_choice gives them; is_weights: ω of the surrogate (None:
   // 1). Returns (grad_logp, grad_entropy, stats).

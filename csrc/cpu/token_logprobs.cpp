@@ -29,9 +29,6 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -409,23 +406,6 @@ void backward_row_kept(const scalar_t* z, scalar_t* grad, int64_t V, int64_t tar
   grad[target] = static_cast<scalar_t>(rlk::grad_logit(z_target, m, log_s, inv_tau, true, c));
 }
 
-// The gradient is a fresh (N, V) buffer that is written once. The CPU allocator hands out new
-// pages each time, and faulting them in 4 KB at a time costs more than the kernel itself (0.25 to
-// 0.4 s for 512 MB on our 2-core machine); 2 MB pages make that several times cheaper where
-// transparent huge pages are in "madvise" mode (the common default). Advisory: errors are ignored.
-void advise_huge_pages(void* ptr, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  if (bytes < 8 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(kHuge - 1);
-  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)ptr;
-  (void)bytes;
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // Checks and the registered ops
 
@@ -564,7 +544,6 @@ at::Tensor token_logprobs_bwd_cpu(const at::Tensor& logits, const at::Tensor& ta
                                   const std::optional<at::Tensor>& grad_entropy, double temperature, double softcap) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits);
-  if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
   token_logprobs_bwd_into(logits, targets, lse_parts, entropy, grad_logp, grad_entropy, temperature, softcap, grad);
   return grad;
 }
@@ -698,7 +677,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_out_cpu(
   return {std::get<0>(r), std::get<1>(r), std::get<5>(r)};
 }
 
-// The two-pass row into a new gradient (asking for huge pages, as token_logprobs_bwd).
+// The two-pass row into a new gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_cpu(
     const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask, const at::Tensor& weight,
     const at::Tensor& adv, const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
@@ -706,7 +685,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad
     double softcap, at::ArrayRef<double> params, double scale) {
   check_logits(logits);
   at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
-  if (grad.numel() > 0) advise_huge_pages(grad.data_ptr(), grad.nbytes());
   const GradTarget into{&grad, entropy_grad, scale};
   auto r = policy_token_rows(logits, targets, mask, weight, adv, old_logp, ref_logp, is_weights, temperature, softcap,
                              params, &into);

@@ -218,6 +218,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_token_fwd_grad_out_cuda(
 
 // grad ×= grad_out / assumed unless grad_out equals `assumed` (rounded to its dtype): the kernel reads grad_out on
 // the device and returns at once when it matches (no host sync).
+std::tuple<int64_t, int64_t> two_pass_active_clusters_cuda(const at::Tensor& logits) {
+  check_logits(logits);
+  const int64_t V = logits.size(-1);
+  const Dtype dtype = dtype_of(logits, "logits");
+  const int size = two_pass_cluster_size(V, dtype);
+  RLK_CHECK_VALUE(size > 0, "logits: V = ", V, " of ", logits.scalar_type(), " does not fit the two-pass kernel's "
+                  "clusters");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  int clusters = 0;
+  C10_CUDA_CHECK(two_pass_active_clusters(V, dtype, &clusters));
+  return {clusters, size};
+}
+
 void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_out, double assumed) {
   RLK_CHECK_VALUE(grad.is_cuda() && grad_out.device() == grad.device(), "grad, grad_out: expected tensors on one "
                   "CUDA device, got ", grad.device(), " and ", grad_out.device());
@@ -294,6 +307,7 @@ TORCH_LIBRARY_IMPL(rlkernels_C, CUDA, m) {
   m.impl("policy_token_fwd_grad", &rlk_cuda::policy_token_fwd_grad_cuda);
   m.impl("policy_token_fwd_grad_out", &rlk_cuda::policy_token_fwd_grad_out_cuda);
   m.impl("scale_grad_", &rlk_cuda::scale_grad_cuda);
+  m.impl("two_pass_active_clusters", &rlk_cuda::two_pass_active_clusters_cuda);
   m.impl("policy_token_loss", &rlk_cuda::policy_token_loss_cuda);
   m.impl("covariance_choice", &rlk_cuda::covariance_choice_cuda);
 }

@@ -92,6 +92,10 @@ struct TwoPassArgs {
 // does not fit the shared memory of 8 blocks (policy_token_two_pass.cu).
 int two_pass_cluster_size(int64_t v, Dtype dtype);
 
+// Into *clusters: how many clusters of that size the current device holds at once for rows of v logits of `dtype`
+// (cudaOccupancyMaxActiveClusters at the launch's configuration; 3 blocks per SM is the design). sm_90 and later.
+cudaError_t two_pass_active_clusters(int64_t v, Dtype dtype, int* clusters);
+
 // The two-pass row (docs/design.md §2; the contract is `policy_token_fwd_grad` in rlkernels/kernels/__init__.py):
 // policy_token_fwd's logp, entropy and statistics, and ∂logits into `grad` (rows where grad.at says; it may be
 // `logits` itself) at g = scale·grad_logp, h = scale·(entropy_grad, else the token's grad_entropy where

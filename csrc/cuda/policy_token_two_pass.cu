@@ -108,14 +108,47 @@ __global__ void __launch_bounds__(kThreads, cluster::kBlocksPerSm)
 #endif
 }
 
+// The kernel's attributes at a plan: its slice as dynamic shared memory, and the whole carveout as shared memory
+// (the L1 keeps only what is left: 3 × (slice + 1.3 KB) of the SM's 228 KB), set rather than left to the driver's
+// guess from the first launch.
+template <typename Kernel>
+cudaError_t set_attributes(Kernel kernel, const cluster::Plan& plan) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(plan.slice_bytes));
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
+// The clusters of plan.cluster blocks one launch of the kernel keeps resident on the whole device at once
+// (cudaOccupancyMaxActiveClusters, with the launch's block, shared memory and cluster shape).
+template <typename T>
+cudaError_t active_clusters(int64_t v, int* clusters) {
+  const cluster::Plan plan = cluster::plan(v, sizeof(T));
+  if (plan.cluster == 0) return cudaErrorInvalidValue;
+  auto kernel = two_pass_kernel<T, false>;
+  cudaError_t err = set_attributes(kernel, plan);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(plan.cluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.slice_bytes);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+}
+
 template <typename T>
 cudaError_t launch_two_pass(const Rows& logits, const int64_t* targets, const Head& head,
                             const cluster::TwoPassRow& epilogue, const Rows& grad, cudaStream_t stream) {
   const cluster::Plan plan = cluster::plan(logits.v, sizeof(T));
   if (plan.cluster == 0) return cudaErrorInvalidValue;
   auto go = [&](auto kernel) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(plan.slice_bytes));
+    cudaError_t err = set_attributes(kernel, plan);
     if (err != cudaSuccess) return err;
     const rlk::RowIndex& at = logits.at;
     const int64_t seqs = logits.n / at.seq_len;
@@ -190,6 +223,15 @@ cudaError_t scale_as(T* grad, int64_t n, const void* incoming, bool fp64, double
 
 int two_pass_cluster_size(int64_t v, Dtype dtype) {
   return cluster::plan(v, dtype == Dtype::kFloat32 ? 4 : 2).cluster;
+}
+
+cudaError_t two_pass_active_clusters(int64_t v, Dtype dtype, int* clusters) {
+  switch (dtype) {
+    case Dtype::kFloat32: return active_clusters<float>(v, clusters);
+    case Dtype::kBFloat16: return active_clusters<__nv_bfloat16>(v, clusters);
+    case Dtype::kFloat16: return active_clusters<__half>(v, clusters);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t policy_token_fwd_grad(const Rows& logits, const int64_t* targets, const Head& head, const TokenInputs& in,

@@ -32,24 +32,49 @@ _FP32_OUT_GEMM: Dict[Tuple[torch.device, torch.dtype], bool] = {}
 
 def fp32_out_gemm(t: Tensor) -> bool:
     """Whether `torch.mm`/`torch.addmm` take operands of t's half-precision dtype with an fp32
-    result (`out_dtype`) on t's device: CUDA has it from torch 2.9, on some GPUs and versions it
-    raises, CPUs lack it. Tried once per device and dtype as `accumulate` calls it (a transposed
-    operand, the accumulator both input and output) on 3 × 2 operands (no sync: a refusal raises on
-    the host), cached. Fake tensors are not tried: they have it where they stand for a GPU (`gpu_like`)."""
+    result (`out_dtype`) on t's device, and give the right values: CUDA has it from torch 2.9, on some GPUs and
+    versions it raises, CPUs lack it. Tried once per device and dtype as `accumulate` calls it (a transposed
+    operand, the accumulator both input and output) on 3 × 2 operands whose products fp32 holds exactly and the
+    operands' dtype does not, the values compared with the exact product (one sync), cached. A refusal means the
+    upcast (`head_gemm` says which ran); a wrong value raises, naming both. Fake tensors are not tried: they have
+    it where they stand for a GPU (`gpu_like`)."""
     if is_fake(t):
         return gpu_like(t)
     key = (t.device, t.dtype)
     if key not in _FP32_OUT_GEMM:
-        a = torch.ones(3, 2, dtype=t.dtype, device=t.device)
-        acc = torch.empty(2, 2, dtype=torch.float32, device=t.device)
-        try:
-            torch.mm(a.t(), a, out_dtype=torch.float32, out=acc)
-            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
-        except (RuntimeError, NotImplementedError, TypeError):  # unknown argument (torch < 2.9), no kernel, refused
-            _FP32_OUT_GEMM[key] = False
-        else:
-            _FP32_OUT_GEMM[key] = True
+        _FP32_OUT_GEMM[key] = _probe_fp32_out_gemm(t.device, t.dtype)
     return _FP32_OUT_GEMM[key]
+
+
+def _probe_fp32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    # 1 + 2^-7 and 1 - 2^-8 are exact in bf16 and fp16; their products and sums need 19 bits: a result rounded to
+    # the operands' dtype, or an addmm that reads its aliased `out` after writing it, differs from the exact one.
+    a = torch.tensor([[1 + 2 ** -7, 1.0], [1.0, 1 - 2 ** -8], [2.0, 1 + 2 ** -7]], dtype=dtype)
+    want = (a.double().t() @ a.double()).float()
+    a = a.to(device)
+    acc = torch.empty(2, 2, dtype=torch.float32, device=device)
+    try:
+        torch.mm(a.t(), a, out_dtype=torch.float32, out=acc)
+        first = acc.clone()
+        torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):  # unknown argument (torch < 2.9), no kernel, refused
+        return False
+    got = (first.cpu(), acc.cpu())
+    if not (torch.equal(got[0], want) and torch.equal(got[1], 2 * want)):
+        raise RuntimeError(
+            f"fp32_out_gemm: torch {torch.__version__}'s mm / addmm(..., out_dtype=torch.float32, out=acc) of "
+            f"{dtype} operands on {device} gave {got[0].tolist()} then {got[1].tolist()}, expected "
+            f"{want.tolist()} then {(2 * want).tolist()} (the fp32 products): its fp32-output GEMM is wrong here")
+    return True
+
+
+def head_gemm(t: Tensor) -> str:
+    """Which GEMM `accumulate` runs for operands like t into an fp32 accumulator (gpu_check's probe prints it)."""
+    if t.dtype == torch.float32:
+        return "mm in fp32 (fp32 operands)"
+    if fp32_out_gemm(t):
+        return f"mm / addmm(out_dtype=float32) of the {str(t.dtype).replace('torch.', '')} operands"
+    return f"upcast: the {str(t.dtype).replace('torch.', '')} operands copied to fp32, then mm in fp32"
 
 
 def accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:

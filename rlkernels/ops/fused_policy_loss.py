@@ -39,9 +39,11 @@ from ._plan import Step, plan, warn_general_path
 from ._rows import check_logits_args, logits_rows, run_blocks
 from .token_logprobs import _define as define_ops, token_logprobs
 
-# Backends where the two-pass row is the default: where it was measured faster (cpu: benchmarks/RESULTS.md). cuda
-# has the kernel (sm_90) but takes it only when asked until a device run shows it exact and faster (design.md §7).
-TWO_PASS_BY_DEFAULT = frozenset({"cpu"})
+# {backend: the shortest row (V) from which the two-pass row is the default}: where it was measured faster (cpu:
+# 1.6-2.0x from V = 32 up; at V = 16 slower in two runs of three: too short a row to amortise its set-up;
+# benchmarks/RESULTS.md). cuda has the kernel (sm_90) but takes it only when asked until a device run shows it exact
+# and faster (design.md §7).
+TWO_PASS_BY_DEFAULT = {"cpu": 32}
 
 
 @takes_loss_args
@@ -69,7 +71,7 @@ def fused_policy_loss(
     the two-pass path already by the forward).
 
     `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
-    instead of 3). None: on the cpu backend (`TWO_PASS_BY_DEFAULT`) where the config's loss is token-level
+    instead of 3). None: on the cpu backend from V = 32 up (`TWO_PASS_BY_DEFAULT`) where the config's loss is token-level
     (docs/design.md §4), fp16 logits excepted; True: required (cuda: sm_90 or later) (ValueError where it cannot; with fp16 logits, pass
     the loss scale as `grad_scale`); False: never. Its gradient assumes the
     incoming gradient `grad_scale` (1 for `loss.backward()`; 1/k for `(loss / k).backward()`, gradient
@@ -111,7 +113,7 @@ def fused_policy_loss(
                               mask=mask, advantages=advantages, what="logits (B, T, V)", **loss_args)
     rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
     written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(
-        two_pass, decided.step, kernels, needs_grad, logits.dtype, name) else None
+        two_pass, decided.step, kernels, needs_grad, logits.dtype, name, logits.shape[-1]) else None
     logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature, written)
     out, logp, entropy = run_step(logits_pass, decided.step, inputs, config)
     loss = out.loss
@@ -125,14 +127,14 @@ def fused_policy_loss(
 
 
 def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool, dtype: torch.dtype,
-              backend: str) -> bool:
+              backend: str, vocab: int) -> bool:
     """Whether the forward writes ∂logits (`two_pass` of `fused_policy_loss`); raises where it was required and
-    cannot. By default only on the backends of TWO_PASS_BY_DEFAULT, and not for fp16 logits: they train under a
-    loss scale, which arrives as the incoming gradient, and a gradient written at another scale would flush its
-    small entries to zero before the scaling pass."""
+    cannot. By default only on the backends of TWO_PASS_BY_DEFAULT, at rows that long or longer, and not for fp16
+    logits: they train under a loss scale, which arrives as the incoming gradient, and a gradient written at another
+    scale would flush its small entries to zero before the scaling pass."""
     if not needs_grad or requested is False:
         return False
-    if requested is None and (dtype == torch.float16 or backend not in TWO_PASS_BY_DEFAULT):
+    if requested is None and (dtype == torch.float16 or vocab < TWO_PASS_BY_DEFAULT.get(backend, float("inf"))):
         return False
     why = kernels.supports("policy_token_fwd_grad")
     if why is None and step is not Step.FORWARD:

@@ -86,8 +86,11 @@ def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.con
     NEED_ENTROPY; HAS_CAP: the logits are capped as loaded. The one pass over the logits that every
     forward kernel makes."""
     VEC: tl.constexpr = 128 // row_ptr.dtype.element_ty.primitive_bitwidth
-    # Under a cap, half a tile at a time: each logit's tanh holds registers until the lane's max.
-    TILE: tl.constexpr = BLOCK_V // 2 if HAS_CAP else BLOCK_V
+    # Half the launch's tile at a time (the backward streams whole ones): a cap's tanh holds registers until the
+    # lane's max, and without the entropy Triton 3.6's ptxas kept a whole tile's loads and math in flight (61
+    # registers at 16 bits, 1024 threads per SM; gpu_static). One tile for every flag: the same lanes, so logp and
+    # (m, log s) are the same bits with or without the entropy, the cap aside.
+    TILE: tl.constexpr = BLOCK_V // 2
     offs = tile_offsets(TILE, VEC)
     c = inv_temp * LOG2E
     base, lead, end, full_end = row_span(row_ptr, V, TILE)
