@@ -14,12 +14,12 @@ The two-pass path (docs/design.md §2) writes ∂logits in the forward, for an i
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .._checks import check_on_device
 from ._precomputed_grad import refuse_create_graph
 from ._rows import LogitsRows
 
@@ -123,16 +123,14 @@ class _Written:
 def _check_exact_rescale(dtype: torch.dtype, grad_out: Tensor, scale: float) -> None:
     """A 16-bit gradient written at `scale` is the three-pass one at `grad_out` only if rescaling it rounds
     nothing: bf16 by a power of two (it has fp32's exponents), fp16 by 1 (a smaller scale flushed entries the
-    larger one keeps, a power of two below 1 can round subnormals again). One host read of `grad_out`."""
-    incoming, assumed = float(grad_out), float(torch.tensor(scale, dtype=torch.float32))
-    ratio = incoming / assumed
-    exact = ratio == 1.0 if dtype == torch.float16 else (math.isfinite(ratio) and math.frexp(ratio)[0] in (0.5, -0.5))
-    if not exact:
-        raise RuntimeError(
-            f"fused_policy_loss: the incoming gradient {incoming!r} is not grad_scale={scale!r}"
-            + (" " if dtype == torch.float16 else " times a power of two ")
-            + f"and the two-pass path wrote a {dtype} gradient at grad_scale: rescaling it would round it twice. "
-            "Pass grad_scale equal to the incoming gradient (e.g. 1/k for (loss / k).backward()), or two_pass=False")
+    larger one keeps, a power of two below 1 can round subnormals again). Checked on the device, no sync."""
+    ratio = grad_out.to(torch.float32) / float(torch.tensor(scale, dtype=torch.float32))
+    exact = ratio == 1 if dtype == torch.float16 else torch.frexp(ratio).mantissa.abs() == 0.5
+    check_on_device(exact, f"fused_policy_loss: the incoming gradient is not grad_scale={scale!r}"
+                    + (" " if dtype == torch.float16 else " times a power of two ")
+                    + f"and the two-pass path wrote a {dtype} gradient at grad_scale: rescaling it would round it "
+                    "twice. Pass grad_scale equal to the incoming gradient (e.g. 1/k for (loss / k).backward()), "
+                    "or two_pass=False", error=RuntimeError)
 
 
 def written_logits_grad(loss: Tensor, grad_input: Tensor, grad: Tensor, scale: float, kernels) -> Tensor:
