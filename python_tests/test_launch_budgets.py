@@ -166,7 +166,8 @@ def test_vocabulary_blocked_hidden_state_path_budget(monkeypatch, preset, bias):
     """Per vocabulary block 7 ops, within the row chunk's 8: forward 2 (the logits GEMM, the statistics kernel),
     backward 5 (GEMM, the −inf fill of its padding, which the backward kernel wrote over, the backward kernel,
     ∂hidden and ∂W GEMMs), and ∂bias's sum; the block the forward ends on is not computed again. Besides the
-    blocks, once per call: the forward's −inf fills (one per block width), the blocks' target ids (9 ops), the
+    blocks, once per call: the targets' range check (3 ops; on every backend, as the kernels read blocks padded with
+    −inf: issue 37), the forward's −inf fills (one per block width), the blocks' target ids (9 ops), the
     merge of their statistics (~24), and the two-pass loss step, as a vocabulary-parallel head has (token-level
     losses too: a row's statistics need every block first). A GPU's fp32-output GEMM keeps bf16 at the same
     count; a CPU's upcast adds 2 per block."""
@@ -174,6 +175,6 @@ def test_vocabulary_blocked_hidden_state_path_budget(monkeypatch, preset, bias):
     per_block = (five.ops - three.ops) / 2
     besides = three.ops - 3 * per_block
     assert three.syncs == five.syncs == 0
-    assert per_block <= 7 + bias and besides <= (67 if preset == "gspo" else 58) + bias, (per_block, besides)
+    assert per_block <= 7 + bias and besides <= (70 if preset == "gspo" else 61) + bias, (per_block, besides)
     # GEMMs: the logits 5 forward and 4 backward, ∂W 5, ∂hidden 5 (one writes, four add)
     assert five.names["aten::mm"] + five.names.get("aten::addmm", 0) == 5 + 4 + 5 + 5

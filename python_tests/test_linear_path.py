@@ -373,3 +373,18 @@ def test_under_torch_compile(backend, name):
         results.append((loss.detach(), *[x.grad for x in leaves]))
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_targets_in_the_padding_of_an_odd_vocabulary_are_refused(backend):
+    """V = 37: the kernels' blocks are padded to 48 columns of −inf; ids 37..47 are out of range like 48
+    (GPT-2: 50257..50271), on every backend and both ops, with the same message (issue 37, item 3)."""
+    hidden, weight, b, targets = _inputs(shape=(2, 3))
+    adv, mask, config = torch.randn(2), torch.ones(2, 3, dtype=torch.bool), preset("grpo")
+    for bad in (37, 47):
+        targets = targets.clone()
+        targets[1, 2] = bad
+        with pytest.raises(ValueError, match=r"targets: expected values in \[0, 37\)"):
+            rlkernels.linear_token_logprobs(hidden, weight, targets, bias=b, backend=backend)
+        with pytest.raises(ValueError, match=r"targets: expected values in \[0, 37\)"):
+            rlkernels.fused_linear_policy_loss(hidden, weight, targets, adv, mask, config, bias=b, backend=backend)

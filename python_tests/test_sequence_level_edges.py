@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels import _backend
+from rlkernels import _backend, reference
 
 from loss_inputs import check_fused_against_the_composition, preset
 
@@ -59,3 +59,23 @@ def test_a_sampled_token_of_probability_0(backend, name):
     config = preset(name, group_size=2) if name == "gepo" else preset(name)
     out, _ = check_fused_against_the_composition(config, logits, targets, adv, mask, kw, backend)
     assert not torch.isnan(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gspo_token_with_a_sampled_token_of_probability_0(backend):
+    """GSPO-token's ratio is e^(sg(log s_i) + ℓ − sg(ℓ)): at ℓ = −inf, ℓ − ℓ is NaN, so the definition
+    (rlkernels/reference.py) and autograd's composition give a NaN loss and gradient, with or without a KL term;
+    the cpu and triton backends once gave a number (the clamp of log s_i hid the −inf)."""
+    logits, targets, adv, mask, kw = _inputs(4, 5, seed=2)
+    logits[1, 0, targets[1, 0]] = float("-inf")
+    for config in (preset("gspo_token"), preset("gspo_token", kl_coef=0.1, kl_estimator="k3")):
+        x = logits.clone().requires_grad_(True)
+        fused = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend=backend, **kw)
+        fused.loss.backward()
+        y = logits.clone().requires_grad_(True)
+        composed = rlkernels.policy_loss(rlkernels.token_logprobs(y, targets, backend="torch"), adv, mask, config, **kw)
+        composed.loss.backward()
+        definition = reference.policy_loss(reference.token_logprobs(logits.double(), targets)[0], adv.double(),
+                                           mask, config, **{k: v.double() for k, v in kw.items()})[0]
+        assert torch.isnan(definition) and torch.isnan(fused.loss)
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6, equal_nan=True)

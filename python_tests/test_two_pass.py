@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlkernels
-from rlkernels import presets, reference
+from rlkernels import _backend, presets, reference
 from rlkernels.ops._plan import Step, plan
 from rlkernels.kernels import cpu
 
@@ -107,7 +107,8 @@ def test_backward_moves_nothing_of_size_n_v_and_hands_over_the_written_gradient(
     config, logits, targets, adv, mask, kw = _case("grpo", dtype)
     x = logits.clone().requires_grad_(True)
     with _Ops() as fwd:
-        out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", grad_scale=1 / divide, **kw)
+        out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", grad_scale=1 / divide,
+                                          two_pass=True, **kw)
     (written_ptr,) = [ptrs[3] for name, _, ptrs in fwd.ops if name == "rlkernels_C.policy_token_fwd_grad"]
     with _Ops() as bwd:
         (out.loss / divide).backward()
@@ -122,26 +123,54 @@ def test_backward_moves_nothing_of_size_n_v_and_hands_over_the_written_gradient(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_another_incoming_gradient_costs_one_scaling_pass(dtype):
-    """A gradient other than the assumed one (a loss scaler's 2.5, an undeclared 1/k): the same gradient as the
-    three-pass path, within the one extra rounding of the scaling pass."""
+    """A gradient other than the assumed one (a loss scaler's 2.5, an undeclared 1/k): fp32, the same gradient as
+    the three-pass path within the one extra rounding of the scaling pass; bf16, only by a power of two (exact),
+    2.5 is refused in the backward (the rescale would round the bf16 gradient a second time)."""
     config, logits, targets, adv, mask, kw = _case("dapo", dtype, seed=3)
     for incoming in (2.5, 0.125):
+        if dtype == torch.bfloat16 and incoming == 2.5:
+            with pytest.raises(RuntimeError, match="grad_scale=1.0 times a power of two.*two_pass=False"):
+                _run(config, logits, targets, adv, mask, kw, incoming=incoming, two_pass=True)
+            continue
         _, got = _run(config, logits, targets, adv, mask, kw, incoming=incoming, two_pass=True)
         _, expected = _run(config, logits, targets, adv, mask, kw, incoming=incoming, two_pass=False)
-        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
         assert torch.equal(got.isnan(), expected.isnan())
+        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else TOL[dtype]
         torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), **tol)
     _, unit = _run(config, logits, targets, adv, mask, kw, two_pass=True)
     _, eighth = _run(config, logits, targets, adv, mask, kw, incoming=0.125, two_pass=True)
     torch.testing.assert_close(eighth.nan_to_num(0.0), (unit * 0.125).nan_to_num(0.0), rtol=0, atol=0)  # exact
 
 
-def test_inplace_writes_the_gradient_in_the_forward():
+@pytest.mark.parametrize("backend", ["cpu", "torch"] + (["triton"] if rlkernels.backend_info()["triton"]["available"]
+                                                       and _backend._device_ok("triton", torch.device("cpu")) else []))
+def test_inplace_by_default_keeps_the_logits_until_the_backward(backend):
+    """`inplace=True` without `two_pass=True`: the logits read after the call (an argmax, a metric) are still the
+    logits, on every backend; the backward writes ∂logits over them (issue 37: on cpu the two-pass default once
+    overwrote them in the forward)."""
     config, logits, targets, adv, mask, kw = _case("grpo")
     buffer = logits.clone()
     x = buffer.view_as(buffer).requires_grad_(True)
-    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", inplace=True, **kw)
-    _, expected = _run(config, logits, targets, adv, mask, kw, two_pass=False)
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend=backend, inplace=True, **kw)
+    torch.testing.assert_close(buffer, logits, rtol=0, atol=0, equal_nan=True)
+    out.loss.backward()
+    y = logits.clone().requires_grad_(True)
+    rlkernels.fused_policy_loss(y, targets, adv, mask, config, backend="torch", two_pass=False, **kw).loss.backward()
+    assert x.grad.data_ptr() == buffer.data_ptr()
+    _close(x.grad, y.grad)
+
+
+def test_two_pass_inplace_writes_the_gradient_in_the_forward():
+    """`two_pass=True, inplace=True`: the logits hold ∂logits when the call returns, and their version counter
+    says so (autograd refuses a node that saved them)."""
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    buffer = logits.clone()
+    x = buffer.view_as(buffer).requires_grad_(True)
+    saved = (x * x).sum()  # a node that saved the logits
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, backend="cpu", inplace=True, two_pass=True,
+                                      **kw)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
     # the logits hold the gradient before the backward (here at temperature 1, no cap)
     y = logits.clone().requires_grad_(True)
     rlkernels.fused_policy_loss(y, targets, adv, mask, config, backend="cpu", two_pass=False, **kw).loss.backward()
@@ -275,3 +304,22 @@ def test_the_benchmark_prints_a_row_per_path_and_layout(capsys):
     for r in rows:  # one round: its times (3 digits) are the medians the speed-up divides
         two, three = (float(t) for t in r[9].split("/"))
         assert two > 0 and three > 0 and float(r[5].strip().rstrip("x")) == pytest.approx(three / two, rel=0.02)
+
+
+def test_grad_scale_is_refused_where_the_written_gradient_would_not_be_the_three_pass_one():
+    """Issue 37: fp16 at grad_scale 1e-10 once gave an all-zero gradient, 1e39 NaN in every dtype, bf16 at an
+    undeclared 1/3 was rounded twice. Now: outside 2^±64 refused at the call (fp64: 2^±512, 1e39 exact); a
+    16-bit gradient the rescale would round again refused in the backward; bf16 by default takes 3 passes, so
+    `(loss / 3).backward()` gives the three-pass gradient bit for bit."""
+    config, logits, targets, adv, mask, kw = _case("grpo")
+    for dtype, scale in ((torch.float32, 1e39), (torch.float32, 1e-30), (torch.bfloat16, 1e39), (torch.float16, 1e-30)):
+        with pytest.raises(ValueError, match=r"grad_scale: expected a number of magnitude in \[2\^-64, 2\^64\]"):
+            _run(config, logits.to(dtype), targets, adv, mask, kw, two_pass=True, grad_scale=scale)
+    _, wide = _run(config, logits.double(), targets, adv, mask, kw, two_pass=True, grad_scale=1e39)
+    _, three = _run(config, logits.double(), targets, adv, mask, kw, two_pass=False)
+    torch.testing.assert_close(wide, three, rtol=1e-12, atol=1e-15, equal_nan=True)
+    with pytest.raises(RuntimeError, match=r"incoming gradient is not grad_scale=1e-10 and"):
+        _run(config, logits.half(), targets, adv, mask, kw, two_pass=True, grad_scale=1e-10)
+    _, default = _run(config, logits.bfloat16(), targets, adv, mask, kw, incoming=1 / 3)
+    _, three = _run(config, logits.bfloat16(), targets, adv, mask, kw, incoming=1 / 3, two_pass=False)
+    torch.testing.assert_close(default, three, rtol=0, atol=0, equal_nan=True)

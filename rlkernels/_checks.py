@@ -90,8 +90,9 @@ def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
 
 def check_targets(targets: torch.Tensor, vocab, what: str) -> torch.Tensor:
     """Token ids in [0, vocab) (an int, or a 0-d device tensor); `what` says where V comes from. Checked on the device
-    (`check_on_device`: no synchronisation, and traceable by torch.compile); the CPU kernels
-    check on the host and name the row, so their callers skip this."""
+    (`check_on_device`: no synchronisation, and traceable by torch.compile); the CPU kernels on
+    logits check on the host and name the row, so their callers skip this (not the hidden-state path's:
+    its kernels read padded blocks)."""
     if targets.numel():
         bound = vocab if isinstance(vocab, int) else "V"
         # ⌊t / V⌋ = 0 exactly when 0 ≤ t < V: one elementwise op where two comparisons and an `and` were.

@@ -24,7 +24,6 @@ from ..kernels.softcap import with_softcap
 from . import _head_design
 from ._gpu_like import gpu_like
 from ._head_design import Design, buffer_width
-from ._rows import kernel_checks_targets
 from .token_logprobs import _resolve
 
 _FP32_OUT_GEMM: Dict[Tuple[torch.device, torch.dtype], bool] = {}
@@ -311,8 +310,9 @@ def head_spec(hidden, weight, bias, targets, temperature, softcap, backend, chun
         dist.all_reduce(sizes, group=process_group)
         start, vocab = sizes[: dist.get_rank(process_group)].sum(), sizes.sum()
     name = _resolve(backend, hidden.device)  # its ops defined, with their fakes (for fake tensors)
-    if process_group is not None or not kernel_checks_targets(name):  # sharded: the kernels see local ids only
-        check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
+    # Checked here on every backend: the kernels see the logits of a block padded to a multiple of 16
+    # columns (−inf beyond V), which would pass a check against the buffer's width; sharded, local ids only.
+    check_targets(targets, vocab, "V = rows of weight" + (", summed over ranks" if process_group is not None else ""))
     if chunk_size is not None:
         chunk_size = check_int("chunk_size", chunk_size, 1)
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))

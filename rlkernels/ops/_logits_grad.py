@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._checks import check_on_device
 from ._precomputed_grad import refuse_create_graph
 from ._rows import LogitsRows
 
@@ -111,10 +112,25 @@ class _Written:
             raise RuntimeError("fused_policy_loss: a second backward through the same graph (retain_graph=True) is "
                                "not supported on the two-pass path: the first took the gradient its forward wrote "
                                "(no copy is kept); call fused_policy_loss again, or pass two_pass=False")
+        if self.grad.element_size() == 2:
+            _check_exact_rescale(self.grad.dtype, grad_out, self.scale)
         # not ours any more: autograd's .grad takes the tensor itself
         grad, self.grad = self.grad, None
         self.kernels.scale_grad_(grad, grad_out, self.scale)  # reads nothing of grad when grad_out == scale
         return grad
+
+
+def _check_exact_rescale(dtype: torch.dtype, grad_out: Tensor, scale: float) -> None:
+    """A 16-bit gradient written at `scale` is the three-pass one at `grad_out` only if rescaling it rounds
+    nothing: bf16 by a power of two (it has fp32's exponents), fp16 by 1 (a smaller scale flushed entries the
+    larger one keeps, a power of two below 1 can round subnormals again). Checked on the device, no sync."""
+    ratio = grad_out.to(torch.float32) / float(torch.tensor(scale, dtype=torch.float32))
+    exact = ratio == 1 if dtype == torch.float16 else torch.frexp(ratio).mantissa.abs() == 0.5
+    check_on_device(exact, f"fused_policy_loss: the incoming gradient is not grad_scale={scale!r}"
+                    + (" " if dtype == torch.float16 else " times a power of two ")
+                    + f"and the two-pass path wrote a {dtype} gradient at grad_scale: rescaling it would round it "
+                    "twice. Pass grad_scale equal to the incoming gradient (e.g. 1/k for (loss / k).backward()), "
+                    "or two_pass=False", error=RuntimeError)
 
 
 def written_logits_grad(loss: Tensor, grad_input: Tensor, grad: Tensor, scale: float, kernels) -> Tensor:

@@ -239,8 +239,9 @@ def _gspo_token(kernels, logp, rows: _Rows, weights, omega, inputs: LossInputs, 
     """GSPO-token: the objective at w = e^clamp(log s_i), differentiated as e^ℓ_t."""
     B, T = rows.mask.shape
     log_s = (rows.log_ratio_sum / rows.divisor).clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
-    # the kernels take contiguous vectors: at B = 1 the reshape of an expand (here and A's) is a stride-0 view
-    x = log_s[:, None].expand(B, T).reshape(-1).contiguous()
+    # w = e^(sg(log s_i) + ℓ − sg(ℓ)): ℓ − ℓ is 0 but NaN where a valid token's ℓ is −inf (a −inf sampled-token
+    # logit), as in the definition, which the clamp of log s_i alone would hide
+    x = (log_s[:, None] + torch.where(rows.mask, rows.logp - rows.logp, rows.zero)).reshape(-1)
     grad, _, stats = kernels.policy_token_loss(x, None, rows.mask.reshape(-1), weights.reshape(-1),
                                                _folded_adv(inputs, omega).reshape(-1).contiguous(),
                                                torch.zeros_like(x), None, surrogate_params(config, config.objective))

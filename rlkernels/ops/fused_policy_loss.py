@@ -67,27 +67,36 @@ def fused_policy_loss(
     logits `(B, T, V)`, targets `(B, T)`; the other arguments are those of `policy_loss`. The
     entropy is always computed (the `entropy` metric, and the bonus when `entropy_coef != 0`).
     `softcap` c: the logits are the head's output before a final-logit cap c·tanh(z/c) (as
-    `token_logprobs`). `inplace=True`: ∂logits is written over the logits (the caller gives them up; on
-    the two-pass path already by the forward).
+    `token_logprobs`). `inplace=True`: ∂logits is written over the logits (the caller gives them up) by the
+    backward, on every backend; the logits keep their values until then. Only `two_pass=True, inplace=True`
+    writes it by the forward: the logits hold ∂logits when the call returns (their version counter is bumped,
+    so autograd refuses any node that saved them).
 
     `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
-    instead of 3). None: on the cpu backend from V = 32 up (`TWO_PASS_BY_DEFAULT`) where the config's loss is token-level
-    (docs/design.md §4), fp16 logits excepted; True: required (cuda: sm_90 or later) (ValueError where it cannot; with fp16 logits, pass
-    the loss scale as `grad_scale`); False: never. Its gradient assumes the
-    incoming gradient `grad_scale` (1 for `loss.backward()`; 1/k for `(loss / k).backward()`, gradient
-    accumulation): then the backward moves nothing of size N × V. Any other incoming gradient gives the
-    same gradient at the cost of one scaling pass over it. On the two-pass path a second backward through
-    the same graph raises.
+    instead of 3). None: on the cpu backend from V = 32 up (`TWO_PASS_BY_DEFAULT`) where the config's loss is
+    token-level (docs/design.md §4), for fp32 and fp64 logits and without `inplace`; True: required (cuda: sm_90 or
+    later) (ValueError where it cannot); False: never. Its gradient assumes the incoming gradient `grad_scale` (1 for
+    `loss.backward()`; 1/k for `(loss / k).backward()`, gradient accumulation): then the backward moves nothing
+    of size N × V. Another incoming gradient c costs one pass scaling the written gradient by c / grad_scale:
+    for fp32 and fp64 logits within a rounding of that dtype; for bf16 only where c / grad_scale is a power
+    of two (exact), for fp16 only where c equals grad_scale (a gradient written at another scale has lost
+    its small entries), else the backward raises: a 16-bit gradient rounded twice would not be the
+    three-pass one. `grad_scale`: a number of magnitude in [2^-64, 2^64] (fp64 logits: [2^-512, 2^512]),
+    where σ·∂logits keeps the dtype's precision; a magnitude outside is refused.
+
+    Memory: on the two-pass path the N × V gradient is allocated and written by the call itself. A forward
+    with grad enabled and no backward (an evaluation or a logged loss outside `torch.no_grad()`) pays that
+    write and its memory until the graph is freed, and a large allocation between forward and backward adds
+    to it (docs/design.md §2, benchmarks/RESULTS.md); run such forwards under `torch.no_grad()` or pass
+    `two_pass=False`. On the two-pass path a second backward through the same graph raises.
     """
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected a bool, got {type(inplace).__name__}")
     if two_pass is not None and not isinstance(two_pass, bool):
         raise TypeError(f"two_pass: expected None or a bool, got {type(two_pass).__name__}")
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not (
-            math.isfinite(grad_scale) and grad_scale != 0):
-        raise ValueError(f"grad_scale: expected a finite nonzero number, got {grad_scale!r}")
     if not isinstance(logits, Tensor) or logits.dim() != 3:
         raise ValueError(f"logits: expected a tensor of shape (B, T, V), got {_describe(logits)}")
+    _check_grad_scale(grad_scale, logits.dtype)
 
     def logprobs():
         return token_logprobs(logits, targets, temperature=temperature, softcap=softcap, return_entropy=True,
@@ -113,7 +122,7 @@ def fused_policy_loss(
                               mask=mask, advantages=advantages, what="logits (B, T, V)", **loss_args)
     rows = logits_rows(logits, to_parent=needs_grad and not inplace)  # a (B, T, V) slice is read where it lies, not copied
     written = _WrittenBy(rows, float(grad_scale), inplace) if _two_pass(
-        two_pass, decided.step, kernels, needs_grad, logits.dtype, name, logits.shape[-1]) else None
+        two_pass, decided.step, kernels, needs_grad, logits.dtype, name, logits.shape[-1], inplace) else None
     logits_pass = _OneTensor(kernels, rows.blocks, targets.reshape(-1).to(torch.int64), temperature, written)
     out, logp, entropy = run_step(logits_pass, decided.step, inputs, config)
     loss = out.loss
@@ -126,15 +135,27 @@ def fused_policy_loss(
     return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
 
 
+def _check_grad_scale(grad_scale, dtype: torch.dtype) -> None:
+    """σ within 2^±64 (fp64: 2^±512): σ·∂logits then stays a normal number of the accumulation dtype for
+    gradient entries down to 2^-62 (2^-510), so a later rescale by c / σ restores them."""
+    bound = 512 if dtype == torch.float64 else 64
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not (
+            math.isfinite(grad_scale) and 2.0 ** -bound <= abs(grad_scale) <= 2.0 ** bound):
+        raise ValueError(f"grad_scale: expected a number of magnitude in [2^-{bound}, 2^{bound}] for {dtype} logits, "
+                         f"got {grad_scale!r}")
+
+
 def _two_pass(requested: Optional[bool], step: Step, kernels, needs_grad: bool, dtype: torch.dtype,
-              backend: str, vocab: int) -> bool:
+              backend: str, vocab: int, inplace: bool) -> bool:
     """Whether the forward writes ∂logits (`two_pass` of `fused_policy_loss`); raises where it was required and
-    cannot. By default only on the backends of TWO_PASS_BY_DEFAULT, at rows that long or longer, and not for fp16
-    logits: they train under a loss scale, which arrives as the incoming gradient, and a gradient written at another
-    scale would flush its small entries to zero before the scaling pass."""
+    cannot. By default only on the backends of TWO_PASS_BY_DEFAULT, at rows that long or longer, for fp32 and fp64
+    logits (16-bit ones: an incoming gradient other than the declared one, a loss scale or an undeclared 1/k, would
+    round the written gradient twice or flush its small entries; `_logits_grad._Written`), and not with `inplace`,
+    whose logits the default overwrites only in the backward."""
     if not needs_grad or requested is False:
         return False
-    if requested is None and (dtype == torch.float16 or vocab < TWO_PASS_BY_DEFAULT.get(backend, float("inf"))):
+    if requested is None and (dtype not in (torch.float32, torch.float64) or inplace
+                              or vocab < TWO_PASS_BY_DEFAULT.get(backend, float("inf"))):
         return False
     why = kernels.supports("policy_token_fwd_grad")
     if why is None and step is not Step.FORWARD:
