@@ -58,7 +58,7 @@ def token_logprobs(logits, targets, temperature=1.0, softcap=None):
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     # H = -Σ p log p; entries with p = 0 (logit -inf) contribute 0. The inner where keeps
     # 0·(-inf) out of both the value and the gradient.
-    nonzero = logp_all > float("-inf")
+    nonzero = logp_all != float("-inf")  # a NaN row stays NaN (in H too)
     safe = torch.where(nonzero, logp_all, torch.zeros_like(logp_all))
     entropy = -torch.where(nonzero, safe.exp() * safe, torch.zeros_like(safe)).sum(-1)
     return logp, entropy
