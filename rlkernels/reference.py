@@ -459,7 +459,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         d_old = torch.clamp(lo - l, -C, C)
         m_akl.append(torch.exp(d_old) - d_old - 1)
 
-    zero = logp[valid].sum() * 0                    # keeps the graph when there are no rows
+    zero = logp[valid].clamp(-1.0, 1.0).sum() * 0   # keeps the graph when there are no rows (finite at ℓ = −inf)
     loss = _aggregate(row_losses, config.agg, T, zero, num_items, num_seqs,
                       config.norm_length)
     if entropy is not None and config.entropy_coef != 0 and config.entropy_agg == "token_mean":
