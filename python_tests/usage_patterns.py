@@ -73,7 +73,8 @@ OLD_VALUES = torch.randn(B, T, generator=_g, dtype=torch.float64)
 RETURNS = torch.randn(B, T, generator=_g, dtype=torch.float64)
 CONFIGS = {
     "grpo": presets.get("grpo"),  # token-level: the cpu two-pass path
-    "gspo_token_kl": presets.get("gspo_token", kl_coef=0.05, kl_estimator="k3"),  # sequence step, off-policy, with a KL term
+    # the sequence step, off-policy, with a KL term
+    "gspo_token_kl": presets.get("gspo_token", kl_coef=0.05, kl_estimator="k3"),
 }
 LOSS_ARGS = dict(old_logp=OLD, ref_logp=REF)
 
