@@ -58,7 +58,7 @@ def token_logprobs(logits, targets, temperature=1.0, softcap=None):
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     # H = -Σ p log p; entries with p = 0 (logit -inf) contribute 0. The inner where keeps
     # 0·(-inf) out of both the value and the gradient.
-    nonzero = logp_all > float("-inf")
+    nonzero = logp_all != float("-inf")  # a NaN row stays NaN (in H too)
     safe = torch.where(nonzero, logp_all, torch.zeros_like(logp_all))
     entropy = -torch.where(nonzero, safe.exp() * safe, torch.zeros_like(safe)).sum(-1)
     return logp, entropy
@@ -533,7 +533,7 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
         d_old = torch.clamp(lo - l, -C, C)
         m_akl.append(torch.exp(d_old) - d_old - 1)
 
-    zero = logp[valid].sum() * 0                    # keeps the graph when there are no rows
+    zero = logp[valid].clamp(-1.0, 1.0).sum() * 0   # keeps the graph when there are no rows (finite at ℓ = −inf)
     loss = _aggregate(row_losses, config.agg, T, zero, num_items, num_seqs,
                       config.norm_length)
     if entropy is not None and config.entropy_coef != 0 and config.entropy_agg == "token_mean":

@@ -1,0 +1,14 @@
+"""Every public op × backend × path × usage pattern against its plain-PyTorch definition (usage_patterns.py holds
+both registries; an op, backend, path or pattern joins there by one registration)."""
+import pytest
+
+from usage_patterns import cases, run
+
+CASES = [pytest.param(op, pat, skip, id=f"{op.id}-{pat.id}") for op, pat, skip in cases()]
+
+
+@pytest.mark.parametrize("op,pat,skip", CASES)
+def test_usage_pattern(op, pat, skip):
+    if skip:
+        pytest.skip(skip)
+    run(op, pat)
