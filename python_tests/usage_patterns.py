@@ -175,8 +175,11 @@ for _cfg in CONFIGS:
     _call, _define = _fused(_cfg)
     register(f"fused_policy_loss[{_cfg}]", call=_call, define=_define, sample=_logits, shape=(B, T, V),
              primary=("loss",), caps=LOGITS_CAPS | {"inplace"},
-             backends={"cpu": [({"two_pass": True}, _TWO_PASS | ({"compile"} if _cfg == "grpo" else set())),
-                               ({"two_pass": False}, ())] if _cfg == "grpo" else [({"two_pass": False}, ())],
+             # two_pass=True with inplace=True overwrites the logits at the call, as documented (test_two_pass.py
+             # checks that opt-in); the default path (no two_pass) must keep them until the backward, as 3 passes do
+             backends={"cpu": [({"two_pass": True}, (_TWO_PASS - {"inplace"}) | {"compile"}, {"inplace"}),
+                               ({"two_pass": False}, ()), ({}, (), LOGITS_CAPS)]
+                       if _cfg == "grpo" else [({"two_pass": False}, ())],
                        "torch": [({}, ())],
                        # the interpreter is slow: the views of the sequence-level config on the grpo case only
                        "triton": [({}, (), {"views"} if _cfg != "grpo" else ())]})
@@ -469,7 +472,11 @@ def _grad_scale(scale, incoming, dtype=None):
         except ValueError as e:
             assert "grad_scale" in str(e), e
             return {"refused": torch.tensor(1.0)}
-        (outs["loss"].double() * incoming).backward()
+        try:
+            (outs["loss"].double() * incoming).backward()
+        except RuntimeError as e:  # the incoming gradient is known only here: a loud refusal naming the argument
+            assert "grad_scale" in str(e), e
+            return {"refused": torch.tensor(1.0)}
         return {"grad_per_incoming": x.grad.double() / incoming}
     return run
 
