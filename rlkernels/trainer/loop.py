@@ -98,7 +98,9 @@ def _train(run: Run, reward_fns, stop) -> dict:
                 break
             t0 = time.time()
             rollout_batch = collect(run, step)
+            t_rollout = time.time()
             batch = behaviour_logp(run, rollout_batch)
+            t_logp = time.time()
             batch["advantages"], batch["values"], batch["returns"] = advantages(run, batch)
             updates = update(run, batch, step)
             kl_obs = adapt_kl(run, batch)
@@ -107,6 +109,8 @@ def _train(run: Run, reward_fns, stop) -> dict:
             if run.eval_set and (step % logs.eval_every == 0 or step == logs.steps):
                 row["eval_reward"], samples, metrics = evaluate_policy(run, step)
                 row.update({f"eval/{k}": v for k, v in metrics.items()})  # the evaluation's own log_metric calls
+            # where the step's time goes: rollouts (generate and rewards), ℓ_old and the reference's forward
+            row["time/rollout_s"], row["time/logp_s"] = round(t_rollout - t0, 4), round(t_logp - t_rollout, 4)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
             row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
             run.last = row
