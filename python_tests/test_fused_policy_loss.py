@@ -395,7 +395,8 @@ def test_outputs_carry_the_log_probs_and_entropies(backend, name, grad):
         lin = rlkernels.fused_linear_policy_loss(hidden.requires_grad_(grad), weight, targets, adv, mask, config,
                                                  temperature=0.7, backend=backend, chunk_size=7, **kw)
     for out, lp, h in ((fused, logp, ent), (lin, lin_logp, lin_ent)):
-        assert out.logp.shape == out.entropy.shape == (B, T) and not out.logp.requires_grad
+        # differentiable where the loss is (issue 37 item 1: they were detached, a term on them silently constant)
+        assert out.logp.shape == out.entropy.shape == (B, T) and out.logp.requires_grad == out.entropy.requires_grad == grad
         torch.testing.assert_close(out.logp, lp, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out.entropy, h, rtol=1e-6, atol=1e-6)
 

@@ -133,13 +133,14 @@ def _linear_define(x):
     return {"logp": logp, "entropy": entropy}
 
 
+# no "view_node_hooks": a slice of the logits is read in place and its gradient written into its parent (below)
 LOGITS_CAPS = {"views", "logits", "targets", "nonfinite", "threads"}
 
 register("token_logprobs", call=_tlp_call, define=_tlp_define, sample=_logits, shape=(B, T, V),
          primary=("logp", "entropy"), caps=LOGITS_CAPS,
          backends={"cpu": [({}, {"compile"})], "torch": [({}, ())], "triton": [({}, ())]})
 register("linear_token_logprobs", call=_linear_call, define=_linear_define, sample=_logits, shape=(B, T, H),
-         primary=("logp", "entropy"), caps={"views", "targets", "threads"},
+         primary=("logp", "entropy"), caps={"views", "targets", "threads", "view_node_hooks"},
          backends={"cpu": [({}, ())], "torch": [({}, ())]})
 
 
@@ -185,7 +186,7 @@ for _cfg in CONFIGS:
                        "triton": [({}, (), {"views"} if _cfg != "grpo" else ())]})
     _call, _define = _fused_linear(_cfg)
     register(f"fused_linear_policy_loss[{_cfg}]", call=_call, define=_define, sample=_logits, shape=(B, T, H),
-             primary=("loss",), caps={"views", "targets", "threads"}, backends={"cpu": [({}, ())], "torch": [({}, ())]})
+             primary=("loss",), caps={"views", "targets", "threads", "view_node_hooks"}, backends={"cpu": [({}, ())], "torch": [({}, ())]})
 
 
 def _policy_call(x, **kw):
@@ -224,11 +225,11 @@ def _verl_define(x):
 
 _PLAIN = {"": [({}, ())]}
 register("policy_loss", call=_policy_call, define=_policy_define, sample=_logp, shape=(B, T), primary=("loss",),
-         caps={"views", "threads"}, backends=_PLAIN)
+         caps={"views", "threads", "view_node_hooks"}, backends=_PLAIN)
 register("value_loss", call=_value_call, define=_value_define, sample=_values, shape=(B, T), primary=("loss",),
-         caps={"views", "threads"}, backends=_PLAIN)
+         caps={"views", "threads", "view_node_hooks"}, backends=_PLAIN)
 register("verl.policy_loss_fn[grpo]", call=_verl_call, define=_verl_define, sample=_logp, shape=(B, T),
-         primary=("loss",), caps={"views", "threads"}, backends=_PLAIN)
+         primary=("loss",), caps={"views", "threads", "view_node_hooks"}, backends=_PLAIN)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,7 +380,11 @@ def _hook_pattern(kind, hook, when):
 for _kind in ("slice", "transpose", "function_view", "clone"):
     for _hook in HOOKS:
         for _when in ("before", "after"):
-            pattern(f"hook[{_kind}-{_hook}-{_when}]", needs={"views"} if _kind != "clone" else ())(
+            # Hooks on a slice's own node are invisible from Python (torch has no query for them), so the ops that
+            # write a slice's gradient straight into its parent (LOGITS_CAPS) cannot honour them: docs/design.md §4
+            node = _kind == "slice" and _hook.startswith("node_")
+            pattern(f"hook[{_kind}-{_hook}-{_when}]",
+                    needs=({"views"} if _kind != "clone" else set()) | ({"view_node_hooks"} if node else set()))(
                 _hook_pattern(_kind, _hook, _when))
 
 

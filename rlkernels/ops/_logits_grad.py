@@ -49,16 +49,18 @@ def grad_buffers(rows: LogitsRows, inplace: bool):
 
 class _LogitsGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss, grad_input, state):
-        ctx.save_for_backward(grad_input)  # autograd then refuses a backward after the logits were modified
+    def forward(ctx, loss, logits, parent, probe, state):
+        ctx.save_for_backward(logits, parent)  # autograd then refuses a backward after the logits were modified
         ctx.state = state
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad_out):
         refuse_create_graph()
-        (grad_input,) = ctx.saved_tensors
-        return None, ctx.state.grad(grad_input, grad_out), None
+        rows = ctx.state.rows
+        target = rows.in_backward()
+        grad = ctx.state.grad(target, grad_out)
+        return (None, *rows.returned(target, grad), None)
 
 
 class _State:
@@ -69,14 +71,15 @@ class _State:
             rows, targets, temperature, kernels, inplace)
         self.lse_parts, self.entropy, self.grad_logp, self.grad_entropy = per_row
 
-    def grad(self, grad_input: Tensor, grad_out: Tensor) -> Tensor:
+    def grad(self, rows: LogitsRows, grad_out: Tensor) -> Tensor:
+        """∂ of `rows.grad_input` (these rows, or as `LogitsRows.in_backward` writes them)."""
         scale = grad_out.to(self.grad_logp.dtype)
         g = self.grad_logp * scale
         h = None if self.grad_entropy is None else self.grad_entropy * scale
-        grad = logits_grad(self.rows, self.kernels, self.targets, self.lse_parts, self.entropy, g, h,
+        grad = logits_grad(rows, self.kernels, self.targets, self.lse_parts, self.entropy, g, h,
                            self.temperature, self.inplace)
         if self.inplace:  # so that autograd refuses any node that saved the logits (they now hold ∂logits)
-            torch.autograd.graph.increment_version(grad_input)
+            torch.autograd.graph.increment_version(rows.grad_input)
         return grad
 
 
@@ -86,26 +89,31 @@ def deferred_logits_grad(loss: Tensor, rows: LogitsRows, targets: Tensor, per_ro
 
     `per_row = (lse_parts, entropy, grad_logp, grad_entropy or None)` over the rows of `rows.blocks`:
     `(N, 2)`, the others `(N,)`."""
-    return _LogitsGrad.apply(loss, rows.grad_input, _State(rows, targets, per_row, temperature, kernels, inplace))
+    return _LogitsGrad.apply(loss, *rows.inputs(), _State(rows, targets, per_row, temperature, kernels, inplace))
 
 
 class _WrittenGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss, grad_input, state):
+    def forward(ctx, loss, logits, parent, probe, state):
         ctx.state = state  # the logits are not read again: nothing of theirs is saved
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad_out):
         refuse_create_graph()
-        return None, ctx.state.hand_over(grad_out), None
+        rows = ctx.state.rows
+        target = rows.in_backward()
+        grad = ctx.state.hand_over(grad_out)  # of rows.grad_input: the parent's shape for a box view
+        if target is not rows:  # observed: the view's own gradient (its rows of the parent-shaped one)
+            grad = grad[rows.box].view(rows.view.shape)
+        return (None, *rows.returned(target, grad), None)
 
 
 class _Written:
     """A gradient written by the forward for the incoming gradient `scale`, until the backward takes it."""
 
-    def __init__(self, grad: Tensor, scale: float, kernels):
-        self.grad, self.scale, self.kernels = grad, scale, kernels
+    def __init__(self, rows: LogitsRows, grad: Tensor, scale: float, kernels):
+        self.rows, self.grad, self.scale, self.kernels = rows, grad, scale, kernels
 
     def hand_over(self, grad_out: Tensor) -> Tensor:
         if self.grad is None:
@@ -133,8 +141,8 @@ def _check_exact_rescale(dtype: torch.dtype, grad_out: Tensor, scale: float) -> 
                     "or two_pass=False", error=RuntimeError)
 
 
-def written_logits_grad(loss: Tensor, grad_input: Tensor, grad: Tensor, scale: float, kernels) -> Tensor:
-    """`loss` (detached, 0-d) as a function of `grad_input`, whose gradient `grad` (contiguous, `grad_input`'s
-    shape) the forward wrote for an incoming gradient `scale`; any other incoming gradient g scales it by
-    g / scale, one pass over it."""
-    return _WrittenGrad.apply(loss, grad_input, _Written(grad, scale, kernels))
+def written_logits_grad(loss: Tensor, rows: LogitsRows, grad: Tensor, scale: float, kernels) -> Tensor:
+    """`loss` (detached, 0-d) as a function of `rows.grad_input`, whose gradient `grad` (contiguous, its shape)
+    the forward wrote for an incoming gradient `scale`; any other incoming gradient g scales it by g / scale,
+    one pass over it."""
+    return _WrittenGrad.apply(loss, *rows.inputs(), _Written(rows, grad, scale, kernels))

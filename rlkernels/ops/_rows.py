@@ -44,6 +44,25 @@ class LogitsRows:
     blocks: List[Tuple[int, int, Tensor]]
     grad_input: Tensor
     box: Optional[Tuple[slice, ...]] = None
+    view: Optional[Tensor] = None  # with a box: the logits as the caller holds them (their node is in the graph)
+
+    def inputs(self) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """The autograd inputs of a node over these rows: the logits, and for a box view its parent and
+        `FULL_BACKWARD_PROBE` (else None, None)."""
+        return (self.grad_input, None, None) if self.box is None else (self.view, self.grad_input, FULL_BACKWARD_PROBE)
+
+    def in_backward(self) -> "LogitsRows":
+        """The rows as this backward writes their gradient: into the parent's box only where nothing can observe
+        the view in this graph task (`_observed`), else the view's own gradient, which autograd then hands on."""
+        if self.box is None or not _observed(self.view):
+            return self
+        return dataclasses.replace(self, grad_input=self.view, box=None, view=None)
+
+    def returned(self, target: "LogitsRows", grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        """`grad` (of `target.grad_input`) as the gradients of `inputs()`."""
+        if self.box is None:
+            return grad, None, None
+        return (None, grad, None) if target.box is not None else (grad, None, None)
 
     def new_grad(self) -> Tuple[Tensor, List[Tensor]]:
         """A new gradient of `grad_input`'s shape, and its blocks where the kernels write the rows of
@@ -77,8 +96,24 @@ def logits_rows(logits: Tensor, in_place: bool = True, to_parent: bool = False) 
     if to_parent and parent is not None and parent.requires_grad and _autograd_hands_on(logits, parent):
         box = _box(logits, parent)
         if box is not None:
-            rows.grad_input, rows.box = parent, box
+            rows.grad_input, rows.box, rows.view = parent, box, logits
     return rows
+
+
+# An input of every node over a box view that nobody can ask a gradient of: the engine runs its node only in a
+# backward that computes every gradient (`loss.backward()`, no `inputs=`). In any other (autograd.grad, inputs=)
+# the view, or a tensor between it and its parent, may be what is asked for, and its gradient must reach it.
+FULL_BACKWARD_PROBE = torch.zeros((), requires_grad=True)
+# its AccumulateGrad node, held so that every graph has the same one (a leaf keeps its node only weakly)
+_PROBE_NODE = (FULL_BACKWARD_PROBE * 1).grad_fn.next_functions[0][0]
+
+
+def _observed(view: Tensor) -> bool:
+    """Whether anything could see the gradient of `view` in the backward now running: a tensor hook or
+    retain_grad on it (set before or after the call), or a backward that computes only some gradients
+    (`FULL_BACKWARD_PROBE`). Called in a backward. Hooks put on the view's node itself (`view.grad_fn.register_
+    prehook`) are not visible from Python (torch has no query for them) and are not seen (docs/design.md §4)."""
+    return bool(view._backward_hooks) or view.retains_grad or not torch._C._will_engine_execute_node(_PROBE_NODE)
 
 
 # The nodes of view ops whose backward only puts the gradient in its place in the input (`_box` checks where).

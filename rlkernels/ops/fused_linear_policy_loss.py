@@ -34,7 +34,8 @@ from ._linear_head import HeadGrads, LinearHead, head_spec
 from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
 from ._precomputed_grad import _known_one, attach_grads, refuse_create_graph
-from .linear_token_logprobs import logprobs_of_head
+from ._returned_grads import differentiable
+from .linear_token_logprobs import linear_token_logprobs, logprobs_of_head
 
 
 @takes_loss_args
@@ -92,7 +93,15 @@ def fused_linear_policy_loss(
         loss = attach_grads(loss, (hidden, weight, bias), (grad_hidden, grads.weight, grads.bias))
     elif not one_pass and any(need):
         loss = _SecondPass.apply(loss, chunk_loop, hidden, weight, bias)
-    return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
+
+    def logprobs_again(h, w, b):  # only when a gradient reaches the returned ℓ or H (`_returned_grads`)
+        return linear_token_logprobs(h, w, targets, bias=b, temperature=temperature, softcap=softcap,
+                                     return_entropy=True, backend=backend, chunk_size=chunk_size,
+                                     process_group=process_group, memory_budget=memory_budget)
+
+    logp, entropy = differentiable(logp.view(targets.shape), entropy.view(targets.shape), (hidden, weight, bias),
+                                   logprobs_again)
+    return LossOutput(loss, out.metrics, logp, entropy)
 
 
 class _ChunkLoop:

@@ -36,6 +36,7 @@ from ..losses.spec import LossInputs, takes_loss_args
 from ._logits_grad import deferred_logits_grad, grad_buffers, written_logits_grad
 from ._loss_step import TokenForward, composed, run_step
 from ._plan import Step, plan, warn_general_path
+from ._returned_grads import differentiable
 from ._rows import check_logits_args, logits_rows, run_blocks
 from .token_logprobs import _define as define_ops, token_logprobs
 
@@ -129,10 +130,20 @@ def fused_policy_loss(
     if written is not None:
         if inplace:  # the logits now hold ∂logits: autograd refuses any node that saved them
             torch.autograd.graph.increment_version(rows.grad_input)
-        loss = written_logits_grad(loss, rows.grad_input, written.grad, written.scale, kernels)
+        loss = written_logits_grad(loss, rows, written.grad, written.scale, kernels)
     elif needs_grad:
         loss = deferred_logits_grad(loss, rows, logits_pass.targets, logits_pass.per_row, temperature, kernels, inplace)
-    return LossOutput(loss, out.metrics, logp.view(targets.shape), entropy.view(targets.shape))
+    overwritten = written is not None and inplace
+
+    def logprobs_again(z):  # only when a gradient reaches the returned ℓ or H (`_returned_grads`)
+        if overwritten:
+            raise RuntimeError("fused_policy_loss: out.logp and out.entropy have no gradient after two_pass=True, "
+                               "inplace=True: the logits were overwritten by the call; pass inplace=False")
+        return token_logprobs(z, targets, temperature=temperature, softcap=softcap, return_entropy=True,
+                              backend=backend)
+
+    logp, entropy = differentiable(logp.view(targets.shape), entropy.view(targets.shape), (logits,), logprobs_again)
+    return LossOutput(loss, out.metrics, logp, entropy)
 
 
 def _check_grad_scale(grad_scale, dtype: torch.dtype) -> None:

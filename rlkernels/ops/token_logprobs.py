@@ -125,7 +125,7 @@ def token_logprobs(
                                       return_entropy)
     else:  # a view with autograd: read in place, the gradient written once into the parent's shape
         rows = logits_rows(logits, to_parent=True)
-        logp, entropy = _ViewLogprobs.apply(rows.grad_input, rows, flat_targets, temperature, return_entropy,
+        logp, entropy = _ViewLogprobs.apply(*rows.inputs(), rows, flat_targets, temperature, return_entropy,
                                             with_softcap(_backend.kernels(name), softcap))
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
@@ -137,10 +137,10 @@ class _ViewLogprobs(torch.autograd.Function):
     zero-filled parent-sized copy of a view-shaped gradient (docs/design.md §4)."""
 
     @staticmethod
-    def forward(ctx, grad_input, rows, targets, temperature, need_entropy, kernels):
+    def forward(ctx, logits, parent, probe, rows, targets, temperature, need_entropy, kernels):
         logp, entropy, lse_parts = run_blocks(kernels.token_logprobs_fwd, rows.blocks, [targets], temperature,
                                               need_entropy)
-        ctx.save_for_backward(grad_input, lse_parts, entropy)  # saved: a later in-place change is refused
+        ctx.save_for_backward(logits, parent, lse_parts, entropy)  # saved: a later in-place change is refused
         ctx.rows, ctx.targets, ctx.temperature, ctx.need_entropy, ctx.kernels = (
             rows, targets, temperature, need_entropy, kernels)
         return logp, entropy
@@ -148,8 +148,9 @@ class _ViewLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         refuse_create_graph("token_logprobs")
-        _, lse_parts, entropy = ctx.saved_tensors
+        _, _, lse_parts, entropy = ctx.saved_tensors
         g = torch.zeros_like(lse_parts[:, 0]) if grad_logp is None else grad_logp.contiguous()
         h = grad_entropy.contiguous() if ctx.need_entropy and grad_entropy is not None else None
-        grad = logits_grad(ctx.rows, ctx.kernels, ctx.targets, lse_parts, entropy, g, h, ctx.temperature)
-        return grad, None, None, None, None, None
+        target = ctx.rows.in_backward()
+        grad = logits_grad(target, ctx.kernels, ctx.targets, lse_parts, entropy, g, h, ctx.temperature)
+        return (*ctx.rows.returned(target, grad), None, None, None, None, None)
