@@ -66,8 +66,10 @@ def test_the_plugin_objective_is_what_the_loss_calls(plugin_file, tmp_path, caps
     assert main([*TINY, "--steps", "1", "--plugin", path, "--algo", names["preset"], "--out", out]) == 0
     module = plugins._LOADED[os.path.realpath(path)]
     assert module.CALLS, "the registered objective never ran"
-    # a resumed run names the plugin again from its checkpoint: loaded once, so registered once
-    assert main(["--resume", out, "--steps", "2"]) == 0, capsys.readouterr().err
+    # a resumed run that names the plugin again (the checkpoint's alone is refused, issue 37 item 10): loaded once,
+    # so registered once
+    assert main(["--resume", out, "--steps", "2"]) == 2 and "--trust-checkpoint-code" in capsys.readouterr().err
+    assert main(["--resume", out, "--steps", "2", "--plugin", path]) == 0, capsys.readouterr().err
     assert len([json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]) == 2
 
 

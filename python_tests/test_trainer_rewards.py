@@ -476,18 +476,25 @@ def test_a_reward_file_that_fails_to_import_is_one_line(tmp_path, source, messag
         train(Config(**{**TINY, "out": str(tmp_path / "o"), "reward": [f"{tmp_path / 'bad.py'}:f"]}))
 
 
-def test_resume_names_the_reward_module_before_importing_it(tmp_path, capsys):
-    """Issue 33: --resume imported the reward module its checkpoint records (a file in the current folder, say)
-    before saying so."""
+def test_resume_runs_only_the_code_the_command_line_names(tmp_path, capsys):
+    """Issue 37 item 10: --resume imported the reward files (after a line) and --plugin files (silently) named in
+    the checkpoint: a checkpoint from elsewhere ran its code. Now they are refused unless named again or
+    --trust-checkpoint-code is given, and nothing is imported before the refusal."""
     (tmp_path / "noisy_reward.py").write_text("print('IMPORTED noisy_reward')\n"
                                               "def score(prompt, completion, answer):\n    return 0.0\n")
-    spec = f"{tmp_path / 'noisy_reward.py'}:score"
-    train(Config(**{**TINY, "steps": 1, "out": str(tmp_path / "o"), "reward": [spec]}))
+    (tmp_path / "noisy_plugin.py").write_text("print('IMPORTED noisy_plugin')\n")
+    spec, plugin = f"{tmp_path / 'noisy_reward.py'}:score", str(tmp_path / "noisy_plugin.py")
+    train(Config(**{**TINY, "steps": 1, "out": str(tmp_path / "o"), "reward": [spec], "plugin": [plugin]}))
     capsys.readouterr()
-    train(Config(resume=str(tmp_path / "o"), steps=2, progress=False))
-    out = capsys.readouterr().out
-    named = out.index(f"--resume: the reward functions of {tmp_path / 'o'}'s checkpoint, imported now: {spec}")
-    assert named < out.index("IMPORTED noisy_reward")
+    with pytest.raises(ValueError, match=r"^--resume: the checkpoint of .* runs code this command does not name: "
+                                         r"--plugin .*noisy_plugin.py, --reward .*noisy_reward.py:score; name it "
+                                         r"again .* or pass --trust-checkpoint-code"):
+        train(Config(resume=str(tmp_path / "o"), steps=2, progress=False))
+    assert "IMPORTED" not in capsys.readouterr().out
+    train(Config(resume=str(tmp_path / "o"), steps=2, progress=False, reward=[spec], plugin=[plugin]))
+    train(Config(resume=str(tmp_path / "o"), steps=3, progress=False, trust_checkpoint_code=True))
+    rows = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
 
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ folder that stops taking files mid-run (TensorBoard's writer, the model export) 
 and the folder, not an OSError traceback. Root writes into read-only folders, so the refusals are simulated where
 the writes happen. Runs reuse test_trainer's tiny config: seconds each."""
 import errno
+import os
 import json
 
 import pytest
@@ -69,7 +70,7 @@ def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path,
                           f"summary.json); continue it with --resume {tmp_path}") and err.count("\n") == 1
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # untouched
     assert main([*argv, "--overwrite"]) == 0
-    assert not (tmp_path / ".rlkernels.lock").exists()
+    assert (tmp_path / ".rlkernels.lock").exists()  # kept after the run: deleting it would let two runs hold it (issue 37 item 9)
 
 
 def test_one_run_at_a_time_writes_a_folder(tmp_path):
@@ -94,3 +95,23 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, capsys):
     assert main([*argv, "--out", str(out), "--reward", f"{tmp_path / 'bad_reward.py'}:score"]) == 2
     assert "score raised KeyError ('oops')" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_lock_cannot_be_held_twice_after_a_release(tmp_path):
+    """Issue 37 item 9: the lock file was deleted on release, so a run that had opened it before and one that
+    created it anew could both hold it. Forced interleaving: B opens the lock file while A holds it, A releases,
+    C claims the folder; B's lock on what it opened must then fail."""
+    import fcntl
+
+    from rlkernels.trainer import run_folder
+
+    out = str(tmp_path / "o")
+    a = run_folder.prepare_out_dir(out)
+    (tmp_path / "o" / "metrics.jsonl").write_text("")  # the run wrote something: the folder stays
+    b = open(os.path.join(out, run_folder.LOCK), "w")
+    a.release()
+    c = run_folder.prepare_out_dir(out, resuming=True)
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    b.close()
+    c.release()

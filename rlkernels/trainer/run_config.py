@@ -67,6 +67,9 @@ class Config:
     seed: int = _field(0, "random seed (0 to 2**32 - 1)")
     threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks")
     resume: str = _field("", "a run folder (or checkpoint file) to continue exactly")
+    trust_checkpoint_code: bool = _field(False, "--resume: import the --reward files and modules and the --plugin "
+                                                "code the checkpoint names (without it, only code this command "
+                                                "line names is run)")
     overwrite: bool = _field(False, "replace the run that --out holds (without it, such a folder is refused: "
                                     "--resume continues it)")
     progress: bool = _field(True, "show a tqdm progress bar (--progress false to hide it)")
@@ -857,12 +860,27 @@ RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_targe
                 "lora_modules_to_save", "use_dora", "algo", "critic")
 # what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
 # a GPU resumes on a CPU machine)
-RESUME_FRESH = ("resume", "device", "overwrite")
+RESUME_FRESH = ("resume", "device", "overwrite", "trust_checkpoint_code")
 
 
 def run_dir(resume: str) -> str:
     """The folder of the run that `--resume` (a run folder or its checkpoint file) points at."""
     return resume if os.path.isdir(resume) else os.path.dirname(resume) or "."
+
+
+def _is_code(spec: str) -> bool:
+    return spec != "exact" and not spec.startswith("regex:") and spec not in trl_names.TRL_REWARD_FUNCS
+
+
+def _refuse_checkpoint_code(cfg: Config, merged: dict) -> None:
+    """A checkpoint (perhaps from elsewhere) names reward files and plug-ins; a resumed run imports only those the
+    command line names too, unless --trust-checkpoint-code."""
+    code = [f"--plugin {p}" for p in merged.get("plugin", []) if p not in cfg.plugin]
+    code += [f"--reward {r}" for r in merged.get("reward", []) if _is_code(r) and r not in cfg.reward]
+    if code and not cfg.trust_checkpoint_code:
+        raise ValueError(f"--resume: the checkpoint of {cfg.resume!r} runs code this command does not name: "
+                         f"{', '.join(code)}; name it again ({' '.join(code)}) to run it, or pass "
+                         f"--trust-checkpoint-code")
 
 
 def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Config:
@@ -881,6 +899,7 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
     merged = {**saved, **{f: getattr(cfg, f) for f in explicit if f in saved}}
     merged.update({f: getattr(cfg, f) for f in RESUME_FRESH})
     merged["out"] = cfg.out or run_dir(cfg.resume)
+    _refuse_checkpoint_code(cfg, merged)
     out = Config(**{k: v for k, v in merged.items() if k in FIELDS})
     validate(out)
     return out

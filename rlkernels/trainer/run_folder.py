@@ -53,12 +53,12 @@ class Claim:
 
     def release(self) -> None:
         if self._lock_file is not None:
-            self._lock_file.close()  # closing releases the lock
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(self.out, LOCK))
-        if self.created:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.out)  # only if empty: a run that failed before writing anything
+            # closing releases the lock; the file stays: deleting it would let a run that opened it before and one
+            # that creates it anew both hold "the" lock
+            self._lock_file.close()
+        with contextlib.suppress(OSError):
+            if self.created and os.listdir(self.out) in ([LOCK], []):  # a run that failed before writing anything
+                shutil.rmtree(self.out)
 
 
 def prepare_out_dir(out: str, resuming: bool = False, overwrite: bool = False) -> Claim:

@@ -31,9 +31,6 @@ def configure(config: Config, explicit: Optional[set], reward_fn, stop):
     saved = load_checkpoint(config.resume) if config.resume else None
     cfg = merge_resume(config, saved["config"], explicit) if saved else config
     rank, world = dist_info()
-    code = [spec for spec in cfg.reward if spec != "exact" and not spec.startswith("regex:")]
-    if saved and code and reward_fn is None and list(config.reward) != list(cfg.reward) and rank == 0:
-        print(f"--resume: the reward functions of {config.resume}'s checkpoint, imported now: {' '.join(code)}")
     reward_fns = rewards_lib.reward_functions(cfg.reward, cfg.reward_model, cfg.reward_weights, reward_fn)  # a wrong count of weights: now
     if cfg.fsdp and world == 1:
         raise ValueError("--fsdp: shards the models over the processes of torchrun (torchrun --nproc-per-node N "
