@@ -106,7 +106,9 @@ class Entry:
     doc: str = ""
     # The per-token formula, once: lines `name = expression` defining the surrogate s and the flags flag_low /
     # flag_high, of ℓ (logp), ℓ_old, A (adv), w, d = ℓ − ℓ_old, chosen and the parameters; kernels/derive_token_loss.py
-    # says the language. The generator derives ∂s/∂ℓ and writes the kernels' branches from it (kernels/generated_*).
+    # says the language. gen_token_loss_header derives ∂s/∂ℓ from it and writes the kernels' branches
+    # (triton/token_loss_surrogates.py, token_loss_surrogates.h). A guard is part of the formula: the dual clip's cap
+    # −c·A is written with A = −1 where A ≥ 0, as inf·0 would be NaN in the lane `where` does not take.
     formula: str = ""
 
 
@@ -121,7 +123,8 @@ _CLIP_FORMULA = _BAND + """
 unclipped = -adv*minimum(w, delta)
 clipped = -adv*clamp(w, lo, hi)
 ppo = maximum(unclipped, clipped)
-clip = where(adv < 0, minimum(ppo, -dual_clip*adv), ppo)
+cap = -dual_clip*where(adv < 0, adv, -1)
+clip = where(adv < 0, minimum(ppo, cap), ppo)
 held_low = (w < lo) & (adv < 0)
 held_high = (w > hi) & (adv > 0)
 """
@@ -206,7 +209,8 @@ ppo = maximum(unclipped, clipped)
 bound = where(held_low, gppo_beta_low*lo, gppo_beta_high*hi)
 kept = -adv*bound*w/sg(w)
 preserved = where(held_low | held_high, kept, ppo)
-s = where(adv < 0, minimum(preserved, -dual_clip*adv), preserved)
+cap = -dual_clip*where(adv < 0, adv, -1)
+s = where(adv < 0, minimum(preserved, cap), preserved)
 flag_low = held_low
 flag_high = held_high
 """),

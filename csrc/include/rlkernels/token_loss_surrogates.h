@@ -26,7 +26,8 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip(T adv, T w, bool r_passes, co
   const T unclipped = -adv * min_(w, p.delta);
   const T clipped = -adv * clamp_(w, lo, hi);
   const T ppo = max_(unclipped, clipped);
-  const T clip = adv < T(0) ? min_(ppo, -adv * p.dual_clip) : ppo;
+  const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
+  const T clip = adv < T(0) ? min_(ppo, cap) : ppo;
   const bool held_low = adv < T(0) && w < lo;
   const bool held_high = adv > T(0) && w > hi;
   const T g0 = r_passes ? -adv * w : T(0);
@@ -34,7 +35,7 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip(T adv, T w, bool r_passes, co
   const T d_unclipped = p.delta < w ? T(0) : g0;
   const T d_ppo = clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? d_unclipped : d_clipped + d_unclipped;
   const T s = clip;
-  const T ds = adv < T(0) ? (ppo > -adv * p.dual_clip ? T(0) : d_ppo) : d_ppo;
+  const T ds = adv < T(0) ? (cap < ppo ? T(0) : d_ppo) : d_ppo;
   return {s, ds, held_low, held_high};
 }
 
@@ -115,7 +116,8 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip_cov(T adv, T w, T chosen, boo
   const T unclipped = -adv * min_(w, p.delta);
   const T clipped = -adv * clamp_(w, lo, hi);
   const T ppo = max_(unclipped, clipped);
-  const T clip = adv < T(0) ? min_(ppo, -adv * p.dual_clip) : ppo;
+  const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
+  const T clip = adv < T(0) ? min_(ppo, cap) : ppo;
   const bool held_low = adv < T(0) && w < lo;
   const bool held_high = adv > T(0) && w > hi;
   const T g0 = r_passes ? -adv * w : T(0);
@@ -123,7 +125,7 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip_cov(T adv, T w, T chosen, boo
   const T d_unclipped = p.delta < w ? T(0) : g0;
   const T d_ppo = clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? d_unclipped : d_clipped + d_unclipped;
   const T s = chosen != T(0) ? T(0) : clip;
-  const T ds = chosen != T(0) ? T(0) : adv < T(0) ? (ppo > -adv * p.dual_clip ? T(0) : d_ppo) : d_ppo;
+  const T ds = chosen != T(0) ? T(0) : adv < T(0) ? (cap < ppo ? T(0) : d_ppo) : d_ppo;
   return {s, ds, held_low || (adv < T(0) && chosen != T(0)), held_high || (adv > T(0) && chosen != T(0))};
 }
 
@@ -160,11 +162,12 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_gppo(T adv, T w, bool r_passes, co
   const T bound = held_low ? p.gppo_beta_low * lo : p.gppo_beta_high * hi;
   const T kept = -adv * bound;
   const T preserved = held_high || held_low ? kept : ppo;
+  const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
   const T g0 = r_passes ? unclipped : T(0);
   const T d_clipped = hi >= w && lo <= w ? g0 : T(0);
   const T d_preserved = held_high || held_low ? (r_passes ? kept : T(0)) : clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? g0 : d_clipped + g0;
-  const T s = adv < T(0) ? min_(preserved, -adv * p.dual_clip) : preserved;
-  const T ds = adv < T(0) ? (preserved > -adv * p.dual_clip ? T(0) : d_preserved) : d_preserved;
+  const T s = adv < T(0) ? min_(preserved, cap) : preserved;
+  const T ds = adv < T(0) ? (cap < preserved ? T(0) : d_preserved) : d_preserved;
   return {s, ds, held_low, held_high};
 }
 

@@ -22,7 +22,8 @@ def surrogate_clip(adv, w, r_passes, params):
     unclipped = -adv * minimum(w, params[DELTA])
     clipped = -adv * clamp(w, lo, hi)
     ppo = maximum(unclipped, clipped)
-    clip = tl.where(adv < 0.0, minimum(ppo, -adv * params[DUAL_CLIP]), ppo)
+    cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
+    clip = tl.where(adv < 0.0, minimum(ppo, cap), ppo)
     held_low = (adv < 0.0) & (w < lo)
     held_high = (adv > 0.0) & (w > hi)
     g0 = tl.where(r_passes, -adv * w, 0.0)
@@ -30,7 +31,7 @@ def surrogate_clip(adv, w, r_passes, params):
     d_unclipped = tl.where(params[DELTA] < w, 0.0, g0)
     d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), d_unclipped, d_clipped + d_unclipped))
     s = clip
-    ds = tl.where(adv < 0.0, tl.where(ppo > -adv * params[DUAL_CLIP], 0.0, d_ppo), d_ppo)
+    ds = tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, d_ppo), d_ppo)
     return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
 
 
@@ -112,7 +113,8 @@ def surrogate_clip_cov(adv, w, chosen, r_passes, params):
     unclipped = -adv * minimum(w, params[DELTA])
     clipped = -adv * clamp(w, lo, hi)
     ppo = maximum(unclipped, clipped)
-    clip = tl.where(adv < 0.0, minimum(ppo, -adv * params[DUAL_CLIP]), ppo)
+    cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
+    clip = tl.where(adv < 0.0, minimum(ppo, cap), ppo)
     held_low = (adv < 0.0) & (w < lo)
     held_high = (adv > 0.0) & (w > hi)
     g0 = tl.where(r_passes, -adv * w, 0.0)
@@ -120,7 +122,7 @@ def surrogate_clip_cov(adv, w, chosen, r_passes, params):
     d_unclipped = tl.where(params[DELTA] < w, 0.0, g0)
     d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), d_unclipped, d_clipped + d_unclipped))
     s = tl.where(chosen != 0.0, 0.0, clip)
-    ds = tl.where(chosen != 0.0, 0.0, tl.where(adv < 0.0, tl.where(ppo > -adv * params[DUAL_CLIP], 0.0, d_ppo), d_ppo))
+    ds = tl.where(chosen != 0.0, 0.0, tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, d_ppo), d_ppo))
     return s, ds, tl.where(held_low | ((adv < 0.0) & (chosen != 0.0)), 1.0, 0.0), tl.where(held_high | ((adv > 0.0) & (chosen != 0.0)), 1.0, 0.0)
 
 
@@ -158,11 +160,12 @@ def surrogate_gppo(adv, w, r_passes, params):
     bound = tl.where(held_low, params[GPPO_BETA_LOW] * lo, params[GPPO_BETA_HIGH] * hi)
     kept = -adv * bound
     preserved = tl.where(held_high | held_low, kept, ppo)
+    cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
     g0 = tl.where(r_passes, unclipped, 0.0)
     d_clipped = tl.where((hi >= w) & (lo <= w), g0, 0.0)
     d_preserved = tl.where(held_high | held_low, tl.where(r_passes, kept, 0.0), tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), g0, d_clipped + g0)))
-    s = tl.where(adv < 0.0, minimum(preserved, -adv * params[DUAL_CLIP]), preserved)
-    ds = tl.where(adv < 0.0, tl.where(preserved > -adv * params[DUAL_CLIP], 0.0, d_preserved), d_preserved)
+    s = tl.where(adv < 0.0, minimum(preserved, cap), preserved)
+    ds = tl.where(adv < 0.0, tl.where(cap < preserved, 0.0, d_preserved), d_preserved)
     return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
 
 
