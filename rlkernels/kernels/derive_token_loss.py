@@ -453,3 +453,76 @@ def render_cpp(derived=None) -> str:
     lines += [f"    default:  // {constant}", f"      return {name}({', '.join(args + ['p'])});", "  }", "}", "",
               "}  // namespace rlk"]
     return "\n".join(lines) + "\n"
+
+
+class TorchPrinter(Printer):
+    """The spec: the value in PyTorch, which autograd differentiates (sg: detach)."""
+    cpp = False
+    where_precedence = 7
+    inputs = dict(logp="b.logp", old_logp="b.old_logp", adv="b.adv", d="(b.logp - b.old_logp)")
+    names = dict(exp="torch.exp", log="torch.log", abs="torch.abs", sigmoid="torch.sigmoid", clamp="torch.clamp",
+                 minimum="_minimum", maximum="_maximum")
+
+    def _print(self, e):
+        if isinstance(e, sp.Symbol) and e.name in self.inputs:
+            return self.inputs[e.name], 7
+        if isinstance(e, sg):
+            return f"{self(e.args[0], 7)}.detach()", 7
+        return super()._print(e)
+
+    def param(self, name):
+        return f"_param(cfg, {name!r})"
+
+    def boolean(self, value):
+        return "True" if value else "False"
+
+    def number(self, x):
+        return repr(x)
+
+    def where(self, c, a, b):
+        return f"torch.where({c}, {a}, {b})"
+
+    def both(self, a, b):
+        return f"({a}) & ({b})"
+
+    def mask(self, c):
+        return f"({c}).to(w.dtype)"
+
+    def call(self, name, *args):
+        return f"{self.names[name]}({', '.join(self(a) for a in args)})"
+
+
+TORCH_FILE = ("rlkernels", "losses", "token_formulas.py")
+SPEC_LESS = {"clip_cov", "kl_cov"}  # they read `chosen`, the covariance choice over the batch (surrogates.py)
+
+
+def render_torch() -> str:
+    """The spec of each objective the kernels evaluate, from the same formula (sg kept: autograd differentiates)."""
+    t = TorchPrinter()
+    lines = ['"""' + GENERATED, "",
+             "Each objective's surrogate `f(w, b, cfg) -> Surrogate` at the importance weight w (B, T), its value",
+             "from the table's formula; autograd gives its derivative. objectives.py declares with these the table's",
+             "objectives that have no hand-written surrogate. Clip-Cov and KL-Cov are not here: they read the",
+             "covariance choice over the whole batch (surrogates.py).", '"""',
+             "import math", "", "import torch", "", "from .batch import Batch", "from .surrogates import Surrogate",
+             "", "", "def _param(cfg, name):",
+             '    """The parameter\'s config field; None (no bound) is +inf, as the kernels have it."""',
+             "    value = getattr(cfg, name)", "    return math.inf if value is None else value", "", "",
+             "def _minimum(a, b):", "    return torch.minimum(*_tensors(a, b))", "", "",
+             "def _maximum(a, b):", "    return torch.maximum(*_tensors(a, b))", "", "",
+             "def _tensors(a, b):", '    """a number as a tensor of the other\'s dtype and device."""',
+             "    like = a if torch.is_tensor(a) else b",
+             "    return [x if torch.is_tensor(x) else torch.full_like(like, x) for x in (a, b)]", "", "",
+             "def _none(b: Batch) -> torch.Tensor:", "    return torch.zeros_like(b.mask)"]
+    for entry in sorted(P.OBJECTIVES, key=lambda e: e.id):
+        if entry.name in SPEC_LESS:
+            continue
+        lines_ = parse(entry.formula)
+        lines += ["", "", f"def {entry.name}(w, b: Batch, cfg) -> Surrogate:", *_wrap(entry.doc, "    ", "# ")]
+        values = dict((n.name, v) for n, v in lines_)
+        for name, value in lines_:
+            if name.name not in ("flag_low", "flag_high"):
+                lines.append(f"    {name.name} = {t(value)}")
+        flags = [t(values[f]) if f in values else "_none(b)" for f in ("flag_low", "flag_high")]
+        lines.append(f"    return Surrogate(s, w.detach(), {', '.join(flags)})")
+    return "\n".join(lines) + "\n"

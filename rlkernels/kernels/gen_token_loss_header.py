@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     from . import derive_token_loss as D  # sympy: only here, never at the kernels' import
     derived = D._derived()
     files = {HEADER: render(), os.path.join(*D.CPP_FILE): D.render_cpp(derived),
-             os.path.join(*D.TRITON_FILE): D.render_triton(derived)}
+             os.path.join(*D.TRITON_FILE): D.render_triton(derived), os.path.join(*D.TORCH_FILE): D.render_torch()}
     status = 0
     for name, text in files.items():
         path = os.path.join(args.root, name)
