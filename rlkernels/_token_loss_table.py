@@ -90,6 +90,7 @@ PARAMS: Tuple[Param, ...] = (
           "(w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)", 1.0, "gppo_beta_low", 0, True, False),
     Param("gppo_beta_high", "GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)", 1.0,
           "gppo_beta_high", 0, True, False),
+    Param("spo_eps", "SPO's ε of the |A|/(2ε)·(w − 1)² penalty", 0.2, "spo_eps", 0, True, False),
 )
 
 
@@ -214,6 +215,8 @@ s = where(adv < 0, minimum(preserved, cap), preserved)
 flag_low = held_low
 flag_high = held_high
 """),
+    Entry("spo", 11, _RATIO + ("spo_eps",), doc="SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; "
+          "no flags", formula="s = -(adv*w - Abs(adv)/(2*spo_eps)*(w - 1)**2)"),
 )
 _KL = ("kl_coef", "kl_clamp", "kl_bias_correction", "log_ratio_clamp")
 KL_ESTIMATORS: Tuple[Entry, ...] = (

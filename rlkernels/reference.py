@@ -324,6 +324,8 @@ def policy_loss(logp, advantages, mask, config, *, old_logp=None, ref_logp=None,
                 weight = (w_tok if cap is None else torch.clamp(w_tok, max=cap)).detach()
                 surr = -a * weight * l * inside.to(dt)
                 low, high = ~inside & (a < 0), ~inside & (a > 0)
+            elif objective == "spo":                # -(A w - |A|/(2ε) (w - 1)²)
+                surr = -(a * w_tok - a.abs() / (2 * config.spo_eps) * (w_tok - 1) ** 2)
             elif objective == "dro":                # §5 -(A ℓ - β/2 (ℓ - ℓ_old)²)
                 surr = -(a * l - 0.5 * config.dro_beta * (l - lo) ** 2)
             elif objective == "topr":               # §5 -A ℓ for A ≥ 0, -sg(clip(w, 0, 1)) A ℓ for A < 0

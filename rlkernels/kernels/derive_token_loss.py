@@ -171,6 +171,17 @@ class _Derivative:
         raise TypeError(f"no derivative rule for {type(e).__name__}: {e}")
 
 
+def _merge(e):
+    """A sum of selects on the same conditions as one select of the sums (each simplified)."""
+    if isinstance(e, sp.Add):
+        parts = [a for a in e.args if isinstance(a, sp.Piecewise)]
+        if len(parts) > 1 and len({tuple(c for _, c in a.args) for a in parts}) == 1:
+            rest = sp.Add(*[a for a in e.args if not isinstance(a, sp.Piecewise)])
+            return sp.Piecewise(*[(sp.factor_terms(sum(a.args[i][0] for a in parts) + rest), c)
+                                  for i, (_, c) in enumerate(parts[0].args)])
+    return e
+
+
 def _unstop(e):
     """The value of sg(x) is x."""
     return e.replace(lambda a: isinstance(a, sg), lambda a: a.args[0])
@@ -183,7 +194,7 @@ def derive(formula: str) -> Derived:
     derivative = _Derivative()
     to_name = {}  # each name's value (its sg as values) by the name, so that derivatives read the names
     for name, value in lines:
-        derivative.of_name[name] = _unstop(derivative(value)).xreplace(to_name)
+        derivative.of_name[name] = _merge(_unstop(derivative(value))).xreplace(to_name)
         to_name[_unstop(value).xreplace(to_name)] = name
     outputs = dict(s=values["s"], ds=derivative.of_name[sp.Symbol("s", real=True)],
                    flag_low=values.get("flag_low", sp.false), flag_high=values.get("flag_high", sp.false))

@@ -150,6 +150,9 @@ _declare(Objective("gppo", {"token": s.at(s.token_ratio, functools.partial(s.cli
                        # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
                        "gppo": dict(ratio="token", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
                                     gppo_beta_high=1.0, agg="token_mean")}))
+# SPO (Xie et al., 2025): its spec generated from its formula in the table; the paper's ε
+_declare(Objective("spo", {"token": s.at(s.token_ratio, token_formulas.spo)}, fields=("spo_eps",),
+                   presets={"spo": dict(ratio="token", spo_eps=0.2, agg="token_mean")}))
 
 # A kernel objective of the table declared nowhere above: its spec is the one generated from its formula
 # (token_formulas.py), at the token ratio, reading the table's parameters; presets come from rlkernels.presets.

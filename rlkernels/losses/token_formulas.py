@@ -135,3 +135,9 @@ def gppo(w, b: Batch, cfg) -> Surrogate:
     cap = -_param(cfg, 'dual_clip') * torch.where(b.adv < 0.0, b.adv, -1.0)
     s = torch.where(b.adv < 0.0, _minimum(preserved, cap), preserved)
     return Surrogate(s, w.detach(), held_low, held_high)
+
+
+def spo(w, b: Batch, cfg) -> Surrogate:
+    # SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; no flags
+    s = 0.5 * (w - 1.0) * (w - 1.0) * torch.abs(b.adv) / _param(cfg, 'spo_eps') - b.adv * w
+    return Surrogate(s, w.detach(), _none(b), _none(b))

@@ -171,6 +171,14 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_gppo(T adv, T w, bool r_passes, co
   return {s, ds, held_low, held_high};
 }
 
+// SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; no flags
+template <typename T>
+RLK_HOST_DEVICE inline Surrogate<T> surrogate_spo(T adv, T w, bool r_passes, const TokenLossParams<T>& p) {
+  const T s = T(0.5) * (w - T(1)) * (w - T(1)) * abs_(adv) / p.spo_eps - adv * w;
+  const T ds = r_passes ? w * ((w - T(1)) * abs_(adv) / p.spo_eps - adv) : T(0);
+  return {s, ds, false, false};
+}
+
 // The surrogate of objective p.objective.
 template <typename T>
 RLK_HOST_DEVICE inline Surrogate<T> surrogate(T logp, T old_logp, T adv, T w, T d, T chosen, bool r_passes,
@@ -196,8 +204,10 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate(T logp, T old_logp, T adv, T w, T 
       return surrogate_kl_cov(adv, w, d, chosen, r_passes, p);
     case kTopr:
       return surrogate_topr(logp, adv, w, p);
-    default:  // kGppo
+    case kGppo:
       return surrogate_gppo(adv, w, r_passes, p);
+    default:  // kSpo
+      return surrogate_spo(adv, w, r_passes, p);
   }
 }
 

@@ -170,6 +170,14 @@ def surrogate_gppo(adv, w, r_passes, params):
 
 
 @triton.jit
+def surrogate_spo(adv, w, r_passes, params):
+    # SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; no flags
+    s = 0.5 * (w - 1.0) * (w - 1.0) * tl.abs(adv) / params[SPO_EPS] - adv * w
+    ds = tl.where(r_passes, w * ((w - 1.0) * tl.abs(adv) / params[SPO_EPS] - adv), 0.0)
+    return s, ds, 0.0, 0.0
+
+
+@triton.jit
 def surrogate(logp, old_logp, adv, w, d, chosen, r_passes, params, OBJECTIVE: tl.constexpr):
     """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective OBJECTIVE."""
     if OBJECTIVE == CLIP:
@@ -194,4 +202,6 @@ def surrogate(logp, old_logp, adv, w, d, chosen, r_passes, params, OBJECTIVE: tl
         s, ds, clip_low, clip_high = surrogate_topr(logp, adv, w, params)
     elif OBJECTIVE == GPPO:
         s, ds, clip_low, clip_high = surrogate_gppo(adv, w, r_passes, params)
+    elif OBJECTIVE == SPO:
+        s, ds, clip_low, clip_high = surrogate_spo(adv, w, r_passes, params)
     return s, ds, clip_low, clip_high
