@@ -1,7 +1,8 @@
 """The token-level policy loss of one token (kernels/__init__.py, ``policy_token_fwd``), in fp32.
 
-The only Triton formula of the loss; the PyTorch spec is `losses/` (surrogates.token,
-policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and ∂/∂ℓ that
+The objectives' surrogates are generated from their formulas in the table (token_loss_surrogates.py,
+rlkernels/kernels/derive_token_loss.py); the ratio, the KL term, the importance weight and the guards are here.
+The PyTorch spec is `losses/` (token_formulas, surrogates, policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and ∂/∂ℓ that
 torch's autograd of that code gives: clamp passes the gradient on its closed interval,
 max / min pass it to the larger / smaller branch, the unclipped one on a tie (torch splits a
 tie's gradient in half; the two branches' gradients agree there except at the dual clip's
