@@ -26,12 +26,12 @@ def tanh_weight(*, ratio, advantages, **_):
 
 
 def spo(*, ratio, advantages, config, **_):
-    """SPO (Xie et al., ICML 2025): −(A·w − |A|/(2ε)·(w − 1)²), ε its own scalar `spo_eps`."""
-    return -(advantages * ratio - advantages.abs() / (2 * config.spo_eps) * (ratio - 1) ** 2)
+    """SPO (Xie et al., ICML 2025): −(A·w − |A|/(2ε)·(w − 1)²), ε its own scalar `my_eps`."""
+    return -(advantages * ratio - advantages.abs() / (2 * config.my_eps) * (ratio - 1) ** 2)
 
 
 # objective -> its own scalars (`register_objective(scalars=...)`)
-SCALARS = {"my_spo": {"spo_eps": objectives.Scalar(0.2, low=0.0, low_open=True, doc="SPO's ε")}}
+SCALARS = {"my_spo": {"my_eps": objectives.Scalar(0.2, low=0.0, low_open=True, doc="SPO's ε")}}
 # preset -> (objective, its surrogate, the ratios it takes, clip, the preset's fields)
 PLUGINS = {
     "my_dapo": ("my_clip", ppo_clip, ("token", "sequence"), True,
@@ -39,7 +39,7 @@ PLUGINS = {
     "my_seq": ("my_tanh", tanh_weight, ("sequence",), False,
                dict(ratio="sequence", clip_low=None, clip_high=None, agg="seq_mean_token_mean")),
     "my_spo": ("my_spo", spo, ("token", "sequence_sum", "group_expectation"), False,
-               dict(ratio="token", spo_eps=0.3, agg="token_mean")),
+               dict(ratio="token", my_eps=0.3, agg="token_mean")),
 }
 
 

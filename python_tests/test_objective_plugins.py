@@ -161,23 +161,23 @@ def test_plugin_scalar_is_declared_validated_and_set():
     """SPO's ε is the plug-in's own scalar: its default, the preset's value, an override, `replace` and
     `PolicyLossConfig(scalars=...)` set it; the loss reads it; a bad value or an undeclared name is refused."""
     with registered("my_spo"):
-        assert presets.get("my_spo").spo_eps == 0.3  # the preset's
-        assert rlkernels.PolicyLossConfig(objective="my_spo").spo_eps == 0.2  # the declared default
-        cfg = presets.get("my_spo", spo_eps=0.5)
-        assert cfg.spo_eps == 0.5 and cfg.replace(spo_eps=0.7).spo_eps == 0.7
-        assert cfg == rlkernels.PolicyLossConfig(objective="my_spo", scalars={"spo_eps": 0.5})
+        assert presets.get("my_spo").my_eps == 0.3  # the preset's
+        assert rlkernels.PolicyLossConfig(objective="my_spo").my_eps == 0.2  # the declared default
+        cfg = presets.get("my_spo", my_eps=0.5)
+        assert cfg.my_eps == 0.5 and cfg.replace(my_eps=0.7).my_eps == 0.7
+        assert cfg == rlkernels.PolicyLossConfig(objective="my_spo", scalars={"my_eps": 0.5})
         assert cfg.replace(objective="clip", clip_low=0.2, clip_high=0.2).scalars == ()  # not the clip's
         inputs = random_loss_inputs(noise=0.3, seed=4)
         args = (inputs["logp"], inputs["advantages"], inputs["mask"])
         for eps in (0.3, 0.5):
-            got = rlkernels.policy_loss(*args, presets.get("my_spo", spo_eps=eps), old_logp=inputs["old_logp"])
+            got = rlkernels.policy_loss(*args, presets.get("my_spo", my_eps=eps), old_logp=inputs["old_logp"])
             _close(got.loss, _spo_by_hand(*args[:1], inputs["old_logp"], *args[1:], eps))
-        with pytest.raises(ValueError, match=r"spo_eps: expected a finite number in \(0, inf\)"):
-            presets.get("my_spo", spo_eps=0.0)
-        with pytest.raises(ValueError, match=r"overrides: unknown PolicyLossConfig fields \['spo_epsilon'\]"):
-            presets.get("my_spo", spo_epsilon=0.5)
+        with pytest.raises(ValueError, match=r"my_eps: expected a finite number in \(0, inf\)"):
+            presets.get("my_spo", my_eps=0.0)
+        with pytest.raises(ValueError, match=r"overrides: unknown PolicyLossConfig fields \['my_epsilon'\]"):
+            presets.get("my_spo", my_epsilon=0.5)
         with pytest.raises(ValueError, match=r"scalars: objective 'clip' declares \(\)"):
-            rlkernels.PolicyLossConfig(scalars={"spo_eps": 0.5})
+            rlkernels.PolicyLossConfig(scalars={"my_eps": 0.5})
         with pytest.raises(ValueError, match="scalars: expected identifiers that are not PolicyLossConfig fields"):
             rlkernels.register_objective("clashing", spo, scalars={"clip_low": 0.1})
         with pytest.raises(ValueError, match=r"scalars\['eps'\] default: expected a finite number"):
@@ -222,7 +222,7 @@ def test_plugin_takes_the_trajectory_and_grouped_ratios(ratio, builtin, surrogat
 
 
 def test_plugin_scalar_is_set_by_verl_and_trl():
-    """SPO's ε from verl's `policy_loss.spo_eps` (0.5, not the preset's 0.3) and from TRL's argument `spo_eps` on
+    """SPO's ε from verl's `policy_loss.my_eps` (0.5, not the preset's 0.3) and from TRL's argument `my_eps` on
     the trainer's args, under `rlkernels_my_spo`; the loss is SPO's at that ε."""
     verl = pytest.importorskip("rlkernels.integrations.verl")
     pytest.importorskip("verl")
@@ -233,18 +233,18 @@ def test_plugin_scalar_is_set_by_verl_and_trl():
         inputs = random_loss_inputs(noise=0.3, per_token_adv=True, empty_rows=(), seed=6)
         logp, old, adv, mask = (inputs[k] for k in ("logp", "old_logp", "advantages", "mask"))
         loss, _ = verl.policy_loss_fn("my_spo")(old_log_prob=old, log_prob=logp, advantages=adv,
-                                                response_mask=mask, config={"policy_loss": {"spo_eps": 0.5}})
+                                                response_mask=mask, config={"policy_loss": {"my_eps": 0.5}})
         _close(loss, _spo_by_hand(logp, old, adv, mask, 0.5))
-        assert verl.loss_config("my_spo", {"policy_loss": {}}).spo_eps == 0.3  # absent: the preset's
-        with pytest.raises(ValueError, match="policy_loss.spo_eps: expected a finite number"):
-            verl.loss_config("my_spo", {"policy_loss": {"spo_eps": -1}})
-        trainer = SimpleNamespace(args=SimpleNamespace(spo_eps=0.5), loss_type="rlkernels_my_spo",
+        assert verl.loss_config("my_spo", {"policy_loss": {}}).my_eps == 0.3  # absent: the preset's
+        with pytest.raises(ValueError, match="policy_loss.my_eps: expected a finite number"):
+            verl.loss_config("my_spo", {"policy_loss": {"my_eps": -1}})
+        trainer = SimpleNamespace(args=SimpleNamespace(my_eps=0.5), loss_type="rlkernels_my_spo",
                                   importance_sampling_level="token", beta=0.0, off_policy_mask_threshold=None,
                                   top_entropy_quantile=1.0, max_completion_length=8)
         cfg, why = trl.loss_config(trainer)
-        assert cfg == presets.get("my_spo", spo_eps=0.5, kl_estimator=None, kl_coef=0.0), why
+        assert cfg == presets.get("my_spo", my_eps=0.5, kl_estimator=None, kl_coef=0.0), why
         trainer.args = SimpleNamespace()  # a GRPOConfig without the argument: the preset's
-        assert trl.loss_config(trainer)[0].spo_eps == 0.3
+        assert trl.loss_config(trainer)[0].my_eps == 0.3
 
 
 @pytest.mark.parametrize("preset", sorted(PLUGINS))

@@ -21,9 +21,9 @@ print(len(ops), sorted(m for m in ("rlkernels.ops",) if m in sys.modules))
 
 
 @pytest.mark.parametrize("imports", ["import rlkernels, torch", "import torch, rlkernels",
-                                     "import rlkernels; import torch.nn"])
+                                     "import rlkernels; import torch.nn", "from rlkernels import presets; import rlkernels"])
 def test_ops_exist_after_both_imports_in_either_order(imports):
-    out = subprocess.run([sys.executable, "-c", f"import sys\n{imports}\nimport torch\n{CHECK}"],
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", f"import sys\n{imports}\nimport torch\n{CHECK}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "['rlkernels.ops']", out.stdout

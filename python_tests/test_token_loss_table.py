@@ -30,7 +30,9 @@ def test_generated_header_is_what_the_table_gives():
     a hand edit of the header)."""
     proc = subprocess.run([sys.executable, "-m", "rlkernels.kernels.gen_token_loss_header", "--check", "--root", ROOT],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, ("csrc/include/rlkernels/token_loss_table.h is not what the table gives; run "
+    assert proc.returncode == 0, ("token_loss_table.h or the objectives' generated branches (token_loss_surrogates.h, "
+                                  "triton/token_loss_surrogates.py, losses/token_formulas.py) are not what the "
+                                  "table gives; run "
                                   "`python -m rlkernels.kernels.gen_token_loss_header`:\n" + proc.stdout[-6000:]
                                   + proc.stderr[-2000:])
     assert open(os.path.join(ROOT, gen_token_loss_header.HEADER)).read() == gen_token_loss_header.render()

@@ -54,13 +54,16 @@ def _public(name: str):
 def __getattr__(name: str):
     if name not in __all__:  # a submodule (`rlkernels.ops`), as after the eager imports this package once made
         try:
-            return importlib.import_module(f".{name}", __name__)
+            value = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":
                 raise
             raise AttributeError(f"module 'rlkernels' has no attribute {name!r}") from None
-    value = _public(name)
-    globals()[name] = value  # once: later lookups do not come here
+    else:
+        value = _public(name)
+        globals()[name] = value  # once: later lookups do not come here
+    if _PENDING:  # torch came in the middle of that import (`_define_ops`): the package is whole now
+        _define_ops()
     return value
 
 
@@ -68,7 +71,16 @@ def __dir__():
     return sorted({*globals(), *__all__})
 
 
+_PENDING = False  # torch was imported by one of our own modules while it was still being imported
+
+
 def _define_ops() -> None:
+    global _PENDING
+    _PENDING = False
+    if any(getattr(getattr(m, "__spec__", None), "_initializing", False) for k, m in list(sys.modules.items())
+           if k.startswith(__name__ + ".")):
+        _PENDING = True  # `from rlkernels import presets` importing torch: define them once that import is done
+        return
     try:
         from .ops.token_logprobs import define_available
         define_available()

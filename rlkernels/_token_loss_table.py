@@ -90,6 +90,7 @@ PARAMS: Tuple[Param, ...] = (
           "(w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)", 1.0, "gppo_beta_low", 0, True, False),
     Param("gppo_beta_high", "GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)", 1.0,
           "gppo_beta_high", 0, True, False),
+    Param("spo_eps", "SPO's ε of the |A|/(2ε)·(w − 1)² penalty", 0.2, "spo_eps", 0, True, False),
 )
 
 
@@ -104,39 +105,118 @@ class Entry:
     params: Tuple[str, ...]
     ops: Tuple[str, ...] = (FWD, LOSS)
     doc: str = ""
+    # The per-token formula, once: lines `name = expression` defining the surrogate s and the flags flag_low /
+    # flag_high, of ℓ (logp), ℓ_old, A (adv), w, d = ℓ − ℓ_old, chosen and the parameters; kernels/derive_token_loss.py
+    # says the language. gen_token_loss_header derives ∂s/∂ℓ from it and writes the kernels' branches
+    # (triton/token_loss_surrogates.py, token_loss_surrogates.h). A guard is part of the formula: the dual clip's cap
+    # −c·A is written with A = −1 where A ≥ 0, as inf·0 would be NaN in the lane `where` does not take.
+    formula: str = ""
 
 
 _RATIO = ("log_ratio_clamp",)
 _CLIP = _RATIO + ("clip_low", "clip_high", "delta", "dual_clip")
 _DPPO = _RATIO + ("clip_low", "clip_high", "ratio_cap")
+_BAND = """
+lo = 1 - clip_low
+hi = 1 + clip_high
+"""
+_CLIP_FORMULA = _BAND + """
+unclipped = -adv*minimum(w, delta)
+clipped = -adv*clamp(w, lo, hi)
+ppo = maximum(unclipped, clipped)
+cap = -dual_clip*where(adv < 0, adv, -1)
+clip = where(adv < 0, minimum(ppo, cap), ppo)
+held_low = (w < lo) & (adv < 0)
+held_high = (w > hi) & (adv > 0)
+"""
+_DPPO_FORMULA = """
+prob = sg(exp(logp))
+prob_old = exp(old_logp)
+inside = select(adv > 0, inside_pos, inside_neg)
+s = -adv*sg(clamp(w, 0, ratio_cap))*logp*mask(inside)
+flag_low = ~inside & (adv < 0)
+flag_high = ~inside & (adv > 0)
+"""
 OBJECTIVES: Tuple[Entry, ...] = (
     Entry("clip", 0, _CLIP, doc="u = −A·min(w, δ), k = −A·clamp(w, 1 − ε_low, 1 + ε_high), s = max(u, k), and for "
-          "A < 0 s = min(s, −dual_clip·A); clip_low = w < 1 − ε_low and A < 0, clip_high = w > 1 + ε_high and A > 0"),
+          "A < 0 s = min(s, −dual_clip·A); clip_low = w < 1 − ε_low and A < 0, clip_high = w > 1 + ε_high and A > 0",
+          formula=_CLIP_FORMULA + """
+s = clip
+flag_low = held_low
+flag_high = held_high
+"""),
     Entry("cispo", 1, _RATIO + ("clip_low", "clip_high"), doc="s = −clamp(w, 1 − ε_low, 1 + ε_high)·A·ℓ (the "
-          "clamped w a constant); clip_low = w < 1 − ε_low, clip_high = w > 1 + ε_high"),
-    Entry("reinforce", 2, (), doc="s = −A·ℓ; no flags"),
+          "clamped w a constant); clip_low = w < 1 − ε_low, clip_high = w > 1 + ε_high", formula=_BAND + """
+weight = sg(clamp(w, lo, hi))
+s = -weight*adv*logp
+flag_low = w < lo
+flag_high = w > hi
+"""),
+    Entry("reinforce", 2, (), doc="s = −A·ℓ; no flags", formula="s = -adv*logp"),
     Entry("sapo", 3, _RATIO + ("sapo_tau_pos", "sapo_tau_neg"),
-          doc="s = −A·σ(τ(w − 1))·4/τ, τ = sapo_tau_pos where A > 0, else sapo_tau_neg; no flags"),
+          doc="s = −A·σ(τ(w − 1))·4/τ, τ = sapo_tau_pos where A > 0, else sapo_tau_neg; no flags", formula="""
+tau = where(adv > 0, sapo_tau_pos, sapo_tau_neg)
+gate = sigmoid(tau*(w - 1))
+s = -adv*gate*4/tau
+"""),
     Entry("dppo_tv", 4, _DPPO, doc="with p = e^ℓ, p_old = e^ℓ_old, a token is inside when A > 0 and p − p_old ≤ "
           "ε_high, or A ≤ 0 and p − p_old ≥ −ε_low; s = −A·min(w, ratio_cap)·ℓ inside (the weight a constant), 0 "
-          "outside; clip_low = outside and A < 0, clip_high = outside and A > 0"),
+          "outside; clip_low = outside and A < 0, clip_high = outside and A > 0", formula="""
+prob = sg(exp(logp))
+prob_old = exp(old_logp)
+inside_pos = prob - prob_old <= clip_high
+inside_neg = prob - prob_old >= -clip_low
+""" + _DPPO_FORMULA.replace("prob = sg(exp(logp))\nprob_old = exp(old_logp)\n", "")),
     Entry("dppo_kl", 5, _DPPO, doc="DPPO_TV's, with the divergence D = p_old·(ℓ_old − ℓ) + (1 − p_old)·log((1 − "
           "p_old + 1e-8)/(1 − p + 1e-8)) of the Bernoulli distributions: inside when A > 0 and (D ≤ ε_high or "
-          "p ≤ p_old), or A ≤ 0 and (D ≤ ε_low or p ≥ p_old)"),
+          "p ≤ p_old), or A ≤ 0 and (D ≤ ε_low or p ≥ p_old)", formula="""
+prob = sg(exp(logp))
+prob_old = exp(old_logp)
+kl = prob_old*(old_logp - logp) + (1 - prob_old)*log((1 - prob_old + BERNOULLI_EPS)/(1 - prob + BERNOULLI_EPS))
+inside_pos = (kl <= clip_high) | (prob <= prob_old)
+inside_neg = (kl <= clip_low) | (prob >= prob_old)
+""" + _DPPO_FORMULA.replace("prob = sg(exp(logp))\nprob_old = exp(old_logp)\n", "")),
     Entry("dro", 6, ("dro_beta",),
-          doc="s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags"),
-    # the tokens of `covariance_choice` first (ops/_covariance_step.py), so never in the forward kernel; they read
-    # policy_token_loss's `chosen`
+          doc="s = −(A·ℓ − ½β(ℓ − ℓ_old)²), β = dro_beta (the log-ratio unclamped); no flags",
+          formula="s = -(adv*logp - dro_beta/2*d**2)"),
+    # The tokens of `covariance_choice` come first (ops/_covariance_step.py): a choice over the whole batch (its
+    # covariance's means and the top-k or random draw), which no per-token formula can make; these formulas read
+    # its outcome, policy_token_loss's `chosen`, so they are never in the forward kernel.
     Entry("clip_cov", 7, _CLIP, (LOSS,), "CLIP, except where chosen ≠ 0: A = 0 in the surrogate (s = 0, no "
-          "gradient) and clip_low = A < 0, clip_high = A > 0 (the token counts as clipped on A's side)"),
+          "gradient) and clip_low = A < 0, clip_high = A > 0 (the token counts as clipped on A's side)",
+          formula=_CLIP_FORMULA + """
+s = where(Ne(chosen, 0), 0, clip)
+flag_low = held_low | (Ne(chosen, 0) & (adv < 0))
+flag_high = held_high | (Ne(chosen, 0) & (adv > 0))
+"""),
     Entry("kl_cov", 8, _RATIO, (LOSS,), "CLIP with every bound inf (s = −A·w), plus chosen·|ℓ − ℓ_old| where "
-          "chosen ≠ 0 (the difference unclamped; its derivative sign(ℓ − ℓ_old), 0 at 0)"),
+          "chosen ≠ 0 (the difference unclamped; its derivative sign(ℓ − ℓ_old), 0 at 0)",
+          formula="s = -adv*w + where(Ne(chosen, 0), chosen*Abs(d), 0)"),
     Entry("topr", 9, _RATIO, doc="s = −A·ℓ where A ≥ 0, −clamp(w, 0, 1)·A·ℓ where A < 0 (the clamped w a "
-          "constant); clip_high = w > 1 and A < 0"),
+          "constant); clip_high = w > 1 and A < 0", formula="""
+weight = sg(where(adv < 0, clamp(w, 0, 1), 1))
+s = -weight*adv*logp
+flag_high = (w > 1) & (adv < 0)
+"""),
     Entry("gppo", 10, _RATIO + ("clip_low", "clip_high", "dual_clip", "gppo_beta_low", "gppo_beta_high"),
           doc="CLIP without δ, except that a token the clip holds (CLIP's clip_low or clip_high) has s = "
           "−β·b·A·w/sg(w), b its bound (1 − ε_low, 1 + ε_high), β gppo_beta_low / gppo_beta_high: CLIP's value at "
-          "β = 1, the gradient −β·b·A; then the dual clip; CLIP's flags"),
+          "β = 1, the gradient −β·b·A; then the dual clip; CLIP's flags", formula=_BAND + """
+held_low = (w < lo) & (adv < 0)
+held_high = (w > hi) & (adv > 0)
+unclipped = -adv*w
+clipped = -adv*clamp(w, lo, hi)
+ppo = maximum(unclipped, clipped)
+bound = where(held_low, gppo_beta_low*lo, gppo_beta_high*hi)
+kept = -adv*bound*w/sg(w)
+preserved = where(held_low | held_high, kept, ppo)
+cap = -dual_clip*where(adv < 0, adv, -1)
+s = where(adv < 0, minimum(preserved, cap), preserved)
+flag_low = held_low
+flag_high = held_high
+"""),
+    Entry("spo", 11, _RATIO + ("spo_eps",), doc="SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; "
+          "no flags", formula="s = -(adv*w - Abs(adv)/(2*spo_eps)*(w - 1)**2)"),
 )
 _KL = ("kl_coef", "kl_clamp", "kl_bias_correction", "log_ratio_clamp")
 KL_ESTIMATORS: Tuple[Entry, ...] = (

@@ -236,6 +236,10 @@ def _token_cispo(r, config):            # §5 -sg(clip(w)) A ℓ
     return (-_clamp(r.w_tok, *_band(config)).detach() * r.a * r.l, *_clipped(r.w_tok, *_band(config)))
 
 
+def _token_spo(r, config):              # §5 -(A w - |A|/(2ε) (w - 1)²)
+    return -(r.a * r.w_tok - r.a.abs() / (2 * config.spo_eps) * (r.w_tok - 1) ** 2), r.none, r.none
+
+
 def _token_reinforce(r, config):        # §5 -A ℓ
     return -r.a * r.l, r.none, r.none
 
@@ -284,7 +288,8 @@ def _token_gppo(r, config):             # §5 PPO's clip, but a clipped token ke
 
 _TOKEN_OBJECTIVES = {"clip": _token_clip, "cispo": _token_cispo, "reinforce": _token_reinforce, "sapo": _token_sapo,
                      "dppo_tv": _token_dppo, "dppo_kl": _token_dppo, "dro": _token_dro, "topr": _token_topr,
-                     "clip_cov": _token_clip_cov, "kl_cov": _token_kl_cov, "gppo": _token_gppo}
+                     "clip_cov": _token_clip_cov, "kl_cov": _token_kl_cov, "gppo": _token_gppo,
+                     "spo": _token_spo}
 
 
 # §4-§5 the sequence-level ratios, each with the objectives it takes: (surrogate per token, clipped below, clipped

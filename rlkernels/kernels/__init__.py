@@ -99,7 +99,7 @@ class Kernels(Protocol):
         ``grad_entropy (N,) = w_agg·∂s/∂H = −w_agg·c_H`` (0 where masked); ``stats (N, 7)``, columns
         ``token_loss_params.STATS``: w_agg·s, then clip_low, clip_high, ratio, approx_kl, kl, H, each
         0 where masked (so ``stats.sum(0)`` gives the loss and the metrics' masked sums, and
-        ``stats[:, 3].amax()`` the masked ratio max, as every ratio is ≥ 0). A row whose target is
+        ``stats[:, Stat.RATIO].amax()`` the masked ratio max (``token_loss_params.Stat`` names the columns), as every ratio is ≥ 0). A row whose target is
         outside [0, V) is an error (cpu: raised; cuda, triton: NaN logp, and `ops/` asserts the range
         on the device).
         """

@@ -137,17 +137,23 @@ def main(argv=None) -> int:
     parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         help="the repository (default: the one this module is in)")
     args = parser.parse_args(argv)
-    path = os.path.join(args.root, HEADER)
-    text = render()
-    if args.check:
-        old = open(path).read() if os.path.exists(path) else ""
-        if old != text:
-            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True), path, "render()"))
-            return 1
-        return 0
-    with open(path, "w") as f:
-        f.write(text)
-    return 0
+    from . import derive_token_loss as D  # sympy: only here, never at the kernels' import
+    derived = D._derived()
+    files = {HEADER: render(), os.path.join(*D.CPP_FILE): D.render_cpp(derived),
+             os.path.join(*D.TRITON_FILE): D.render_triton(derived), os.path.join(*D.TORCH_FILE): D.render_torch()}
+    status = 0
+    for name, text in files.items():
+        path = os.path.join(args.root, name)
+        if args.check:
+            old = open(path).read() if os.path.exists(path) else ""
+            if old != text:
+                sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True), path,
+                                                           "generated"))
+                status = 1
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+    return status
 
 
 if __name__ == "__main__":

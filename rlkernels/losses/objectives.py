@@ -19,6 +19,8 @@ import torch
 
 from .._checks import check_real
 from . import surrogates as s
+from . import token_formulas
+from .._token_loss_table import OBJECTIVES as _KERNEL_OBJECTIVES
 from .batch import Batch
 
 RATIOS = ("token", "sequence", "sequence_token", "sequence_sum", "group_expectation", "geometric", "snis")
@@ -223,6 +225,18 @@ _declare(Objective("gppo", {"token": s.at(s.token_ratio, functools.partial(s.cli
                        # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
                        "gppo": dict(ratio="token", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
                                     gppo_beta_high=1.0, agg="token_mean")}))
+# SPO (Xie et al., 2025): its spec generated from its formula in the table; the paper's ε
+_declare(Objective("spo", {"token": s.at(s.token_ratio, token_formulas.spo)}, fields=("spo_eps",),
+                   presets={"spo": dict(ratio="token", spo_eps=0.2, agg="token_mean")}))
+
+# A kernel objective of the table declared nowhere above: its spec is the one generated from its formula
+# (token_formulas.py), at the token ratio, reading the table's parameters; presets come from rlkernels.presets.
+for _entry in _KERNEL_OBJECTIVES:
+    if _entry.name not in _REGISTRY:
+        _bounds = {"clip_low", "clip_high"} & set(_entry.params)
+        _declare(Objective(_entry.name, {"token": s.at(s.token_ratio, getattr(token_formulas, _entry.name))},
+                           clip="band" if _bounds else None,
+                           fields=tuple(p for p in _entry.params if p not in _bounds | {"log_ratio_clamp"})))
 
 
 # ---- plug-ins -------------------------------------------------------------------------------------------------

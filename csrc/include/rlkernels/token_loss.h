@@ -127,47 +127,24 @@ RLK_HOST_DEVICE inline bool passes_(T x, T lo, T hi) {
   return x >= lo && x <= hi;
 }
 
-// The clip family (docs/math.md §5), one token's surrogate s and ds = ∂s/∂ℓ: PPO's clipped surrogate
-// s = max(u, k), u = −A·min(w, δ), k = −A·clamp(w, lo, hi), then for A < 0 the dual clip s = min(s, −dual_clip·A).
-// CLIP, Clip-Cov and KL-Cov are it as it stands (KL-Cov with every bound inf). GPPO (`preserve`, which has no δ): a
-// token the clip holds (w < lo with A < 0, w > hi with A > 0) has the value −β·bound·A and the gradient −β·bound·A
-// too, that of −β·bound·A·w/sg(w), where PPO's has none; β is beta_low below, beta_high above. `r_passes`: whether
-// the clamp of log w passes the gradient.
+// |x|, NaN for NaN.
 template <typename T>
-struct ClipFamily {
-  T s, ds;
-  bool clipped_low, clipped_high;
-};
-template <typename T>
-RLK_HOST_DEVICE inline ClipFamily<T> clip_family(T w, bool r_passes, T adv, T lo, T hi, T delta, T dual_clip,
-                                                 bool preserve, T beta_low, T beta_high) {
-  ClipFamily<T> c;
-  c.clipped_low = w < lo && adv < T(0);
-  c.clipped_high = w > hi && adv > T(0);
-  const T neg_adv = -adv;
-  if (preserve && (c.clipped_low || c.clipped_high)) {
-    c.s = neg_adv * (c.clipped_low ? beta_low * lo : beta_high * hi);
-    c.ds = r_passes ? c.s : T(0);  // ∂(w/sg(w))/∂ℓ = 1 where the clamp of log w passes
-  } else {
-    // max(u, k); u on a tie (see the top). ∂u/∂w, ∂k/∂w, then through w: torch's exp multiplies by w, the
-    // clamp of log w passes it or gives 0.
-    const T u = neg_adv * (preserve ? w : min_(w, delta));
-    const T k = neg_adv * clamp_(w, lo, hi);
-    const T du = preserve || w <= delta ? neg_adv : T(0), dk = passes_(w, lo, hi) ? neg_adv : T(0);
-    const bool nan = u != u || k != k;
-    c.s = max_(u, k);
-    const T g = k > u ? dk : (nan ? du + dk : du);
-    c.ds = r_passes ? g * w : T(0);
-  }
-  if (adv < T(0)) {  // dual clip: the cap −dual_clip·A is a constant; s on a tie (see the top)
-    const T cap = -dual_clip * adv;
-    if (cap < c.s) {
-      c.s = cap;
-      c.ds = T(0);
-    }
-  }
-  return c;
+RLK_HOST_DEVICE inline T abs_(T x) {
+  return x < T(0) ? -x : x;
 }
+
+// torch.sigmoid, 1/(1 + e^−x): 0 for x → −inf, 1 for x → inf.
+template <typename T>
+RLK_HOST_DEVICE inline T sigmoid_(T x) {
+  return T(1) / (T(1) + exp_(-x));
+}
+
+}  // namespace rlk
+
+// Each objective's surrogate, generated from its formula in the table (after the functions above, which it calls).
+#include "rlkernels/token_loss_surrogates.h"
+
+namespace rlk {
 
 template <typename T>
 RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenLossParams<T>& p) {
@@ -177,82 +154,21 @@ RLK_HOST_DEVICE inline TokenOut<T> token_loss(const TokenIn<T>& in, const TokenL
   for (int j = 0; j < kNumStats; ++j) out.stats[j] = T(0);
   if (!in.mask) return out;  // nothing of a masked token is read: padding may hold NaN
   const T c = p.log_ratio_clamp;
-  const bool chosen = in.chosen != T(0);
   const T adv = in.adv;
 
   // Importance weight w = e^r, r = clamp(ℓ − ℓ_old, −c, c). A gradient g with respect to w reaches ℓ
   // as through_w(g): torch's exp multiplies it by w, then the clamp passes it or gives 0.
-  const T d = in.logp - (in.has_old ? in.old_logp : in.logp);
+  const T logp_old = in.has_old ? in.old_logp : in.logp;
+  const T d = in.logp - logp_old;  // unclamped
   const T r = clamp_(d, -c, c);
   const T w = exp_(r);
   const bool r_passes = passes_(d, -c, c);
   const auto through_w = [&](T g) { return r_passes ? g * w : T(0); };
 
-  // The surrogate s and ds = ∂s/∂ℓ.
-  T s, ds;
-  const T lo = T(1) - p.clip_low, hi = T(1) + p.clip_high;
-  const T w_clip = clamp_(w, lo, hi);
-  bool clip_low = false, clip_high = false;
-  if (p.objective == kClip || p.objective == kClipCov || p.objective == kKlCov || p.objective == kGppo) {
-    const bool gppo = p.objective == kGppo;
-    const ClipFamily<T> clip = clip_family(w, r_passes, adv, lo, hi, p.delta, p.dual_clip, gppo,
-                                           gppo ? p.gppo_beta_low : T(1), gppo ? p.gppo_beta_high : T(1));
-    s = clip.s;
-    ds = clip.ds;
-    clip_low = clip.clipped_low || (p.objective == kClipCov && chosen && adv < T(0));
-    clip_high = clip.clipped_high || (p.objective == kClipCov && chosen && adv > T(0));
-    if (p.objective == kClipCov && chosen) {  // the spec's where(chosen, 0, s): no gradient, whatever w and A
-      s = T(0);
-      ds = T(0);
-    }
-    if (p.objective == kKlCov && chosen) {  // chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d), 0 at 0 and NaN
-      s = s + in.chosen * (d < T(0) ? -d : d);
-      ds = ds + in.chosen * T((d > T(0)) - (d < T(0)));
-    }
-  } else if (p.objective == kCispo) {
-    ds = -w_clip * adv;  // the clamped weight is a constant: a scaled REINFORCE gradient
-    s = ds * in.logp;
-    clip_low = w < lo;
-    clip_high = w > hi;
-  } else if (p.objective == kSapo) {
-    // −A·σ(τ(w − 1))·4/τ, τ by the sign of A: a soft gate instead of a clip, differentiable everywhere.
-    const T tau = adv > T(0) ? p.sapo_tau_pos : p.sapo_tau_neg;
-    const T sig = T(1) / (T(1) + exp_(-tau * (w - T(1))));
-    s = -adv * sig * (T(4) / tau);
-    ds = through_w(-adv * T(4) * sig * (T(1) - sig));
-  } else if (p.objective == kDppoTv || p.objective == kDppoKl) {
-    // −A·sg(min(w, cap))·ℓ on the tokens inside the trust region of a divergence between the
-    // Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p), p = e^ℓ; no gradient outside.
-    const T logp_old = in.has_old ? in.old_logp : in.logp;
-    const T prob = exp_(in.logp), prob_old = exp_(logp_old);
-    bool inside_pos, inside_neg;
-    if (p.objective == kDppoTv) {
-      inside_pos = prob - prob_old <= p.clip_high;
-      inside_neg = prob - prob_old >= -p.clip_low;
-    } else {
-      const T kl = prob_old * (logp_old - in.logp) +
-                   (T(1) - prob_old) * log_((T(1) - prob_old + T(1e-8)) / (T(1) - prob + T(1e-8)));
-      inside_pos = kl <= p.clip_high || prob <= prob_old;
-      inside_neg = kl <= p.clip_low || prob >= prob_old;
-    }
-    const bool inside = adv > T(0) ? inside_pos : inside_neg;
-    ds = -adv * clamp_(w, T(0), p.ratio_cap) * T(inside);  // times the 0/1 mask, as the spec: NaN stays NaN
-    s = ds * in.logp;
-    clip_low = !inside && adv < T(0);
-    clip_high = !inside && adv > T(0);
-  } else if (p.objective == kTopr) {
-    // −A·ℓ where A ≥ 0 (no ratio); −sg(clamp(w, 0, 1))·A·ℓ where A < 0 (the ratio truncated at 1, a constant).
-    ds = adv < T(0) ? -clamp_(w, T(0), T(1)) * adv : -adv;
-    s = ds * in.logp;
-    clip_high = w > T(1) && adv < T(0);
-  } else if (p.objective == kDro) {
-    // −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
-    s = -(adv * in.logp - T(0.5) * p.dro_beta * d * d);
-    ds = -adv + p.dro_beta * d;
-  } else {  // kReinforce
-    ds = -adv;
-    s = ds * in.logp;
-  }
+  // The surrogate s and ds = ∂s/∂ℓ (Clip-Cov and KL-Cov read the call's choice `chosen`).
+  const Surrogate<T> sur = surrogate(in.logp, logp_old, adv, w, d, in.chosen, r_passes, p);
+  T s = sur.s, ds = sur.ds;
+  bool clip_low = sur.clip_low, clip_high = sur.clip_high;
   // ω times the surrogate (not the KL and entropy terms); a token it weighs 0 is not counted as clipped.
   s = s * in.is_weight;
   ds = ds * in.is_weight;

@@ -41,7 +41,9 @@ enum TokenObjective : int {
   // bound (1 − ε_low, 1 + ε_high), β gppo_beta_low / gppo_beta_high: CLIP's value at β = 1, the gradient −β·b·A;
   // then the dual clip; CLIP's flags
   kGppo = 10,
-  kNumObjectives = 11
+  // SPO (Xie et al., 2025): s = −(A·w − |A|/(2ε)·(w − 1)²), ε = spo_eps; no flags
+  kSpo = 11,
+  kNumObjectives = 12
 };
 enum KlEstimator : int {
   kKlNone = 0,
@@ -92,7 +94,8 @@ enum TokenLossParam : int {
   kParamDroBeta = 14,
   kParamGppoBetaLow = 15,
   kParamGppoBetaHigh = 16,
-  kNumTokenLossParams = 17
+  kParamSpoEps = 17,
+  kNumTokenLossParams = 18
 };
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -117,6 +120,7 @@ struct TokenLossParams {
   T dro_beta = T(0.0);  // DRO's β of the ½β(ℓ − ℓ_old)² penalty (verl's policy_loss.dro_beta; the config requires it with objective 'dro')
   T gppo_beta_low = T(1.0);  // GPPO's β₁ (Klear-Reasoner's; 1 in its runs): a token the clip holds below (w < 1 − clip_low, A < 0) is −β₁·(1 − clip_low)·A·w/sg(w)
   T gppo_beta_high = T(1.0);  // GPPO's β₂: above (w > 1 + clip_high, A > 0), −β₂·(1 + clip_high)·A·w/sg(w)
+  T spo_eps = T(0.2);  // SPO's ε of the |A|/(2ε)·(w − 1)² penalty
 };
 
 // The range of each packed value, in order: an id or bool is an integer in [0, count) (`what` says which);
@@ -147,6 +151,7 @@ constexpr TokenLossParamRange kTokenLossParamRanges[kNumTokenLossParams] = {
   {"dro_beta", 0, "", 0.0, false, false},
   {"gppo_beta_low", 0, "", 0.0, true, false},
   {"gppo_beta_high", 0, "", 0.0, true, false},
+  {"spo_eps", 0, "", 0.0, true, false},
 };
 
 // The packed values `v` (kNumTokenLossParams of them, in range) as the struct.
@@ -170,6 +175,7 @@ TokenLossParams<T> unpack_token_loss_params(const double* v) {
   p.dro_beta = static_cast<T>(v[kParamDroBeta]);
   p.gppo_beta_low = static_cast<T>(v[kParamGppoBetaLow]);
   p.gppo_beta_high = static_cast<T>(v[kParamGppoBetaHigh]);
+  p.spo_eps = static_cast<T>(v[kParamSpoEps]);
   return p;
 }
 

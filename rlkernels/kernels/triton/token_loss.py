@@ -1,7 +1,8 @@
 """The token-level policy loss of one token (kernels/__init__.py, ``policy_token_fwd``), in fp32.
 
-The only Triton formula of the loss; the PyTorch spec is `losses/` (surrogates.token,
-policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and ∂/∂ℓ that
+The objectives' surrogates are generated from their formulas in the table (token_loss_surrogates.py,
+rlkernels/kernels/derive_token_loss.py); the ratio, the KL term, the importance weight and the guards are here.
+The PyTorch spec is `losses/` (token_formulas, surrogates, policy_loss.per_token_loss, kl.kl_estimate). Each function returns the value and ∂/∂ℓ that
 torch's autograd of that code gives: clamp passes the gradient on its closed interval,
 max / min pass it to the larger / smaller branch, the unclipped one on a tie (torch splits a
 tie's gradient in half; the two branches' gradients agree there except at the dual clip's
@@ -16,19 +17,14 @@ import triton
 import triton.language as tl
 
 from .. import token_loss_params as P
+from .token_loss_surrogates import surrogate  # each objective's, generated from its formula in the table
+from .token_math import clamp
 
 # The table's constants, named as in it (token_loss_params.triton_constants): the objectives' ids (CLIP, GPPO, ...),
 # the KL estimators' (KL_NONE, KL_K1, ...) and the offsets into ``params`` of the real parameters (CLIP_LOW,
 # DUAL_CLIP, ...). Globals read inside @triton.jit must be constexpr.
 globals().update({name: tl.constexpr(value) for name, value in P.triton_constants().items()})
 LOW_VAR_KL_BOUND = tl.constexpr(P.LOW_VAR_KL_BOUND)
-
-
-@triton.jit
-def clamp(x, lo, hi):
-    """torch.clamp: NaN stays NaN, so a NaN ℓ (a target outside [0, V)) shows in the loss."""
-    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi,
-                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -64,109 +60,6 @@ def k3(x):
     p = p * y + 1.6666666666666666e-01  # 1/3!
     p = p * y + 0.5
     return tl.where(small, y * y * p, tl.exp(x) - 1.0 - x)
-
-
-@triton.jit
-def clip_family(w, r_passes, adv, params, PRESERVE: tl.constexpr):
-    """(s, ∂s/∂ℓ, clip_low, clip_high) of the clip family (docs/math.md §5): PPO's clipped surrogate
-    s = max(−A·min(w, δ), −A·clamp(w, 1 − ε_low, 1 + ε_high)), then for A < 0 the dual clip min(s, −c·A). CLIP,
-    Clip-Cov and KL-Cov are it as it stands (KL-Cov with every bound inf). GPPO (PRESERVE, no δ): a token the clip holds
-    (w below the band with A < 0, above it with A > 0) has the value −β·bound·A and the gradient of
-    −β·bound·A·w/sg(w), −β·bound·A too, where PPO's has none (β₁ below, β₂ above)."""
-    ratio_low = 1.0 - params[CLIP_LOW]
-    ratio_high = 1.0 + params[CLIP_HIGH]
-    if PRESERVE:  # GPPO's unclipped branch is −A·w
-        unclipped = -adv * w
-        d_unclipped = -adv  # ∂/∂w
-    else:
-        delta = params[DELTA]
-        unclipped = -adv * tl.minimum(w, delta, propagate_nan=tl.PropagateNan.ALL)
-        d_unclipped = tl.where(w <= delta, -adv, 0.0)
-    w_clipped, passes = clamp_with_pass(w, ratio_low, ratio_high)
-    clipped = -adv * w_clipped
-    d_clipped = tl.where(passes, -adv, 0.0)
-    s = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
-    nan = (unclipped != unclipped) | (clipped != clipped)  # torch's max passes the gradient to both
-    ds = through_w(tl.where(clipped > unclipped, d_clipped, tl.where(nan, d_unclipped + d_clipped, d_unclipped)),
-                   w, r_passes)
-    held_low = (w < ratio_low) & (adv < 0)
-    held_high = (w > ratio_high) & (adv > 0)
-    if PRESERVE:
-        kept = -adv * tl.where(held_low, params[GPPO_BETA_LOW] * ratio_low, params[GPPO_BETA_HIGH] * ratio_high)
-        s = tl.where(held_low | held_high, kept, s)
-        ds = tl.where(held_low | held_high, tl.where(r_passes, kept, 0.0), ds)
-    # Dual clip: for A < 0, s = min(s, −c·A), a constant. The A ≥ 0 lanes get a finite stand-in, as inf·0 would be
-    # NaN in the unused lane.
-    bound = -params[DUAL_CLIP] * tl.where(adv < 0, adv, -1.0)
-    dual = (adv < 0) & (s > bound)
-    s = tl.where(dual, bound, s)
-    ds = tl.where(dual, 0.0, ds)
-    return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
-
-
-@triton.jit
-def surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE: tl.constexpr):
-    """(s, ∂s/∂ℓ, clip_low, clip_high) of the objective, given w, whether the clamp of its log passes the
-    gradient and d = ℓ − ℓ_old; flags as 0/1."""
-    clip_low = params[CLIP_LOW]
-    clip_high = params[CLIP_HIGH]
-    ratio_low = 1.0 - clip_low
-    ratio_high = 1.0 + clip_high
-    if (OBJECTIVE == CLIP) or (OBJECTIVE == CLIP_COV) or (OBJECTIVE == KL_COV) or (OBJECTIVE == GPPO):
-        s, ds, clip_low, clip_high = clip_family(w, r_passes, adv, params, OBJECTIVE == GPPO)
-    elif OBJECTIVE == CISPO:
-        # s = −sg(clamp(w))·A·ℓ: the clamped weight scales a REINFORCE gradient.
-        scale = -clamp(w, ratio_low, ratio_high) * adv
-        s = scale * logp
-        ds = scale
-        clip_low = tl.where(w < ratio_low, 1.0, 0.0)
-        clip_high = tl.where(w > ratio_high, 1.0, 0.0)
-    elif OBJECTIVE == SAPO:
-        # s = −A·σ(τ(w − 1))·4/τ, τ by the sign of A: a soft gate, differentiable everywhere.
-        tau = tl.where(adv > 0, params[SAPO_TAU_POS], params[SAPO_TAU_NEG])
-        sig = 1.0 / (1.0 + tl.exp(-tau * (w - 1.0)))
-        s = -adv * sig * (4.0 / tau)
-        ds = through_w(-adv * 4.0 * sig * (1.0 - sig), w, r_passes)
-        clip_low = 0.0
-        clip_high = 0.0
-    elif (OBJECTIVE == DPPO_TV) or (OBJECTIVE == DPPO_KL):
-        # s = −A·sg(min(w, cap))·ℓ inside the trust region of a divergence between the Bernoulli
-        # distributions (p_old, 1 − p_old) and (p, 1 − p), p = e^ℓ; no gradient outside.
-        prob = tl.exp(logp)
-        prob_old = tl.exp(old_logp)
-        if OBJECTIVE == DPPO_TV:
-            inside_pos = prob - prob_old <= clip_high
-            inside_neg = prob - prob_old >= -clip_low
-        else:
-            kl = prob_old * (old_logp - logp) + (1.0 - prob_old) * tl.log(
-                (1.0 - prob_old + 1e-8) / (1.0 - prob + 1e-8))
-            inside_pos = (kl <= clip_high) | (prob <= prob_old)
-            inside_neg = (kl <= clip_low) | (prob >= prob_old)
-        inside = tl.where(adv > 0, inside_pos, inside_neg)
-        ds = -adv * clamp(w, 0.0, params[RATIO_CAP]) * tl.where(inside, 1.0, 0.0)  # the spec's 0/1 mask: NaN stays NaN
-        s = ds * logp
-        clip_low = tl.where(~inside & (adv < 0), 1.0, 0.0)
-        clip_high = tl.where(~inside & (adv > 0), 1.0, 0.0)
-    elif OBJECTIVE == TOPR:
-        # s = −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0 (the ratio truncated at 1).
-        scale = -tl.where(adv < 0, clamp(w, 0.0, 1.0), 1.0) * adv
-        s = scale * logp
-        ds = scale
-        clip_low = 0.0
-        clip_high = tl.where((w > 1.0) & (adv < 0), 1.0, 0.0)
-    elif OBJECTIVE == DRO:
-        # s = −(A·ℓ − ½β(ℓ − ℓ_old)²): the log-ratio d is not exponentiated, so not clamped.
-        dro_beta = params[DRO_BETA]
-        s = -(adv * logp - 0.5 * dro_beta * d * d)
-        ds = -adv + dro_beta * d
-        clip_low = 0.0
-        clip_high = 0.0
-    else:  # REINFORCE
-        s = -adv * logp
-        ds = -adv
-        clip_low = 0.0
-        clip_high = 0.0
-    return s, ds, clip_low, clip_high
 
 
 @triton.jit
@@ -227,15 +120,8 @@ def token_loss(
     d = logp - old_logp
     r, r_passes = clamp_with_pass(d, -log_ratio_clamp, log_ratio_clamp)
     w = tl.exp(r)
-    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, r_passes, d, params, OBJECTIVE)
-    if OBJECTIVE == CLIP_COV:  # a chosen token: loss 0, no gradient (whatever w and A), clipped on A's side
-        s = tl.where(chosen != 0.0, 0.0, s)
-        ds = tl.where(chosen != 0.0, 0.0, ds)
-        clip_low = tl.where((chosen != 0.0) & (adv < 0), 1.0, clip_low)
-        clip_high = tl.where((chosen != 0.0) & (adv > 0), 1.0, clip_high)
-    if OBJECTIVE == KL_COV:  # + chosen·|d|, d unclamped; ∂|d|/∂ℓ = sign(d) (0 at 0, as torch)
-        s += tl.where(chosen != 0.0, chosen * tl.abs(d), 0.0)
-        ds += tl.where(chosen != 0.0, chosen * tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0)), 0.0)
+    # Clip-Cov and KL-Cov read the call's choice `chosen`
+    s, ds, clip_low, clip_high = surrogate(logp, old_logp, adv, w, d, chosen, r_passes, params, OBJECTIVE)
     # ω times the surrogate (not the KL and entropy terms); a token it weighs 0 is not counted as clipped.
     s = s * is_weight
     ds = ds * is_weight
