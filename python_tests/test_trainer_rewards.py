@@ -568,3 +568,33 @@ def test_global_step_and_log_metric_follow_trl(tmp_path):
     assert [s for k, s in seen if k == "eval"] == [0, 1, 2]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["probe"], r["eval/probe"]) for r in rows] == [(0.0, 100.0), (1.0, 100.0)]
+
+
+def fails_inside(prompts, completions, **kwargs):
+    return [_helper_that_fails(c) for c in completions]
+
+
+def _helper_that_fails(completion):
+    return 1 / 0
+
+
+def test_a_reward_that_raises_shows_where(tmp_path):
+    """Issue 40 item 7 / 37 item 11: the error was one line without the user's file and line."""
+    with pytest.raises(ValueError) as err:
+        train(Config(**{**TINY, "steps": 1, "out": str(tmp_path / "o")}), reward_fn=fails_inside)
+    text = str(err.value)
+    assert "raised ZeroDivisionError (division by zero)" in text and "test_trainer_rewards.py" in text
+    assert "in _helper_that_fails" in text and "return 1 / 0" in text and "rlkernels/trainer" not in text
+
+
+def test_an_empty_dataset_and_a_metrics_folder_are_named(tmp_path):
+    """Issue 37 item 11: an empty .jsonl said `(StopIteration: )`; --resume with metrics.jsonl a folder gave an
+    IsADirectoryError traceback."""
+    from rlkernels.trainer import data, outputs
+
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"^--dataset: .*e.jsonl' is empty \(no prompts\)$"):
+        data.examples(str(tmp_path / "e.jsonl"), "train", "prompt", "--dataset", "--dataset-split")
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"^--resume: .*metrics.jsonl is not a file"):
+        outputs.truncate_metrics(str(tmp_path / "metrics.jsonl"), str(tmp_path / "m2.jsonl"), 1)

@@ -35,6 +35,8 @@ def _load(path: str, split: str, flag: str, split_flag: str, config: Optional[st
             kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
             if kind is None:
                 raise ValueError(f"{flag}: expected {FORMS}, got {path!r}")
+            if os.path.getsize(path) == 0:  # datasets says only "StopIteration"
+                raise ValueError(f"{flag}: {path!r} is empty (no prompts)")
             ds = datasets.load_dataset(kind, data_files=path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:

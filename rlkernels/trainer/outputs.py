@@ -19,6 +19,8 @@ def read_metrics(path: str) -> List[dict]:
     warning naming the file; an unparsable line before it is an error."""
     if not os.path.exists(path):
         return []
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file (a metrics file of this trainer is)")
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     rows = []

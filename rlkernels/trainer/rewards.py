@@ -115,6 +115,19 @@ def check_signature(fn, what: str, columns, flag: str = "--reward") -> None:
                          f"completions, **columns) -> list[float]; its parameters are ({', '.join(params)})")
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rlkernels/
+
+
+def _user_frames(e: BaseException) -> str:
+    """Where the reward raised, as Python prints it, the frames of rlkernels and of asyncio left out: the user's
+    file and line (issue 40 item 7: the one-line error did not say where)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_PACKAGE)
+              and os.sep + "asyncio" + os.sep not in f.filename]
+    return "\n" + "".join(traceback.format_list(frames)).rstrip() if frames else ""
+
+
 def _awaited(value):
     """An async reward function's result (TRL awaits them too)."""
     return asyncio.run(value) if inspect.isawaitable(value) else value
@@ -150,7 +163,8 @@ def checked_reward(reward_fn, name: str, flag: str = "--reward"):
         try:
             return _awaited(reward_fn(*args, **kwargs))
         except Exception as e:
-            raise ValueError(f"{flag}: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}") from None
+            raise ValueError(f"{flag}: {name} raised {type(e).__name__} ({e}) on prompt {prompt!r}"
+                             f"{_user_frames(e)}") from None
 
     def rewards(examples, completions, context=None):
         prompts = [ex["prompt"] for ex in examples]
