@@ -9,6 +9,7 @@ import json
 import pytest
 from test_trainer import run
 
+from rlkernels.train import main
 from rlkernels.trainer import export, outputs
 
 ROWS = [{"step": s, "reward_mean": s / 10} for s in range(1, 9)]
@@ -115,3 +116,25 @@ def test_the_lock_cannot_be_held_twice_after_a_release(tmp_path):
         fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
     b.close()
     c.release()
+
+
+def test_a_folder_of_the_users_own_files_is_refused(tmp_path):
+    """Issue 37 item 7: `--out` equal to `--model` replaced the base model's weights and tokenizer, and a folder of
+    the user's files (their config.json, notes) was written over; now refused, naming --out, untouched."""
+    from test_trainer import _local_checkpoint
+
+    from rlkernels.trainer import run_folder
+
+    _local_checkpoint(tmp_path / "m")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')
+    code = main(["--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "m"),
+                 "--steps", "1", "--progress", "false"])
+    assert code == 2 and {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="^--out: .*mine' holds files no run of this trainer wrote \\(notes.txt\\)"):
+        run_folder.prepare_out_dir(str(tmp_path / "mine"), overwrite=True)
+    claim = run_folder.prepare_out_dir(str(tmp_path / "new"))  # a new folder is claimed, and marked as a run's
+    claim.release()
+    assert not (tmp_path / "new").exists()  # nothing written: nothing left

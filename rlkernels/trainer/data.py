@@ -18,9 +18,9 @@ FORMS = "a .json, .jsonl, .csv or .parquet file, a datasets folder, or a Hub dat
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # and no such file or folder here
 
 
-def _load(path: str, split: str, flag: str, split_flag: str, config: Optional[str] = None) -> List[dict]:
+def _load(path: str, split: str, flag: str, split_flag: str, subset: Optional[str] = None) -> List[dict]:
     """The rows of `split` of the dataset at `path`: a local file or folder, or a Hub dataset's id, loaded as
-    `trl grpo` loads it (`load_dataset(id, name=config)`; needs the network or the datasets cache)."""
+    `trl grpo` loads it (`load_dataset(id, name=subset)`; needs the network or the datasets cache)."""
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
@@ -28,9 +28,9 @@ def _load(path: str, split: str, flag: str, split_flag: str, config: Optional[st
     try:
         if os.path.isdir(path):
             saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
-            ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, name=config)
+            ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, name=subset)
         elif not os.path.exists(path) and HUB_ID.fullmatch(path):
-            ds = datasets.load_dataset(path, name=config)
+            ds = datasets.load_dataset(path, name=subset)
         else:
             kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
             if kind is None:
@@ -63,11 +63,11 @@ def _is_conversation(prompt) -> bool:
                     for m in prompt))
 
 
-def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: str, config: Optional[str] = None,
+def examples(path: str, split: str, prompt_column: str, flag: str, split_flag: str, subset: Optional[str] = None,
              system_prompt: Optional[str] = None) -> List[dict]:
     """The rows of a dataset as examples (module docstring), checked; with `system_prompt` (open-r1's) every prompt
     a conversation that starts with it (a string prompt: [system, user])."""
-    rows = _load(path, split, flag, split_flag, config)
+    rows = _load(path, split, flag, split_flag, subset)
     if rows and prompt_column not in rows[0]:
         raise ValueError(f"--prompt-column: {path!r} has no column {prompt_column!r} (its columns: "
                          f"{', '.join(rows[0])})")
@@ -98,8 +98,8 @@ def load(source) -> Tuple[List[dict], List[dict], str]:
     if source.eval_dataset or source.eval_split:
         where, split = source.eval_dataset or source.dataset, source.eval_split or "train"
         flag = "--eval-dataset" if source.eval_dataset else "--dataset"
-        config = source.dataset_config if where == source.dataset else None  # TRL's is of its one dataset
-        held_out = examples(where, split, source.prompt_column, flag, "--eval-split", config,
+        subset = source.dataset_config if where == source.dataset else None  # TRL's is of its one dataset
+        held_out = examples(where, split, source.prompt_column, flag, "--eval-split", subset,
                             source.system_prompt)[:source.eval_size]
         if not train or not held_out:
             raise ValueError(f"{'--dataset' if not train else flag}: no prompts in {where!r}")

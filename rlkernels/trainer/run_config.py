@@ -872,11 +872,12 @@ def _is_code(spec: str) -> bool:
     return spec != "exact" and not spec.startswith("regex:") and spec not in trl_names.TRL_REWARD_FUNCS
 
 
-def _refuse_checkpoint_code(cfg: Config, merged: dict) -> None:
+def _refuse_checkpoint_code(cfg: Config, merged: Config) -> None:
     """A checkpoint (perhaps from elsewhere) names reward files and plug-ins; a resumed run imports only those the
-    command line names too, unless --trust-checkpoint-code."""
-    code = [f"--plugin {p}" for p in merged.get("plugin", []) if p not in cfg.plugin]
-    code += [f"--reward {r}" for r in merged.get("reward", []) if _is_code(r) and r not in cfg.reward]
+    command line names too, unless --trust-checkpoint-code. `merged` is a Config, so an old checkpoint's single
+    reward string is already a list."""
+    code = [f"--plugin {p}" for p in merged.plugin if p not in cfg.plugin]
+    code += [f"--reward {r}" for r in merged.reward if _is_code(r) and r not in cfg.reward]
     if code and not cfg.trust_checkpoint_code:
         raise ValueError(f"--resume: the checkpoint of {cfg.resume!r} runs code this command does not name: "
                          f"{', '.join(code)}; name it again ({' '.join(code)}) to run it, or pass "
@@ -899,7 +900,7 @@ def merge_resume(cfg: Config, saved: dict, explicit: Optional[set] = None) -> Co
     merged = {**saved, **{f: getattr(cfg, f) for f in explicit if f in saved}}
     merged.update({f: getattr(cfg, f) for f in RESUME_FRESH})
     merged["out"] = cfg.out or run_dir(cfg.resume)
-    _refuse_checkpoint_code(cfg, merged)
     out = Config(**{k: v for k, v in merged.items() if k in FIELDS})
+    _refuse_checkpoint_code(cfg, out)
     validate(out)
     return out

@@ -17,6 +17,7 @@ except ImportError:  # Windows: runs are not locked
 
 CHECKPOINT = "checkpoint.pt"
 LOCK = ".rlkernels.lock"
+MARKER = ".rlkernels-run"  # written into every folder a run claims: what it may write into again
 RUN_FILES = (CHECKPOINT, "metrics.jsonl", "summary.json")  # what says a folder holds a run
 
 
@@ -57,7 +58,7 @@ class Claim:
             # that creates it anew both hold "the" lock
             self._lock_file.close()
         with contextlib.suppress(OSError):
-            if self.created and os.listdir(self.out) in ([LOCK], []):  # a run that failed before writing anything
+            if self.created and set(os.listdir(self.out)) <= {LOCK, MARKER}:  # a run that wrote nothing
                 shutil.rmtree(self.out)
 
 
@@ -67,6 +68,11 @@ def prepare_out_dir(out: str, resuming: bool = False, overwrite: bool = False) -
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out!r} is a file, not a folder")
     held = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+    theirs = sorted(set(os.listdir(out)) - {LOCK, MARKER}) if os.path.isdir(out) else []
+    if theirs and not held and not os.path.exists(os.path.join(out, MARKER)):  # a model folder, the user's notes
+        shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")
+        raise ValueError(f"--out: {out!r} holds files no run of this trainer wrote ({shown}); a run writes only into "
+                         f"a new or empty folder or a run folder of its own: choose another --out")
     if held and not resuming and not overwrite:
         raise ValueError(f"--out: {out!r} holds a run ({', '.join(held)}); continue it with --resume {out}, "
                          f"replace it with --overwrite, or choose another --out")
@@ -76,6 +82,8 @@ def prepare_out_dir(out: str, resuming: bool = False, overwrite: bool = False) -
         with tempfile.TemporaryFile(dir=out):
             pass
         lock_file = _lock(out)
+        with open(os.path.join(out, MARKER), "w") as f:
+            f.write("a run folder of rlkernels train: --resume continues it, --overwrite replaces it\n")
     except OSError as e:
         raise ValueError(f"--out: cannot write in {out!r} ({e.strerror or e})") from None
     claim = Claim(out, created, lock_file)
