@@ -138,3 +138,51 @@ def test_a_folder_of_the_users_own_files_is_refused(tmp_path):
     claim = run_folder.prepare_out_dir(str(tmp_path / "new"))  # a new folder is claimed, and marked as a run's
     claim.release()
     assert not (tmp_path / "new").exists()  # nothing written: nothing left
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".rlkernels.lock"}
+
+
+def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
+    """Issue 37 item 7: --overwrite replaced files by name, so the old run's other outputs stayed beside the new
+    run's; a file of the user's in the run folder stays, every file the old run wrote (its marker lists them) goes."""
+    from rlkernels.trainer import run_folder
+
+    run(tmp_path, steps=1)
+    run_folder.write_file(str(tmp_path / "old-extra.bin"), "an output only the old run wrote", "w")
+    (tmp_path / "notes.txt").write_text("keep me")  # the user's, written after the run
+    run(tmp_path, steps=2, overwrite=True)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "old-extra.bin" not in names and (tmp_path / "notes.txt").read_text() == "keep me"
+    assert names - set(run_folder.written(str(tmp_path))) == {"notes.txt", ".rlkernels.lock", ".rlkernels-run"}
+    assert "notes.txt" not in run_folder.written(str(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["killed", "failed"])
+def test_an_overwrite_cut_short_before_its_first_checkpoint_gives_the_old_run_back(tmp_path, monkeypatch, how):
+    """Issue 37 item 8: an --overwrite run killed before its first checkpoint left the old checkpoint beside the new
+    run's metrics; --resume then continued the old run over the new rows. Now the old run comes back whole (at
+    the failed run's end, or at the next start after a kill) and --resume continues it."""
+    from rlkernels.trainer import loop, run_folder
+
+    run(tmp_path, steps=2)
+    (tmp_path / "notes.txt").write_text("keep me")
+    before = _files(tmp_path)
+
+    def cut_short(run, step):
+        raise RuntimeError("cut short")  # where the new run's first checkpoint would be written
+
+    monkeypatch.setattr(loop, "save", cut_short)
+    if how == "killed":  # a kill runs no clean-up; the process's end releases the lock
+        monkeypatch.setattr(run_folder.Claim, "release", lambda self: self._lock_file.close())
+    with pytest.raises(RuntimeError, match="cut short"):
+        run(tmp_path, steps=2, overwrite=True, seed=7)
+    monkeypatch.undo()
+    if how == "killed":
+        assert os.path.isdir(tmp_path / run_folder.REPLACED)  # the new run's rows beside the set-aside old run
+        run_folder.prepare_out_dir(str(tmp_path), resuming=True).release()
+    assert _files(tmp_path) == before and not os.path.exists(tmp_path / run_folder.REPLACED)
+    _, rows = run(tmp_path, steps=3, resume=str(tmp_path))
+    old = [json.loads(line) for line in before["metrics.jsonl"].decode().splitlines()]
+    assert rows[:2] == old and [r["step"] for r in rows] == [1, 2, 3]

@@ -23,6 +23,8 @@ def save_checkpoint(path, state):
     """Write `path` atomically: a kill leaves the previous checkpoint or this one, never a torn file."""
     tmp = path + ".tmp"
     try:
+        run_folder.record(tmp)
+        run_folder.record(path)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -59,6 +61,8 @@ def save(run: Run, step: int) -> None:
         "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
                 "python": run.rng.getstate(), "python_global": random.getstate()},
     })
+    if run.folder is not None:
+        run.folder.settle()  # an --overwrite's old run: gone now that this one resumes
     export_model(run, model_state)
 
 

@@ -320,6 +320,8 @@ def summarize(run: Run) -> dict:
                "config": dataclasses.asdict(run.cfg)}
     if run.master:
         write_file(os.path.join(logs.out, "summary.json"), outputs.dumps(summary, indent=2), "w")
+        if run.folder is not None:
+            run.folder.settle()  # a run of no checkpoints (--save-strategy no) replaces the old one here
         with run_folder.writing(logs.out):
             plotted = outputs.plot(outputs.read_metrics(run.metrics_path), os.path.join(logs.out, "metrics.png"),
                                   f"rlkernels.train --algo {logs.algo}", run.reward_fn.label, run.eval_before)

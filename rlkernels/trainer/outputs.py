@@ -9,6 +9,7 @@ import warnings
 from typing import List, Optional
 
 from .._pyplot import pyplot
+from . import run_folder
 
 PLOTTED = (("reward_mean", "reward"), ("kl", "KL to reference"), ("entropy", "entropy"),
            ("clip_frac", "clip fraction"))
@@ -47,6 +48,8 @@ def truncate_metrics(src: str, dst: str, last_step: int) -> List[dict]:
     # into a new file, then renamed over dst (often src itself): a write cut short (a full disk) loses no row
     tmp = dst + ".tmp"
     try:
+        run_folder.record(tmp)
+        run_folder.record(dst)
         with open(tmp, "w") as f:
             f.write("".join(dumps(r) + "\n" for r in rows))
             f.flush()
@@ -98,6 +101,7 @@ def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: Opti
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
+    run_folder.record(path)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True

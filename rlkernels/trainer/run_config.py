@@ -70,8 +70,9 @@ class Config:
     trust_checkpoint_code: bool = _field(False, "--resume: import the --reward files and modules and the --plugin "
                                                 "code the checkpoint names (without it, only code this command "
                                                 "line names is run)")
-    overwrite: bool = _field(False, "replace the run that --out holds (without it, such a folder is refused: "
-                                    "--resume continues it)")
+    overwrite: bool = _field(False, "replace the run that --out holds: what its runs wrote goes once this one has "
+                                    "its first checkpoint, your own files stay (without it, such a folder is "
+                                    "refused: --resume continues it)")
     progress: bool = _field(True, "show a tqdm progress bar (--progress false to hide it)")
     device: str = _field("auto", "auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun cuda is "
                                  "cuda:LOCAL_RANK. A resumed run takes this from its own flags")

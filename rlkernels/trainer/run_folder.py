@@ -1,10 +1,17 @@
 """The run folder (--out): created and checked before any model loads, and written so that a folder that stops
 taking files mid-run (made read-only, a full disk) fails with one line naming --out, not an OSError traceback.
 A folder that holds a run is continued with --resume or replaced with --overwrite, never silently; one run at a
-time writes it (a lock file held while it runs); a run that fails before writing anything leaves no folder."""
+time writes it (a lock file held while it runs); a run that fails before writing anything leaves no folder.
+
+A run writes only into a new or empty folder or one a run marked as its own (MARKER), and the marker lists every
+name a run wrote there (`record`, called before each write): what `--overwrite` removes, and nothing else. An
+overwrite is atomic from the user's view: the old run's files are set aside (REPLACED) and removed only once the
+new run has its first checkpoint (or its summary); a new run that fails before that, or is killed, gives the old
+run back (at its end, or at the next start in the folder)."""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -18,7 +25,32 @@ except ImportError:  # Windows: runs are not locked
 CHECKPOINT = "checkpoint.pt"
 LOCK = ".rlkernels.lock"
 MARKER = ".rlkernels-run"  # written into every folder a run claims: what it may write into again
+REPLACED = ".rlkernels-replaced"  # the run an --overwrite replaces, until the new one has its first checkpoint
 RUN_FILES = (CHECKPOINT, "metrics.jsonl", "summary.json")  # what says a folder holds a run
+OURS = {LOCK, MARKER, REPLACED}
+# what a run wrote, in a folder of a version that kept no list: its logs, checkpoint, trackers and model export
+UNLISTED_RUN_FILES = (*RUN_FILES, CHECKPOINT + ".tmp", "completions.jsonl", "metrics.png", "events.out.tfevents.*",
+                      "wandb", ".hf.tmp", "config.json", "generation_config.json", "model.safetensors",
+                      "model-*-of-*.safetensors", "model.safetensors.index.json", "adapter_config.json",
+                      "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "chat_template.jinja")
+_HEADER = "# a run folder of rlkernels train (--resume continues it, --overwrite replaces it); what runs wrote here:\n"
+
+
+def record(path: str) -> None:
+    """List `path` in its folder's marker as written by a run (before it is written: a kill mid-write leaves it
+    listed). Nothing in a folder without a marker (a file outside a run folder)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    marker = os.path.join(folder, MARKER)
+    if os.path.isfile(marker) and name not in written(folder):
+        with open(marker, "a") as f:
+            f.write(name + "\n")
+
+
+def written(folder: str) -> list:
+    """The names the marker of `folder` lists as written by its runs."""
+    with open(os.path.join(folder, MARKER)) as f:
+        return [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#")]
 
 
 @contextlib.contextmanager
@@ -39,6 +71,7 @@ def writing(out_dir: str):
 def write_file(path: str, text: str, mode: str) -> None:
     """Write or append `text`; a full disk (or a folder gone read-only) is a one-line error naming --out."""
     try:
+        record(path)
         with open(path, mode) as f:
             f.write(text)
     except OSError as e:
@@ -46,53 +79,105 @@ def write_file(path: str, text: str, mode: str) -> None:
 
 
 class Claim:
-    """A run's hold on its folder: the lock, and whether the run created the folder (`release` removes it if the
-    run leaves it empty)."""
+    """A run's hold on its folder: the lock, whether the run created the folder (`release` removes it if the
+    run leaves it empty), and the run an --overwrite set aside (`settle` removes it, `release` gives it back)."""
 
     def __init__(self, out: str, created: bool, lock_file):
         self.out, self.created, self._lock_file = out, created, lock_file
+        self.replacing = False
+
+    def settle(self) -> None:
+        """The new run has a checkpoint (or its summary): the run it replaces is gone for good."""
+        if self.replacing:
+            shutil.rmtree(os.path.join(self.out, REPLACED))
+            self.replacing = False
 
     def release(self) -> None:
+        if self.replacing:  # failed or stopped before its first checkpoint: the folder holds the old run again
+            _give_back_replaced(self.out)
         if self._lock_file is not None:
             # closing releases the lock; the file stays: deleting it would let a run that opened it before and one
             # that creates it anew both hold "the" lock
             self._lock_file.close()
         with contextlib.suppress(OSError):
-            if self.created and set(os.listdir(self.out)) <= {LOCK, MARKER}:  # a run that wrote nothing
+            if self.created and set(os.listdir(self.out)) <= OURS:  # a run that wrote nothing
                 shutil.rmtree(self.out)
 
 
 def prepare_out_dir(out: str, resuming: bool = False, overwrite: bool = False) -> Claim:
-    """Create `out`, check that it takes files (now, not after warm-up and evaluation) and that it holds no
-    other run, and lock it for this run."""
+    """Create `out`, check that it takes files (now, not after warm-up and evaluation), that it is new, empty or a
+    run folder, and that it holds no other run unless resumed or overwritten, and lock it for this run."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out!r} is a file, not a folder")
-    held = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
-    theirs = sorted(set(os.listdir(out)) - {LOCK, MARKER}) if os.path.isdir(out) else []
-    if theirs and not held and not os.path.exists(os.path.join(out, MARKER)):  # a model folder, the user's notes
+    theirs = sorted(set(os.listdir(out)) - OURS) if os.path.isdir(out) else []
+    ours = any(os.path.exists(os.path.join(out, name)) for name in (*RUN_FILES, MARKER, REPLACED))
+    if theirs and not ours:  # a model folder (--out equal to --model), the user's notes
         shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")
         raise ValueError(f"--out: {out!r} holds files no run of this trainer wrote ({shown}); a run writes only into "
                          f"a new or empty folder or a run folder of its own: choose another --out")
-    if held and not resuming and not overwrite:
-        raise ValueError(f"--out: {out!r} holds a run ({', '.join(held)}); continue it with --resume {out}, "
-                         f"replace it with --overwrite, or choose another --out")
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
         lock_file = _lock(out)
-        with open(os.path.join(out, MARKER), "w") as f:
-            f.write("a run folder of rlkernels train: --resume continues it, --overwrite replaces it\n")
     except OSError as e:
         raise ValueError(f"--out: cannot write in {out!r} ({e.strerror or e})") from None
     claim = Claim(out, created, lock_file)
     try:
+        if os.path.isdir(os.path.join(out, REPLACED)):  # an --overwrite killed before its first checkpoint
+            _give_back_replaced(out)
+        held = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+        if held and not resuming and not overwrite:
+            raise ValueError(f"--out: {out!r} holds a run ({', '.join(held)}); continue it with --resume {out}, "
+                             f"replace it with --overwrite, or choose another --out")
+        if held and not resuming:
+            _set_aside(out)
+            claim.replacing = True
+        try:
+            if not os.path.isfile(os.path.join(out, MARKER)):
+                with open(os.path.join(out, MARKER), "w") as f:
+                    f.write(_HEADER)
+        except OSError as e:
+            raise ValueError(f"--out: cannot write in {out!r} ({e.strerror or e})") from None
         _clean_up_cut_short(out)
     except BaseException:
         claim.release()
         raise
     return claim
+
+
+def _set_aside(out: str) -> None:
+    """Move what the runs in `out` wrote (its marker's list; by name in a folder without one) into REPLACED."""
+    aside = os.path.join(out, REPLACED)
+    os.mkdir(aside)
+    marker = os.path.join(out, MARKER)
+    if os.path.isfile(marker):
+        names = written(out)
+        os.replace(marker, os.path.join(aside, MARKER))  # first: a kill from here on leaves no marker of the old run
+    else:
+        names = [n for n in os.listdir(out) if any(fnmatch.fnmatch(n, p) for p in UNLISTED_RUN_FILES)]
+    for name in names:
+        if os.path.lexists(os.path.join(out, name)):
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+
+
+def _give_back_replaced(out: str) -> None:
+    """Undo an --overwrite whose run did not reach its first checkpoint: remove what that run wrote (its marker's
+    list) and move the old run's files back."""
+    aside = os.path.join(out, REPLACED)
+    if os.path.isfile(os.path.join(out, MARKER)):
+        for name in written(out):
+            path = os.path.join(out, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        os.remove(os.path.join(out, MARKER))
+    for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+    os.rmdir(aside)
+    print(f"{out}: the run an --overwrite replaced is back (the new run stopped before its first checkpoint)")
 
 
 def _lock(out: str):

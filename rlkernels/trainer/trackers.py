@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 
+from . import run_folder
 from .run_folder import writing
 
 COLUMNS = ("step", "prompt", "completion", "answer", "reward")  # a completions row
@@ -30,7 +31,10 @@ class TensorBoard:
     def __init__(self, out_dir: str, settings: dict, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        before = set(os.listdir(out_dir))
         self.writer = SummaryWriter(out_dir, purge_step=first_step)
+        for name in set(os.listdir(out_dir)) - before:  # its event file, named by host and time
+            run_folder.record(os.path.join(out_dir, name))
 
     def metrics(self, row: dict) -> None:
         for k, v in _scalars(row).items():
@@ -53,6 +57,7 @@ class WandB:
         import wandb
 
         self.wandb = wandb
+        run_folder.record(os.path.join(out_dir, "wandb"))
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlkernels"),
                               name=os.path.basename(os.path.abspath(out_dir)), dir=out_dir,
                               config=settings, mode=os.environ.get("WANDB_MODE", "offline"))
