@@ -26,6 +26,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 import plugin_objectives  # noqa: E402
 import rlkernels  # noqa: E402
 from doc_blocks import block  # noqa: E402
+from op_calls import count_op_calls, forward_only_in_a_graph  # noqa: E402
 from rlkernels import presets  # noqa: E402
 from rlkernels.integrations import trl as rk_trl  # noqa: E402
 from rlkernels.integrations.trl import RLKernelsGRPOTrainer  # noqa: E402
@@ -283,6 +284,16 @@ def test_two_steps_with_and_without_rlkernels(model_id, dataset, tmp_path):
         torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-6, msg=name)
     start = LlamaForCausalLM.from_pretrained(model_id).state_dict()
     assert max((ref_params[n] - start[n]).abs().max().item() for n in ref_params) > 1e-3, "the steps moved the model"
+
+
+def test_no_forward_in_a_graph_without_its_backward(model_id, dataset, tmp_path, monkeypatch):
+    """Issue 37's memory section: the drop-in's forward-only calls (old and reference log-probs) build no graph, so
+    the two-pass path never writes an N × V gradient that no backward reads."""
+    calls = count_op_calls(monkeypatch, rk_trl, ("linear_token_logprobs", "fused_linear_policy_loss"))
+    RLKernelsGRPOTrainer(model=model_id, reward_funcs=reward_fn, args=_config(tmp_path, max_steps=1),
+                         train_dataset=dataset).train()
+    assert any(c["graph"] for c in calls) and not all(c["graph"] for c in calls)
+    assert not forward_only_in_a_graph(calls)
 
 
 def test_fallbacks_warn_and_keep_trl_loss(model_id, dataset, tmp_path, monkeypatch):
