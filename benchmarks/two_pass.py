@@ -100,7 +100,9 @@ def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=No
     also the Triton backend's (what a GPU user gets without the compiled extension: three passes)."""
     leaf, targets, adv, mask, kw = _inputs(n, vocab, DTYPES[dtype_name], device, extra=int(sliced))
     config = presets.get(preset)
-    paths = [("two", device, True), ("three", device, False)] + ([("triton", "triton", False)] if device == "cuda" else [])
+    paths = [("two", device, True), ("three", device, False)]
+    if device == "cuda":
+        paths.append(("triton", "triton", False))
     steps = {name: _rlkernels_step(backend, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace)
              for name, backend, two_pass in paths}
     if liger is not None:

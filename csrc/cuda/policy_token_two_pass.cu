@@ -4,7 +4,7 @@
 // sm_90: a row of logits is held in the shared memory of a thread-block cluster of C blocks (C = 1: one block, no
 // cluster), the smallest C ∈ {1, 2, 4, 8} whose slice fits cluster::kSliceBudget, so that 3 blocks of 512 threads
 // fit an SM. Each block loads its slice once with 128-bit loads, reduces its partial softmax state, and after a
-// cluster barrier lane i of warp 0 reads block i's partial through distributed shared memory and the warp merges
+// cluster barrier lane i of every warp reads block i's partial through distributed shared memory and the warp merges
 // them in a fixed tree of rank order (cluster::merge_level); thread 0 evaluates the token's loss (rank 0 stores
 // it) and the gradient's coefficients, and the block writes ∂z
 // of its slice from shared memory with 128-bit stores. A block arrives at the second cluster barrier as soon as it

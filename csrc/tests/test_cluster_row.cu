@@ -1,13 +1,13 @@
 // The two-pass cluster kernel's phases (csrc/cuda/cluster_row.cuh) run on the host, without a GPU: for each
 // simulated block of a cluster of C ∈ {1, 2, 4, 8}, every one of its 512 lanes in turn runs phase 1 (the slice
 // into that block's "shared memory", the lanes' states merged into the block's partial); then, past the
-// "barrier", every block runs phase 2 (warp 0's tree merge of the partials, its lanes in lockstep) and phase 3; then every lane of every block
-// phase 4. Against a double-precision reference (the row's m, log s, log-prob, entropy and, from the token's
-// derivatives in double, every element's gradient), for fp32/bf16/fp16, rows aligned or not and of odd V, a cap,
-// −inf entries, the target in the head, the tail or any block's packs, NaN and all −inf rows, a target outside
-// [0, V), the gradient into another buffer, one aligned differently and the logits themselves. Phase 2 must give
-// every block the same bits: the pairwise tree of the partials in rank order, equal to their serial left fold up to
-// rounding. Also the cluster size of plan().
+// "barrier", every block runs phase 2 (a warp's tree merge of the partials, its lanes in lockstep) and phase 3;
+// then every lane of every block phase 4. Against a double-precision reference (the row's m, log s, log-prob,
+// entropy and, from the token's derivatives in double, every element's gradient), for fp32/bf16/fp16, rows
+// aligned or not and of odd V, a cap, −inf entries, the target in the head, the tail or any block's packs, NaN
+// and all −inf rows, a target outside [0, V), the gradient into another buffer, one aligned differently and the
+// logits themselves. Phase 2 must give every block the same bits: the pairwise tree of the partials in rank
+// order, equal to their serial left fold up to rounding. Also the cluster size of plan().
 //
 //   nvcc -O2 -std=c++17 -Icsrc/include -Icsrc/cuda csrc/tests/test_cluster_row.cu -o /tmp/t && /tmp/t
 // (python_tests/test_cuda_compile.py builds and runs it when nvcc exists.)
@@ -41,7 +41,7 @@ using host_rows::name;
 using host_rows::tiny;
 using host_rows::ulp;
 
-// Phase 2 as warp 0 runs it on the device, its 32 lanes in lockstep: lane i < C holds block i's partial (the others
+// Phase 2 as each warp runs it on the device, its 32 lanes in lockstep: lane i < C holds block i's partial (the others
 // the empty state), at each level every lane reads lane i + d's state as __shfl_down_sync gives it (its own past
 // lane 31) before any lane merges, and the target's logit comes from the lane of the target's block.
 cluster::Partial warp_merge(int C, int target_rank, float inv_tau, const std::vector<cluster::Partial>& parts) {
