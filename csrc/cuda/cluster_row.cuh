@@ -5,7 +5,7 @@
 //      row's last read from global memory but for its first and last few elements), and the thread's online
 //      softmax state over its elements (the block reduces them to its partial; block 0 also takes the elements
 //      before the row's first 16-byte boundary, block C − 1 those after its last, from global memory);
-//   2. merge_level: after a cluster barrier, lane i of every warp reads partial i through distributed shared
+//   2. merge_level: after a cluster barrier, lane i of warp 0 reads partial i through distributed shared
 //      memory and the warp merges them in a fixed tree of rank order, so that every block holds the same
 //      (m, s, u), and the target's logit;
 //   3. TwoPassRow: the row's results and the token's loss (rlkernels/token_loss.h), stored by rank 0 only, and
@@ -139,7 +139,7 @@ RLK_HOST_DEVICE __forceinline__ State load_slice(const T* z, int64_t V, const He
   return acc.st;
 }
 
-// Phase 2, on the lanes of a warp (every warp of the block alike): lane i < C holds block i's partial (on the
+// Phase 2, on the lanes of warp 0: lane i < C holds block i's partial (on the
 // device read through distributed shared memory, the C reads at once), and at level d = 1, 2, 4 lane i with
 // i % 2d = 0 and i + d < C merges lane i + d's state into its own, the lower rank on the left. Lane 0 ends with
 // ((p0 p1)(p2 p3))((p4 p5)(p6 p7)): the rank-order fold regrouped (the same merges, log2 C deep rather than

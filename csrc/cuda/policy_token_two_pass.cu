@@ -4,7 +4,7 @@
 // sm_90: a row of logits is held in the shared memory of a thread-block cluster of C blocks (C = 1: one block, no
 // cluster), the smallest C ∈ {1, 2, 4, 8} whose slice fits cluster::kSliceBudget, so that 3 blocks of 512 threads
 // fit an SM. Each block loads its slice once with 128-bit loads, reduces its partial softmax state, and after a
-// cluster barrier lane i of every warp reads block i's partial through distributed shared memory and the warp merges
+// cluster barrier lane i of warp 0 reads block i's partial through distributed shared memory and the warp merges
 // them in a fixed tree of rank order (cluster::merge_level); thread 0 evaluates the token's loss (rank 0 stores
 // it) and the gradient's coefficients, and the block writes ∂z
 // of its slice from shared memory with 128-bit stores. A block arrives at the second cluster barrier as soon as it
@@ -88,14 +88,15 @@ __global__ void __launch_bounds__(kThreads, cluster::kBlocksPerSm)
   } else {
     cl.sync();  // every block's partial written
   }
-  // 2., 3. the partials merged by every warp alike (lane i reads block i's; no branch around the shuffles, so that
-  // the compiler need not guard them against a diverged warp); thread 0's token loss and gradient coefficients
-  {
-    const cluster::Partial& p = C == 1 ? partial : *cl.map_shared_rank(&partial, lane % 32 < C ? lane % 32 : 0);
-    State st = lane % 32 < C ? p.st : rlk::softmax_init<float>();
+  // 2., 3. the partials merged by warp 0 (lane i reads block i's); thread 0's token loss and gradient coefficients.
+  // The warp's index broadcast from its lane 0 is uniform as the compiler sees it: with `lane < 32` it guards the
+  // shuffles against a diverged warp (a fallback path of ~1800 instructions).
+  if (__shfl_sync(~0u, lane / 32, 0) == 0) {
+    const cluster::Partial& p = C == 1 ? partial : *cl.map_shared_rank(&partial, lane < C ? lane : 0);
+    State st = lane < C ? p.st : rlk::softmax_init<float>();
     for (int d = 1; d < C; d *= 2) {
       const State down{__shfl_down_sync(~0u, st.m, d), __shfl_down_sync(~0u, st.s, d), __shfl_down_sync(~0u, st.u, d)};
-      st = cluster::merge_level(st, down, lane % 32, d, C, head.inv_tau);
+      st = cluster::merge_level(st, down, lane, d, C, head.inv_tau);
     }
     const float z_y = __shfl_sync(~0u, p.z_y, target.rank >= 0 ? target.rank : 0);
     if (lane == 0) {

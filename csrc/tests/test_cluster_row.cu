@@ -41,7 +41,7 @@ using host_rows::name;
 using host_rows::tiny;
 using host_rows::ulp;
 
-// Phase 2 as each warp runs it on the device, its 32 lanes in lockstep: lane i < C holds block i's partial (the others
+// Phase 2 as warp 0 runs it on the device, its 32 lanes in lockstep: lane i < C holds block i's partial (the others
 // the empty state), at each level every lane reads lane i + d's state as __shfl_down_sync gives it (its own past
 // lane 31) before any lane merges, and the target's logit comes from the lane of the target's block.
 cluster::Partial warp_merge(int C, int target_rank, float inv_tau, const std::vector<cluster::Partial>& parts) {
