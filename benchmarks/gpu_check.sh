@@ -11,8 +11,9 @@
 #             (benchmarks/junit_summary.py, from the XML or the -v log)
 #   twopass   the CUDA two-pass kernel (sm_90 clusters) against the 3-pass kernels and the reference
 #             (python_tests/test_two_pass_cuda.py), then its resident clusters checked (3 blocks per SM) and
-#             both timed beside Liger at N = 8192, V = 151936, bf16, contiguous and logits[:, :-1]
-#             (benchmarks/two_pass.py)
+#             both timed beside Liger and the Triton backend at N = 8192, V = 151936, bf16 GRPO fwd+bwd,
+#             contiguous and logits[:, :-1]; the verdict against issue 38's goal (<= 1.30 ms) below the
+#             contiguous row (benchmarks/two_pass.py)
 #   probe     mm(bf16, bf16, out_dtype=float32), the GEMM the hidden-state path takes (its value checked),
 #             and which hidden-state design ran (benchmarks/head_probe.py)
 #   head      the benchmark's grpo_linear and grpo_sliced, N = 8192 (T = 512), V = 151936, H = 4096, bf16,
@@ -45,7 +46,7 @@ cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1  # a stage cut at its limit keeps what it printed
 
 ORDER=(setup build tests twopass probe head sliced64 sass counts rest)
-declare -A LIMIT=([setup]=20 [build]=140 [tests]=90 [twopass]=60 [probe]=25 [head]=150 [sliced64]=25 [sass]=15
+declare -A LIMIT=([setup]=20 [build]=140 [tests]=90 [twopass]=70 [probe]=25 [head]=140 [sliced64]=25 [sass]=15
                   [counts]=35 [rest]=10)
 DEADLINE=570  # seconds: a 10-minute command less the time to pack the output and end
 plan() {

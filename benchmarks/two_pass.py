@@ -1,6 +1,7 @@
 """Two passes against three: forward + backward of `fused_policy_loss` with `two_pass=True` and `two_pass=False`,
 interleaved A/B (so that the load of a shared machine falls on both alike), the median of each; on CUDA beside
-Liger-Kernel's Triton GRPO loss (benchmarks/providers.py), contiguous logits and `logits[:, :-1]`.
+Liger-Kernel's Triton GRPO loss (benchmarks/providers.py) and the Triton backend (three passes), contiguous logits and
+`logits[:, :-1]`; at N = 8192, V = 151936, bf16 GRPO it ends with the verdict against issue 38's goal (GOAL: 1.30 ms).
 
     python -m benchmarks.two_pass                         # N = 4096, V = 151936, grpo and dapo, fp32 and bf16, cpu
     python -m benchmarks.two_pass --n 1024 --rounds 3 --presets grpo --dtypes bf16
@@ -57,7 +58,7 @@ def _timed(device, fn):
     return time.perf_counter() - start
 
 
-def _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace):
+def _rlkernels_step(backend, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace):
     """(prepare, step): what each round does before its timing (the gradient cleared; in place, the logits restored
     from a copy), and the timed forward + backward."""
     kept = leaf.detach().clone() if inplace else None
@@ -70,7 +71,7 @@ def _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, slic
 
     def step():
         logits = leaf[:, :-1] if sliced else leaf
-        rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend=device, two_pass=two_pass,
+        rlkernels.fused_policy_loss(logits, targets, adv, mask, config, backend=backend, two_pass=two_pass,
                                     inplace=inplace, **kw).loss.backward()
     return prepare, step
 
@@ -95,11 +96,15 @@ def _liger_step(n, vocab, dtype_name, device):
 
 
 def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=None, inplace=False):
-    """(medians {path: s}, the rounds' times {path: [s]}) of the two-pass, three-pass (and Liger) paths."""
+    """(medians {path: s}, the rounds' times {path: [s]}) of the two-pass, three-pass (and Liger) paths; on CUDA
+    also the Triton backend's (what a GPU user gets without the compiled extension: three passes)."""
     leaf, targets, adv, mask, kw = _inputs(n, vocab, DTYPES[dtype_name], device, extra=int(sliced))
     config = presets.get(preset)
-    steps = {name: _rlkernels_step(device, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace)
-             for name, two_pass in (("two", True), ("three", False))}
+    paths = [("two", device, True), ("three", device, False)]
+    if device == "cuda":
+        paths.append(("triton", "triton", False))
+    steps = {name: _rlkernels_step(backend, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace)
+             for name, backend, two_pass in paths}
     if liger is not None:
         steps["liger"] = liger
     times = {name: [] for name in steps}
@@ -112,6 +117,24 @@ def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=No
             prepare()
             times[name].append(_timed(device, step))
     return {name: statistics.median(t) for name, t in times.items()}, times
+
+
+# Issue 38 item 7's goal for the device run: GRPO fwd+bwd of bf16 logits at N = 8192, V = 151936 on an H200 in at
+# most 1.30 ms (1.5x Liger's measured 1.95 ms), on the cluster kernel and on the Triton path (docs/design.md §7).
+GOAL = dict(preset="grpo", dtype="bf16", n=8192, vocab=151936, layout="contiguous", ms=1.30)
+
+
+def verdict(med, n, vocab, dtype, preset, layout):
+    """The line that says whether this row met GOAL, per path (None for any other case)."""
+    g = GOAL
+    if (preset, dtype, n, vocab, layout) != (g["preset"], g["dtype"], g["n"], g["vocab"], g["layout"]):
+        return None
+    names = {"two": "cluster kernel (cuda, two passes)", "three": "cuda three passes", "triton": "triton path",
+             "liger": "Liger"}
+    parts = [f"{names[k]} {med[k] * 1e3:.3f} ms {'met' if med[k] * 1e3 <= g['ms'] else 'NOT met'}" +
+             (f" ({med['liger'] / med[k]:.2f}x Liger)" if "liger" in med and k != "liger" else "")
+             for k in names if k in med]
+    return f"goal: GRPO fwd+bwd <= {g['ms']:.2f} ms at N = {n}, V = {vocab}, {dtype}: " + "; ".join(parts)
 
 
 # The cluster kernel's design: 3 blocks of 512 threads per SM (csrc/cuda/cluster_row.cuh, kBlocksPerSm).
@@ -157,8 +180,8 @@ def main(argv=None):
             print(line, flush=True)
             status |= not ok
     print(f"| preset | dtype | layout | two passes ({unit}) | three passes ({unit}) | speed-up | Liger ({unit}) | "
-          f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) | triton ({unit}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         for preset in names:
             liger = _liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo" \
@@ -168,10 +191,14 @@ def main(argv=None):
                                      None if inplace else liger, inplace)
                 fmt = lambda ts: " ".join(f"{t * scale:.3g}" for t in ts)  # noqa: E731
                 lig = f"{med['liger'] * scale:.3f} | {med['liger'] / med['two']:.2f}x" if "liger" in med else "- | -"
+                tri = f"{med['triton'] * scale:.3f}" if "triton" in med else "-"
                 print(f"| {preset} | {dtype} | {layout} | {med['two'] * scale:.3f} | "
                       f"{med['three'] * scale:.3f} | {med['three'] / med['two']:.2f}x | {lig} | "
                       f"{min(times['two']) * scale:.3f} / {min(times['three']) * scale:.3f} | "
-                      f"{fmt(times['two'])} / {fmt(times['three'])} |", flush=True)
+                      f"{fmt(times['two'])} / {fmt(times['three'])} | {tri} |", flush=True)
+                line = verdict(med, n, args.vocab, dtype, preset, layout) if args.device == "cuda" else None
+                if line:  # at once, below its row: a stage cut later keeps it
+                    print(line, flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return int(status)
 

@@ -306,6 +306,19 @@ def test_the_benchmark_prints_a_row_per_path_and_layout(capsys):
         assert two > 0 and three > 0 and float(r[5].strip().rstrip("x")) == pytest.approx(three / two, rel=0.02)
 
 
+def test_the_device_run_says_whether_the_goal_was_met():
+    """gpu_check's twopass stage ends its contiguous bf16 GRPO row at N = 8192, V = 151936 with the verdict against
+    issue 38's 1.30 ms, per path; any other case gets none."""
+    from benchmarks import two_pass
+
+    med = {"two": 1.21e-3, "three": 2.05e-3, "triton": 1.31e-3, "liger": 1.95e-3}
+    line = two_pass.verdict(med, 8192, 151936, "bf16", "grpo", "contiguous")
+    assert "<= 1.30 ms" in line and "cluster kernel (cuda, two passes) 1.210 ms met (1.61x Liger)" in line
+    assert "triton path 1.310 ms NOT met (1.49x Liger)" in line and "cuda three passes 2.050 ms NOT met" in line
+    assert two_pass.verdict(med, 8192, 151936, "bf16", "grpo", "sliced") is None
+    assert two_pass.verdict(med, 4096, 151936, "bf16", "grpo", "contiguous") is None
+
+
 def test_grad_scale_is_refused_where_the_written_gradient_would_not_be_the_three_pass_one():
     """Issue 37: fp16 at grad_scale 1e-10 once gave an all-zero gradient, 1e39 NaN in every dtype, bf16 at an
     undeclared 1/3 was rounded twice. Now: outside 2^±64 refused at the call (fp64: 2^±512, 1e39 exact); a

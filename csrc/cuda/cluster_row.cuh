@@ -1,15 +1,18 @@
 // The phases of the two-pass row on sm_90 (policy_token_two_pass.cu; docs/design.md §2, §7): a row held in the
 // shared memory of the C blocks of a thread-block cluster (C = 1: one block, no cluster), read once from global
 // memory and its gradient written once. Per block `rank` of C, per thread `lane` of kThreads:
-//   1. load_slice: the block's slice of 16-byte packs from global into shared memory, and the thread's online
+//   1. load_slice: the block's slice of 16-byte packs from global into shared memory (evict-first loads: the
+//      row's last read from global memory but for its first and last few elements), and the thread's online
 //      softmax state over its elements (the block reduces them to its partial; block 0 also takes the elements
 //      before the row's first 16-byte boundary, block C − 1 those after its last, from global memory);
-//   2. merge_slices: after a cluster barrier, the C partials read through distributed shared memory and merged
-//      in rank order, so that every block holds the same (m, s, u) and the target's logit;
+//   2. merge_level: after a cluster barrier, lane i of warp 0 reads partial i through distributed shared
+//      memory and the warp merges them in a fixed tree of rank order, so that every block holds the same
+//      (m, s, u), and the target's logit;
 //   3. TwoPassRow: the row's results and the token's loss (rlkernels/token_loss.h), stored by rank 0 only, and
 //      the gradient's coefficients at scale·(its derivatives), as the CPU two-pass row takes them;
 //   4. store_slice_grad: ∂z of the slice from shared memory (the first and last elements again from global),
-//      16-byte stores where the output is aligned as the logits are; the target's term by the thread that owns it.
+//      16-byte evict-first stores where the output is aligned as the logits are; the target's term by the thread
+//      that owns it.
 // __host__ __device__ and torch-free: csrc/tests/test_cluster_row.cu runs every block's phase for every lane in
 // turn, with the barriers between the phases, on the host.
 #pragma once
@@ -82,8 +85,9 @@ RLK_HOST_DEVICE inline Owner owner(const Slices& s, int64_t V, int64_t y) {
   return Owner{static_cast<int>(rank), static_cast<int>((k - rank * s.per_block) % kThreadsT)};
 }
 
-// A block's partial: its elements' softmax state, and in the target's block the target's raw logit.
-struct Partial {
+// A block's partial: its elements' softmax state, and in the target's block the target's raw logit; 16 bytes,
+// one distributed-shared-memory load.
+struct alignas(16) Partial {
   State st;
   float z_y;
 };
@@ -111,7 +115,7 @@ RLK_HOST_DEVICE __forceinline__ State load_slice(const T* z, int64_t V, const He
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {  // the loads first, issued together
       const int64_t k = i + int64_t(j) * kThreadsT;
-      if (decltype(full)::value || k < n) raw[j] = rows::load16<uint4>(body + k);
+      if (decltype(full)::value || k < n) raw[j] = rows::load16_stream(body + k);
     }
     float x[kN];
 #pragma unroll
@@ -135,14 +139,14 @@ RLK_HOST_DEVICE __forceinline__ State load_slice(const T* z, int64_t V, const He
   return acc.st;
 }
 
-// Phase 2: the C blocks' partials (peer(r): block r's, through distributed shared memory on the device) merged in
-// rank order, so that every block gets the same bits; the target's logit from its block (NaN for none).
-template <typename Peer>
-RLK_HOST_DEVICE __forceinline__ Partial merge_slices(int C, int target_rank, float inv_tau, const Peer& peer) {
-  Partial all{peer(0).st, NAN};
-  for (int r = 1; r < C; ++r) all.st = rlk::softmax_merge(all.st, peer(r).st, inv_tau);
-  if (target_rank >= 0) all.z_y = peer(target_rank).z_y;
-  return all;
+// Phase 2, on the lanes of warp 0: lane i < C holds block i's partial (on the
+// device read through distributed shared memory, the C reads at once), and at level d = 1, 2, 4 lane i with
+// i % 2d = 0 and i + d < C merges lane i + d's state into its own, the lower rank on the left. Lane 0 ends with
+// ((p0 p1)(p2 p3))((p4 p5)(p6 p7)): the rank-order fold regrouped (the same merges, log2 C deep rather than
+// C − 1), the same bits in every block.
+RLK_HOST_DEVICE __forceinline__ State merge_level(const State& mine, const State& down, int lane, int d, int C,
+                                                  float inv_tau) {
+  return (lane & (2 * d - 1)) == 0 && lane + d < C ? rlk::softmax_merge(mine, down, inv_tau) : mine;
 }
 
 // Phase 3: the row's results and the token's loss; rank 0 stores them (logp, entropy, stats: the two-pass op's
@@ -180,15 +184,23 @@ RLK_HOST_DEVICE __forceinline__ void store_slice_grad(const T* z, T* out, int64_
   if (rank == s.clusters - 1 && lane < V - s.done) one(s.done + lane);
   const int64_t first = s.first(rank), n = s.count(rank);
   T* ob = out + s.head + first * K;
-#pragma unroll 2
-  for (int64_t i = lane; i < n; i += kThreadsT) {
-    float x[K];
+  auto grads = [&](int64_t i, float* x) {
     P::unpack(slice[i], x);
 #pragma unroll
     for (int e = 0; e < K; ++e) x[e] = grad.of(x[e], false);
-    if (vec) {
-      rows::store16(ob + i * K, P::pack(x));
-    } else {
+  };
+  if (vec) {  // two loops, not a branch in one: the aligned loop stays free of the other's 8 narrow stores
+#pragma unroll 2
+    for (int64_t i = lane; i < n; i += kThreadsT) {
+      float x[K];
+      grads(i, x);
+      rows::store16_stream(ob + i * K, P::pack(x));
+    }
+  } else {
+#pragma unroll 2
+    for (int64_t i = lane; i < n; i += kThreadsT) {
+      float x[K];
+      grads(i, x);
 #pragma unroll
       for (int e = 0; e < K; ++e) ob[i * K + e] = P::from_float(x[e]);
     }

@@ -4,8 +4,9 @@
 // sm_90: a row of logits is held in the shared memory of a thread-block cluster of C blocks (C = 1: one block, no
 // cluster), the smallest C ∈ {1, 2, 4, 8} whose slice fits cluster::kSliceBudget, so that 3 blocks of 512 threads
 // fit an SM. Each block loads its slice once with 128-bit loads, reduces its partial softmax state, and after a
-// cluster barrier reads every block's partial through distributed shared memory and merges them in rank order;
-// thread 0 evaluates the token's loss (rank 0 stores it) and the gradient's coefficients, and the block writes ∂z
+// cluster barrier lane i of warp 0 reads block i's partial through distributed shared memory and the warp merges
+// them in a fixed tree of rank order (cluster::merge_level); thread 0 evaluates the token's loss (rank 0 stores
+// it) and the gradient's coefficients, and the block writes ∂z
 // of its slice from shared memory with 128-bit stores. A block arrives at the second cluster barrier as soon as it
 // has read the others' partials and waits on it only before it exits, so that no block's shared memory goes while
 // another reads it. The phases are cluster_row.cuh's, tested on the host (csrc/tests/test_cluster_row.cu).
@@ -87,13 +88,22 @@ __global__ void __launch_bounds__(kThreads, cluster::kBlocksPerSm)
   } else {
     cl.sync();  // every block's partial written
   }
-  // 2., 3. the partials merged in rank order; the token's loss and the gradient's coefficients
-  if (lane == 0) {
-    const cluster::Partial all = cluster::merge_slices(C, target.rank, head.inv_tau, [&](int peer) -> const cluster::Partial& {
-      return C == 1 ? partial : *cl.map_shared_rank(&partial, peer);
-    });
-    const rlk::RowResult<float> res = rlk::softmax_finalize(all.st, rows::head_logit<kCap>(head, all.z_y), head.inv_tau);
-    shared_row = RowShared{res.m, res.log_s, all.z_y, epilogue(row, res, head.inv_tau, rank == 0)};
+  // 2., 3. the partials merged by warp 0 (lane i reads block i's); thread 0's token loss and gradient coefficients.
+  // The warp's index broadcast from its lane 0 is uniform as the compiler sees it: with `lane < 32` it guards the
+  // shuffles against a diverged warp (a fallback path of ~1800 instructions).
+  if (__shfl_sync(~0u, lane / 32, 0) == 0) {
+    const cluster::Partial& p = C == 1 ? partial : *cl.map_shared_rank(&partial, lane < C ? lane : 0);
+    State st = lane < C ? p.st : rlk::softmax_init<float>();
+    for (int d = 1; d < C; d *= 2) {
+      const State down{__shfl_down_sync(~0u, st.m, d), __shfl_down_sync(~0u, st.s, d), __shfl_down_sync(~0u, st.u, d)};
+      st = cluster::merge_level(st, down, lane, d, C, head.inv_tau);
+    }
+    const float z_y = __shfl_sync(~0u, p.z_y, target.rank >= 0 ? target.rank : 0);
+    if (lane == 0) {
+      const float zy = target.rank >= 0 ? z_y : NAN;
+      const rlk::RowResult<float> res = rlk::softmax_finalize(st, rows::head_logit<kCap>(head, zy), head.inv_tau);
+      shared_row = RowShared{res.m, res.log_s, zy, epilogue(row, res, head.inv_tau, rank == 0)};
+    }
   }
   __syncthreads();
   if (C > 1) cluster_arrive();  // this block reads no other's shared memory any more

@@ -48,6 +48,27 @@ RLK_HOST_DEVICE __forceinline__ void store16(T* p, const V& v) {
 #endif
 }
 
+// The same, with an evict-first hint (ld/st.global.cs): for the two-pass kernel's logits, read once into shared
+// memory, and its gradient, written once: 2 × N·V elements through a 50 MB L2 of which none is reused, so they
+// go first and leave in L2 what is (the per-row inputs, the lines that neighbouring rows share).
+template <typename T>
+RLK_HOST_DEVICE __forceinline__ uint4 load16_stream(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+#else
+  return load16<uint4>(p);
+#endif
+}
+
+template <typename T>
+RLK_HOST_DEVICE __forceinline__ void store16_stream(T* p, const uint4& v) {
+#if defined(__CUDA_ARCH__)
+  __stcs(reinterpret_cast<uint4*>(p), v);
+#else
+  store16(p, v);
+#endif
+}
+
 template <typename To, typename From>
 RLK_HOST_DEVICE __forceinline__ To bit_cast(const From& from) {  // a register move on the device
   static_assert(sizeof(To) == sizeof(From), "bit_cast: sizes differ");

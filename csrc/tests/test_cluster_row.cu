@@ -1,12 +1,13 @@
 // The two-pass cluster kernel's phases (csrc/cuda/cluster_row.cuh) run on the host, without a GPU: for each
 // simulated block of a cluster of C ∈ {1, 2, 4, 8}, every one of its 512 lanes in turn runs phase 1 (the slice
 // into that block's "shared memory", the lanes' states merged into the block's partial); then, past the
-// "barrier", every block runs phase 2 on all the blocks' partials and phase 3; then every lane of every block
-// phase 4. Against a double-precision reference (the row's m, log s, log-prob, entropy and, from the token's
-// derivatives in double, every element's gradient), for fp32/bf16/fp16, rows aligned or not and of odd V, a cap,
-// −inf entries, the target in the head, the tail or any block's packs, NaN and all −inf rows, a target outside
-// [0, V), the gradient into another buffer, one aligned differently and the logits themselves. Phase 2 must give
-// every block the same bits: the left fold of the partials in rank order. Also the cluster size of plan().
+// "barrier", every block runs phase 2 (a warp's tree merge of the partials, its lanes in lockstep) and phase 3;
+// then every lane of every block phase 4. Against a double-precision reference (the row's m, log s, log-prob,
+// entropy and, from the token's derivatives in double, every element's gradient), for fp32/bf16/fp16, rows
+// aligned or not and of odd V, a cap, −inf entries, the target in the head, the tail or any block's packs, NaN
+// and all −inf rows, a target outside [0, V), the gradient into another buffer, one aligned differently and the
+// logits themselves. Phase 2 must give every block the same bits: the pairwise tree of the partials in rank
+// order, equal to their serial left fold up to rounding. Also the cluster size of plan().
 //
 //   nvcc -O2 -std=c++17 -Icsrc/include -Icsrc/cuda csrc/tests/test_cluster_row.cu -o /tmp/t && /tmp/t
 // (python_tests/test_cuda_compile.py builds and runs it when nvcc exists.)
@@ -40,11 +41,29 @@ using host_rows::name;
 using host_rows::tiny;
 using host_rows::ulp;
 
-// The blocks' partials as phase 2 reads them (on the device, through distributed shared memory).
-struct Peers {
-  const cluster::Partial* parts;
-  RLK_HOST_DEVICE const cluster::Partial& operator()(int rank) const { return parts[rank]; }
-};
+// Phase 2 as warp 0 runs it on the device, its 32 lanes in lockstep: lane i < C holds block i's partial (the others
+// the empty state), at each level every lane reads lane i + d's state as __shfl_down_sync gives it (its own past
+// lane 31) before any lane merges, and the target's logit comes from the lane of the target's block.
+cluster::Partial warp_merge(int C, int target_rank, float inv_tau, const std::vector<cluster::Partial>& parts) {
+  State st[32];
+  for (int lane = 0; lane < 32; ++lane) st[lane] = lane < C ? parts[lane].st : rlk::softmax_init<float>();
+  for (int d = 1; d < C; d *= 2) {
+    State down[32];
+    for (int lane = 0; lane < 32; ++lane) down[lane] = st[lane + d < 32 ? lane + d : lane];
+    for (int lane = 0; lane < 32; ++lane) st[lane] = cluster::merge_level(st[lane], down[lane], lane, d, C, inv_tau);
+  }
+  return cluster::Partial{st[0], target_rank >= 0 ? parts[target_rank].z_y : NAN};
+}
+
+// The order phase 2 must merge in, written out independently of merge_level: the partials [lo, hi) split at the
+// largest power of two below hi − lo ((p0 p1)(p2 p3)) for C = 4, the lower half on the left.
+State pairwise_tree(const std::vector<cluster::Partial>& parts, int lo, int hi, float inv_tau) {
+  if (hi - lo == 1) return parts[lo].st;
+  int half = 1;
+  while (2 * half < hi - lo) half *= 2;
+  return rlk::softmax_merge(pairwise_tree(parts, lo, lo + half, inv_tau), pairwise_tree(parts, lo + half, hi, inv_tau),
+                            inv_tau);
+}
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
@@ -147,16 +166,21 @@ void check(long V, int offset, int C, int pattern, int where, int h_kind, int ou
     }
   }
   // --- barrier: phases 2 and 3 in every block
-  State fold = parts[0].st;
+  const State tree = pairwise_tree(parts, 0, C, inv_tau);
+  State fold = parts[0].st;  // the serial rank-order fold the warp's tree regroups
   for (int r = 1; r < C; ++r) fold = rlk::softmax_merge(fold, parts[r].st, inv_tau);
+  if (!nan && pattern != 7 && !(std::fabs(tree.s - fold.s) <= 1e-6f * fold.s && tree.m == fold.m &&
+                                std::fabs(tree.u - fold.u) <= 1e-5f * (std::fabs(fold.u) + fold.s))) {
+    fail("merge: the tree is not the serial fold up to rounding", dt, C, V, offset, -1, tree.s, fold.s);
+  }
   std::vector<rlk::RowResult<float>> res(C);
   std::vector<rlk::GradCoeffs<float>> coeffs(C);
   std::vector<float> z_y(C);
   float stored_logp = 0, stored_entropy = 0;
   for (int rank = 0; rank < C; ++rank) {
-    const cluster::Partial all = cluster::merge_slices(C, owner.rank, inv_tau, Peers{parts.data()});
-    if (!same_bits(all.st.m, fold.m) || !same_bits(all.st.s, fold.s) || !same_bits(all.st.u, fold.u)) {
-      fail("merge: not the rank-order fold of the partials", dt, C, V, offset, rank, all.st.s, fold.s);
+    const cluster::Partial all = warp_merge(C, owner.rank, inv_tau, parts);
+    if (!same_bits(all.st.m, tree.m) || !same_bits(all.st.s, tree.s) || !same_bits(all.st.u, tree.u)) {
+      fail("merge: not the pairwise rank-order tree of the partials", dt, C, V, offset, rank, all.st.s, tree.s);
     }
     res[rank] = rlk::softmax_finalize(all.st, rows::head_logit<kCap>(hd, all.z_y), inv_tau);
     coeffs[rank] = token.epilogue(h_kind, scale)(0, res[rank], inv_tau, rank == 0);
