@@ -120,8 +120,10 @@ _BAND = """
 lo = 1 - clip_low
 hi = 1 + clip_high
 """
+# δ as a clamp (w ≥ 0), not a minimum: at w = δ the whole gradient passes, as TRL's clamp(max=δ); the dual clip's
+# minimum halves it at a tie, as torch.minimum (verl's torch.min) does.
 _CLIP_FORMULA = _BAND + """
-unclipped = -adv*minimum(w, delta)
+unclipped = -adv*clamp(w, 0, delta)
 clipped = -adv*clamp(w, lo, hi)
 ppo = maximum(unclipped, clipped)
 cap = -dual_clip*where(adv < 0, adv, -1)
