@@ -17,8 +17,8 @@ import torch
 
 from token_loss_cases import (  # sets TRITON_INTERPRET=1 before triton is imported where there is no GPU
     BAD_LOSS_SCALARS, BOUNDARY_CASES, BRANCHES, BY_NAME, CASES, CLIP_HIGH, CLIP_LOW, ENTROPY, KL, LOSS, NAN_CASES,
-    PADDING, RATIO, boundary_inputs, branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches, params, registry_cases, seed,
-    shape_params, spec, token_args, with_nan_fields,
+    PADDING, RATIO, boundary_inputs, branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches,
+    params, registry_cases, seed, shape_params, spec, token_args, with_nan_fields,
 )
 from rlkernels.kernels import cpu, cuda
 from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS, OBJECTIVES

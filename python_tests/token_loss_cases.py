@@ -706,7 +706,8 @@ BOUNDARY_CASES = {
 @functools.lru_cache(maxsize=None)
 def exp_point(target: float, dtype: torch.dtype) -> Tuple[float, float]:
     """(r, v): r in `dtype` near log(target), with ℓ_old = −3 and ℓ = ℓ_old + r both exact there, whose e^r is
-    within 1e-3 ulp of v in `dtype` (mpmath's e^r, 50 digits) and numpy's e^r is v. Tried at log(target·(1 + j·1e-6)): consecutive r
+    within 1e-3 ulp of v in `dtype` (mpmath's e^r, 50 digits) and numpy's e^r is v. Tried at
+    log(target·(1 + j·1e-6)): consecutive r
     would move e^r by a nearly constant fraction of an ulp."""
     import mpmath
     mpmath.mp.dps = 50

@@ -108,8 +108,9 @@ class Entry:
     # The per-token formula, once: lines `name = expression` defining the surrogate s and the flags flag_low /
     # flag_high, of ℓ (logp), ℓ_old, A (adv), w, d = ℓ − ℓ_old, chosen and the parameters; kernels/derive_token_loss.py
     # says the language. gen_token_loss_header derives ∂s/∂ℓ from it and writes the kernels' branches
-    # (triton/token_loss_surrogates.py, token_loss_surrogates.h) and the PyTorch spec (losses/token_formulas.py). A guard is part of the formula: the dual clip's cap
-    # −c·A is written with A = −1 where A ≥ 0, as inf·0 would be NaN in the lane `where` does not take.
+    # (triton/token_loss_surrogates.py, token_loss_surrogates.h) and the PyTorch spec (losses/token_formulas.py).
+    # A guard is part of the formula: the dual clip's cap −c·A is written with A = −1 where A ≥ 0, as inf·0 would be
+    # NaN in the lane `where` does not take.
     formula: str = ""
 
 

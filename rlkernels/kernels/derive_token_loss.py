@@ -11,8 +11,8 @@ the unclamped d = ℓ − ℓ_old (`d`), Clip-Cov's and KL-Cov's `chosen`, and t
 a factor: NaN stays NaN), `sigmoid`, `exp`, `log`, `Abs`, `Ne`. The derivative follows torch's autograd rules,
 which the spec (losses/) is differentiated by: clamp passes the gradient on its closed interval; minimum / maximum
 pass it to the smaller / larger argument, half to each on a tie (torch.minimum's rule, which reference.py and verl's
-dual clip have; a bound that must pass all of it is a clamp, as δ's) and to both where either is NaN; `where` passes it to the branch it takes; a gradient a clamp or a
-`where` stops is 0, even through a NaN factor. w's gradient reaches ℓ as `through_w` does: times w where the
+dual clip have; a bound that must pass all of it is a clamp, as δ's) and to both where either is NaN; `where`
+passes it to the branch it takes; a gradient a clamp or a `where` stops is 0, even through a NaN factor. w's gradient reaches ℓ as `through_w` does: times w where the
 clamp of r passes (`r_passes`), else 0.
 """
 from __future__ import annotations
