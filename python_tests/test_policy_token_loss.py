@@ -16,15 +16,17 @@ import pytest
 import torch
 
 from token_loss_cases import (  # sets TRITON_INTERPRET=1 before triton is imported where there is no GPU
-    BAD_LOSS_SCALARS, BRANCHES, BY_NAME, CASES, CLIP_HIGH, CLIP_LOW, ENTROPY, KL, LOSS, NAN_CASES, PADDING,
-    branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches, params, registry_cases, seed,
-    shape_params, spec, token_args, with_nan_fields,
+    BAD_LOSS_SCALARS, BOUNDARY_CASES, BRANCHES, BY_NAME, CASES, CLIP_HIGH, CLIP_LOW, ENTROPY, KL, LOSS, NAN_CASES,
+    PADDING, RATIO, boundary_inputs, branch_gaps, close, close_to_spec, draw_inputs, make_case, missing_branches,
+    params, registry_cases, seed, shape_params, spec, token_args, with_nan_fields,
 )
 from rlkernels.kernels import cpu, cuda
 from rlkernels.kernels.token_loss_params import KL_NONE, NUM_STATS, OBJECTIVES
 from rlkernels.losses import objectives
 from rlkernels.losses import PolicyLossConfig
 from rlkernels.ops.kernel_params import token_loss_params
+from rlkernels import reference
+from rlkernels.losses import policy_loss
 
 # The interpreter evaluates the Triton kernel in numpy: an inf·0 or inf − inf in a lane that
 # tl.where discards (padding read by mistake) warns, and fails the test.
@@ -293,3 +295,55 @@ def test_cuda_bad_tensors_and_devices_name_the_argument(backend):
     # CPU log-probs with CUDA inputs go to the CUDA implementation, which names them.
     with pytest.raises(ValueError, match=_names("logp")):
         _call_args(cuda, {**a, "logp": a["logp"].cpu()})
+
+
+# --- exact bounds, against reference.py ------------------------------------------------------------------------------
+
+def _reference_at_bounds(name, dtype):
+    """(config, inputs, loss, ∂loss/∂ℓ, clip fractions) of reference.py at BOUNDARY_CASES[name], in `dtype`."""
+    config, logp, old, adv, mask = boundary_inputs(BOUNDARY_CASES[name], dtype)
+    lp = logp.clone().requires_grad_()
+    loss, metrics = reference.policy_loss(lp, adv, mask, config, old_logp=old)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return config, (logp, old, adv, mask), loss, grad, (metrics["clip_frac_low"], metrics["clip_frac_high"])
+
+
+_BOUND_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-7), torch.float64: dict(rtol=1e-13, atol=1e-15)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", list(BOUNDARY_CASES))
+def test_spec_at_exact_bounds_matches_the_reference(name, dtype):
+    """The torch backend's loss (policy_loss of losses/, the generated token_formulas) on the bounds: its value,
+    autograd's gradient and the clip fractions as reference.py's."""
+    config, (logp, old, adv, mask), loss, grad, fracs = _reference_at_bounds(name, dtype)
+    lp = logp.clone().requires_grad_()
+    out = policy_loss(lp, adv, mask, config, old_logp=old)
+    (g,) = torch.autograd.grad(out.loss, lp)
+    torch.testing.assert_close(out.loss, loss, **_BOUND_TOL[dtype])
+    torch.testing.assert_close(g, grad, **_BOUND_TOL[dtype])
+    assert (out.metrics["clip_frac_low"].item(), out.metrics["clip_frac_high"].item()) == tuple(f.item() for f in fracs)
+
+
+@pytest.mark.parametrize("backend", params())
+@pytest.mark.parametrize("name", list(BOUNDARY_CASES))
+def test_kernels_at_exact_bounds_match_the_reference(name, backend):
+    """policy_token_loss on the bounds (w exactly 1 − ε_low, 1 + ε_high, δ, the dual clip; ℓ − ℓ_old exactly ±c):
+    the loss, the gradient and the flags of each token as reference.py's in the op's dtype. The kernels' derivative
+    is generated (kernels/derive_token_loss.py): a clamp's interval open where it is closed, or a tie of min / max
+    given wholly to one side, fails here."""
+    acc, device = backend.acc, backend.device
+    config, (logp, old, adv, mask), loss, grad, fracs = _reference_at_bounds(name, acc)
+    n = mask.numel()
+    flat = lambda x: x.reshape(-1).to(device)  # noqa: E731
+    weight = torch.full((n,), 1.0 / n, dtype=acc, device=device)
+    grad_logp, _, stats = backend.kernels.policy_token_loss(flat(logp), None, flat(mask), weight, flat(adv),
+                                                            flat(old), None, token_loss_params(config))
+    w = torch.exp(torch.clamp(logp - old, -config.log_ratio_clamp, config.log_ratio_clamp)).reshape(-1)
+    if not torch.equal(stats[:, RATIO].cpu(), w):  # a GPU's exp may round e^r to a neighbour of the bound
+        assert device == "cuda", f"{backend.name}: the op's w is not torch's e^r"
+        pytest.skip(f"{backend.name}: its e^r is not torch's, the bound not met")
+    torch.testing.assert_close(stats[:, LOSS].sum().cpu(), loss, **_BOUND_TOL[acc])
+    torch.testing.assert_close(grad_logp.cpu(), grad.reshape(-1), **_BOUND_TOL[acc])
+    assert tuple(stats[:, col].double().mean().item() for col in (CLIP_LOW, CLIP_HIGH)) == \
+        tuple(f.item() for f in fracs)

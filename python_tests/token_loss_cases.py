@@ -19,6 +19,7 @@ a lane that `tl.where` discards fails a test). The interpreter is slow: its shap
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Optional, Tuple
@@ -29,6 +30,7 @@ if not torch.cuda.is_available():
     # Must precede the first import of triton: @triton.jit picks the interpreter at decoration.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy  # noqa: E402
 import pytest  # noqa: E402
 
 from rlkernels.kernels import cpu, cuda, token_loss_params as P, torch_chunked  # noqa: E402
@@ -659,3 +661,78 @@ BAD_LOSS_SCALARS = [
     ("gppo_beta_high", dict(gppo_beta_high=math.nan)),
     ("gppo_beta_high", dict(gppo_beta_high=math.inf)),
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Exact bounds: w exactly on 1 − ε_low, 1 + ε_high, δ or the dual clip c, and ℓ − ℓ_old exactly ±c, where the
+# derivative is autograd's convention, not a limit: a clamp passes the gradient on its closed interval, min / max
+# give half to each side of a tie (PPO's max(u, k) ties on the whole band, the dual clip's min at w = c), a flag
+# is strict. The random cases above stay away from these points; these sit on them, and are checked against
+# reference.py (values, gradients and flags), in the op's own dtype so that it sees the same w.
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    fields: tuple  # the PolicyLossConfig's (name, value) pairs, agg token_mean
+    log_ratio: Tuple[float, ...] = (0.0,)  # ℓ − ℓ_old of each row's tokens, exact in every dtype
+    on_dual_clip: bool = False  # instead: w = dual_clip = v of `exp_point(3)`, in the op's dtype
+
+
+_BOUNDARY_ADV = (-1.5, -0.5, 0.75, 2.0)  # each row's tokens: both signs of A on every point
+
+
+def _boundary(log_ratio=(0.0,), on_dual_clip=False, **config):
+    PolicyLossConfig(**config)  # valid
+    return Boundary(tuple(config.items()), tuple(log_ratio), on_dual_clip)
+
+
+# w = e^0 = 1 exactly on every backend: ε = 0 puts a bound there, δ = 1 the delta; for the dual clip
+# (c > 1) the log-ratio is one whose e^r lies within 1e-3 ulp of a number v (exp_point), which every faithful exp
+# rounds to: then w = v = c in the op too.
+BOUNDARY_CASES = {
+    "clip_w_on_low": _boundary(clip_low=0.0, clip_high=0.2),
+    "clip_w_on_high": _boundary(clip_low=0.2, clip_high=0.0),
+    "clip_w_on_delta": _boundary(clip_low=0.2, clip_high=0.2, delta=1.0),
+    "clip_w_on_dual_clip": _boundary(on_dual_clip=True, clip_low=0.2, clip_high=0.2, dual_clip=3.0),
+    "clip_r_on_log_ratio_clamp": _boundary((0.5, -0.5), clip_low=0.9, clip_high=1.0, log_ratio_clamp=0.5),
+    "gppo_w_on_both": _boundary(objective="gppo", clip_low=0.0, clip_high=0.0),
+    "gppo_w_on_dual_clip": _boundary(on_dual_clip=True, objective="gppo", clip_low=0.2, clip_high=0.2,
+                                     dual_clip=3.0),
+    "cispo_w_on_both": _boundary(objective="cispo", clip_low=0.0, clip_high=0.0),
+    "topr_w_on_one": _boundary(objective="topr", clip_low=None, clip_high=None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def exp_point(target: float, dtype: torch.dtype) -> Tuple[float, float]:
+    """(r, v): r in `dtype` near log(target), with ℓ_old = −3 and ℓ = ℓ_old + r both exact there, whose e^r is
+    within 1e-3 ulp of v in `dtype` (mpmath's e^r, 50 digits) and numpy's e^r is v. Tried at
+    log(target·(1 + j·1e-6)): consecutive r
+    would move e^r by a nearly constant fraction of an ulp."""
+    import mpmath
+    mpmath.mp.dps = 50
+    ulp = torch.finfo(dtype).eps * 2  # of numbers in [2, 4)
+    for j in range(100_000):
+        r = float(torch.tensor(math.log(target * (1 + j * 1e-6)), dtype=dtype))
+        if float(torch.tensor(r - 3.0, dtype=dtype)) != r - 3.0:
+            continue
+        exact = mpmath.exp(mpmath.mpf(r))
+        v = float(torch.tensor(float(exact), dtype=torch.float64).to(dtype))
+        # numpy's exp (the Triton interpreter's) is not faithful: it must round to v too
+        if 2 <= v < 4 and abs(exact - v) < 1e-3 * ulp and float(numpy.exp(numpy.dtype(str(dtype)[6:]).type(r))) == v:
+            return r, v
+    raise AssertionError(f"no exp point near {target}")
+
+
+def boundary_inputs(case: Boundary, dtype: torch.dtype):
+    """(config, logp, old_logp, adv, mask) in `dtype`: one row per log-ratio, a token per advantage."""
+    fields, r = dict(case.fields), list(case.log_ratio)
+    if case.on_dual_clip:
+        r, fields["dual_clip"] = exp_point(fields["dual_clip"], dtype)
+        r = [r]
+    config = PolicyLossConfig(agg="token_mean", **fields)
+    old = torch.full((len(r), len(_BOUNDARY_ADV)), -3.0, dtype=dtype)
+    logp = old + torch.tensor(r, dtype=dtype)[:, None]
+    assert torch.equal(logp - old, torch.tensor(r, dtype=dtype)[:, None].expand_as(old)), "ℓ − ℓ_old not exact"
+    adv = torch.tensor(_BOUNDARY_ADV, dtype=dtype).expand_as(old).clone()
+    return config, logp, old, adv, torch.ones_like(old, dtype=torch.bool)

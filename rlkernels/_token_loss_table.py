@@ -108,8 +108,9 @@ class Entry:
     # The per-token formula, once: lines `name = expression` defining the surrogate s and the flags flag_low /
     # flag_high, of ℓ (logp), ℓ_old, A (adv), w, d = ℓ − ℓ_old, chosen and the parameters; kernels/derive_token_loss.py
     # says the language. gen_token_loss_header derives ∂s/∂ℓ from it and writes the kernels' branches
-    # (triton/token_loss_surrogates.py, token_loss_surrogates.h). A guard is part of the formula: the dual clip's cap
-    # −c·A is written with A = −1 where A ≥ 0, as inf·0 would be NaN in the lane `where` does not take.
+    # (triton/token_loss_surrogates.py, token_loss_surrogates.h) and the PyTorch spec (losses/token_formulas.py).
+    # A guard is part of the formula: the dual clip's cap −c·A is written with A = −1 where A ≥ 0, as inf·0 would be
+    # NaN in the lane `where` does not take.
     formula: str = ""
 
 
@@ -120,8 +121,10 @@ _BAND = """
 lo = 1 - clip_low
 hi = 1 + clip_high
 """
+# δ as a clamp (w ≥ 0), not a minimum: at w = δ the whole gradient passes, as TRL's clamp(max=δ); the dual clip's
+# minimum halves it at a tie, as torch.minimum (verl's torch.min) does.
 _CLIP_FORMULA = _BAND + """
-unclipped = -adv*minimum(w, delta)
+unclipped = -adv*clamp(w, 0, delta)
 clipped = -adv*clamp(w, lo, hi)
 ppo = maximum(unclipped, clipped)
 cap = -dual_clip*where(adv < 0, adv, -1)

@@ -94,8 +94,8 @@ class Kernels(Protocol):
             approx_kl = k3(clamp(ℓ_old − ℓ, −c, c)),  ratio = w
 
         Derivatives follow torch's autograd of `losses/` (clamp passes the gradient on its closed
-        interval, max / min take the larger / smaller branch). Outputs, all in the accumulation dtype:
-        ``logp, entropy (N,)`` and ``lse_parts (N, 2)`` as in the forward; ``grad_logp (N,) = w_agg·∂s/∂ℓ``,
+        interval, max / min take the larger / smaller branch and give half to each on a tie). Outputs, all in
+        the accumulation dtype: ``logp, entropy (N,)`` and ``lse_parts (N, 2)`` as in the forward; ``grad_logp (N,) = w_agg·∂s/∂ℓ``,
         ``grad_entropy (N,) = w_agg·∂s/∂H = −w_agg·c_H`` (0 where masked); ``stats (N, 7)``, columns
         ``token_loss_params.STATS``: w_agg·s, then clip_low, clip_high, ratio, approx_kl, kl, H, each
         0 where masked (so ``stats.sum(0)`` gives the loss and the metrics' masked sums, and

@@ -10,9 +10,9 @@ the unclamped d = ℓ − ℓ_old (`d`), Clip-Cov's and KL-Cov's `chosen`, and t
 `sg` (stop-gradient), `clamp`, `minimum`, `maximum`, `where`, `select` (a boolean where), `mask` (a boolean as 0/1,
 a factor: NaN stays NaN), `sigmoid`, `exp`, `log`, `Abs`, `Ne`. The derivative follows torch's autograd rules,
 which the spec (losses/) is differentiated by: clamp passes the gradient on its closed interval; minimum / maximum
-pass it to the smaller / larger argument, to the first on a tie (there torch halves it; the hand-derived kernels made
-the same choice) and to both where either is NaN; `where` passes it to the branch it takes; a gradient a clamp or a
-`where` stops is 0, even through a NaN factor. w's gradient reaches ℓ as `through_w` does: times w where the
+pass it to the smaller / larger argument, half to each on a tie (torch.minimum's rule, which reference.py and verl's
+dual clip have; a bound that must pass all of it is a clamp, as δ's) and to both where either is NaN; `where`
+passes it to the branch it takes; a gradient a clamp or a `where` stops is 0, even through a NaN factor. w's gradient reaches ℓ as `through_w` does: times w where the
 clamp of r passes (`r_passes`), else 0.
 """
 from __future__ import annotations
@@ -164,8 +164,9 @@ class _Derivative:
             return sp.Piecewise((self(a), (a >= lo) & (a <= hi)), (0, True))
         if isinstance(e, (minimum, maximum)):
             a, b = e.args
-            other_wins = b < a if isinstance(e, minimum) else b > a
-            return sp.Piecewise((self(b), other_wins), (self(a), ordered(a, b)), (self(a) + self(b), True))
+            a_wins, b_wins = (a < b, b < a) if isinstance(e, minimum) else (a > b, b > a)
+            return sp.Piecewise((self(b), b_wins), (self(a), a_wins), ((self(a) + self(b)) / 2, ordered(a, b)),
+                                (self(a) + self(b), True))
         if isinstance(e, sp.Piecewise):
             return sp.Piecewise(*[(self(value), cond) for value, cond in e.args])
         raise TypeError(f"no derivative rule for {type(e).__name__}: {e}")
@@ -467,19 +468,29 @@ def render_cpp(derived=None) -> str:
 
 
 class TorchPrinter(Printer):
-    """The spec: the value in PyTorch, which autograd differentiates (sg: detach)."""
+    """The spec: the value in PyTorch, which autograd differentiates (sg: detach). `numbers`: the locals that are
+    Python numbers (of the parameters alone, as lo and hi)."""
     cpp = False
+    numbers: set = set()
     where_precedence = 7
-    inputs = dict(logp="b.logp", old_logp="b.old_logp", adv="b.adv", d="(b.logp - b.old_logp)")
+    inputs = dict(logp="b.logp", old_logp="b.old_logp", adv="b.adv", d="b.logp - b.old_logp")
     names = dict(exp="torch.exp", log="torch.log", abs="torch.abs", sigmoid="torch.sigmoid", clamp="torch.clamp",
                  minimum="_minimum", maximum="_maximum")
 
     def _print(self, e):
         if isinstance(e, sp.Symbol) and e.name in self.inputs:
-            return self.inputs[e.name], 7
+            return self.inputs[e.name], 4 if e.name == "d" else 7
         if isinstance(e, sg):
             return f"{self(e.args[0], 7)}.detach()", 7
+        if isinstance(e, sp.Piecewise) and len(e.args) == 2 and not any(self._tensor(v) for v, _ in e.args):
+            # two numbers: torch.where would make a float32 tensor of them, the first as w's dtype keeps fp64
+            (a, cond), (b, _) = e.args
+            return self.where(self(cond, 1), f"w.new_tensor({self(a)})", self(b)), self.where_precedence
         return super()._print(e)
+
+    def _tensor(self, e) -> bool:
+        """e reads an input or a formula's local (else it is a number of the parameters)."""
+        return any(s.name not in self.params | self.numbers | set(CONSTANTS) for s in e.free_symbols)
 
     def param(self, name):
         return f"_param(cfg, {name!r})"
@@ -504,7 +515,6 @@ class TorchPrinter(Printer):
 
 
 TORCH_FILE = ("rlkernels", "losses", "token_formulas.py")
-SPEC_LESS = {"clip_cov", "kl_cov"}  # they read `chosen`, the covariance choice over the batch (surrogates.py)
 
 
 def render_torch() -> str:
@@ -512,10 +522,11 @@ def render_torch() -> str:
     t = TorchPrinter()
     lines = ['"""' + GENERATED, "",
              "Each objective's surrogate `f(w, b, cfg) -> Surrogate` at the importance weight w (B, T), its value",
-             "from the table's formula; autograd gives its derivative. objectives.py declares with these the table's",
-             "objectives that have no hand-written surrogate. Clip-Cov and KL-Cov are not here: they read the",
-             "covariance choice over the whole batch (surrogates.py).", '"""',
-             "import math", "", "import torch", "", "from .batch import Batch", "from .surrogates import Surrogate",
+             "from the table's formula; autograd gives its derivative. This is the spec of every objective of the",
+             "table: objectives.py declares them with these, at each ratio they take. Clip-Cov's and KL-Cov's also",
+             "take `chosen` (B, T), the outcome of their covariance choice over the whole batch, which no per-token",
+             "formula can make (surrogates.py makes it).", '"""',
+             "import math", "", "import torch", "", "from .batch import Batch, Surrogate",
              "", "", "def _param(cfg, name):",
              '    """The parameter\'s config field; None (no bound) is +inf, as the kernels have it."""',
              "    value = getattr(cfg, name)", "    return math.inf if value is None else value", "", "",
@@ -526,10 +537,13 @@ def render_torch() -> str:
              "    return [x if torch.is_tensor(x) else torch.full_like(like, x) for x in (a, b)]", "", "",
              "def _none(b: Batch) -> torch.Tensor:", "    return torch.zeros_like(b.mask)"]
     for entry in sorted(P.OBJECTIVES, key=lambda e: e.id):
-        if entry.name in SPEC_LESS:
-            continue
         lines_ = parse(entry.formula)
-        lines += ["", "", f"def {entry.name}(w, b: Batch, cfg) -> Surrogate:", *_wrap(entry.doc, "    ", "# ")]
+        chosen = ", chosen" if any("chosen" in {a.name for a in v.free_symbols} for _, v in lines_) else ""
+        t.numbers = set()
+        for name, value in lines_:
+            if not is_boolean(value) and not t._tensor(value):
+                t.numbers.add(name.name)
+        lines += ["", "", f"def {entry.name}(w, b: Batch, cfg{chosen}) -> Surrogate:", *_wrap(entry.doc, "    ", "# ")]
         values = dict((n.name, v) for n, v in lines_)
         for name, value in lines_:
             if name.name not in ("flag_low", "flag_high"):

@@ -1,6 +1,8 @@
-"""`Batch`: what a surrogate reads of one loss call, built by `LossInputs.masked` (losses/inputs.py)."""
+"""`Batch`: what a surrogate reads of one loss call, built by `LossInputs.masked` (losses/inputs.py), and `Surrogate`,
+what it returns."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -29,3 +31,11 @@ class Batch:
 
     def per_token(self, row: torch.Tensor) -> torch.Tensor:
         return row[:, None].expand_as(self.logp)
+
+
+@dataclasses.dataclass
+class Surrogate:
+    loss: torch.Tensor  # (B, T) per-token loss, differentiable w.r.t. ℓ
+    ratio: torch.Tensor  # (B, T) unclipped importance weight, detached, for metrics
+    clipped_low: torch.Tensor  # (B, T) bool: the lower clip removes the gradient here
+    clipped_high: torch.Tensor  # (B, T) bool

@@ -6,12 +6,13 @@ The entry is the objective's only description: the verl and TRL adapters read it
 `Objective.trl`), the ops its sequence-level evaluators and whether it chooses tokens over the whole call.
 
 A surrogate is `f(b: Batch, cfg) -> Surrogate` over `(B, T)`; `surrogates.at(weight, f)` evaluates a
-ratio-taking `f(w, b, cfg)` at the weight of a ratio, so one function serves every ratio of an objective.
+ratio-taking `f(w, b, cfg)` at the weight of a ratio, so one function serves every ratio of an objective. The
+per-token ones of the kernels' objectives are `token_formulas` (generated from the table's formulas, the spec);
+the sequence-level ones and the covariance choice are `surrogates`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import keyword
 from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -19,7 +20,7 @@ import torch
 
 from .._checks import check_real
 from . import surrogates as s
-from . import token_formulas
+from . import token_formulas as f
 from .._token_loss_table import OBJECTIVES as _KERNEL_OBJECTIVES
 from .batch import Batch
 
@@ -152,9 +153,9 @@ def reading(field: str) -> Tuple[str, ...]:
 # Sequence-level ratios give one surrogate per row; rows are averaged (docs/math.md §5, §8).
 _PER_ROW = "seq_mean_token_mean"
 _declare(Objective("clip", {
-    "token": s.at(s.token_ratio, s.clip), "sequence": s.at(s.sequence_ratio, s.clip),
-    "sequence_token": s.at(s.sequence_token_ratio, s.clip), "sequence_sum": s.fspo,
-    "group_expectation": s.group_expectation, "geometric": s.geometric,
+    "token": s.at(s.token_ratio, f.clip), "sequence": s.at(s.sequence_ratio, f.clip),
+    "sequence_token": s.at(s.sequence_token_ratio, f.clip), "sequence_sum": s.fspo,
+    "group_expectation": s.at(s.group_expectation_ratio, f.clip), "geometric": s.geometric,
 }, sequence_steps={"sequence": "gspo", "sequence_token": "gspo_token", "sequence_sum": "fspo",
                    "group_expectation": "gepo", "geometric": "geometric"}, clip="ratio", fields=("delta", "dual_clip", "fspo_c_low", "fspo_c_high"), presets={
     "ppo": dict(ratio="token", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token_mean"),
@@ -170,13 +171,13 @@ _declare(Objective("clip", {
     "gmpo": dict(ratio="geometric", clip_low=0.4, clip_high=0.4, agg=_PER_ROW),
     "luspo": dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum"),
 }))
-_declare(Objective("cispo", {"token": s.at(s.token_ratio, s.cispo), "sequence": s.at(s.sequence_ratio, s.cispo)},
+_declare(Objective("cispo", {"token": s.at(s.token_ratio, f.cispo), "sequence": s.at(s.sequence_ratio, f.cispo)},
                    clip="band", sequence_steps={"sequence": "sequence_cispo"}, presets={"cispo": dict(ratio="token", clip_low=None, clip_high=4.0, agg="token_mean")}))
-_declare(Objective("reinforce", {"token": s.at(s.token_ratio, s.reinforce), "snis": s.snis},
+_declare(Objective("reinforce", {"token": s.at(s.token_ratio, f.reinforce), "snis": s.snis},
                    sequence_steps={"snis": "snis"}, presets={
     "snis": dict(ratio="snis", agg=_PER_ROW), "gpg": dict(ratio="token", agg="token_mean")}))
-_declare(Objective("sapo", {"token": s.at(s.token_ratio, s.sapo), "sequence": s.at(s.sequence_ratio, s.sapo),
-                            "sequence_token": s.at(s.sequence_token_ratio, s.sapo)},
+_declare(Objective("sapo", {"token": s.at(s.token_ratio, f.sapo), "sequence": s.at(s.sequence_ratio, f.sapo),
+                            "sequence_token": s.at(s.sequence_token_ratio, f.sapo)},
                    sequence_steps={"sequence": "gspo", "sequence_token": "gspo_token"},
                    fields=("sapo_tau_pos", "sapo_tau_neg"), presets={
                        "sapo": dict(ratio="token", sapo_tau_pos=1.0, sapo_tau_neg=1.05, agg="seq_mean_token_mean")},
@@ -185,8 +186,7 @@ _declare(Objective("sapo", {"token": s.at(s.token_ratio, s.sapo), "sequence": s.
                              loss_agg_mode="seq-mean-token-mean"),
                    trl={"sapo_tau_pos": "sapo_temperature_pos", "sapo_tau_neg": "sapo_temperature_neg"}))
 for _divergence, _bound in (("tv", 0.15), ("kl", 0.05)):
-    _declare(Objective(f"dppo_{_divergence}", {"token": s.at(s.token_ratio, functools.partial(s.dppo,
-                                                                                           divergence=_divergence))},
+    _declare(Objective(f"dppo_{_divergence}", {"token": s.at(s.token_ratio, getattr(f, f"dppo_{_divergence}"))},
                        clip="divergence", fields=("ratio_cap",), presets={
                            f"dppo_{_divergence}": dict(ratio="token", clip_low=_bound, clip_high=_bound,
                                                        agg="token_mean")},
@@ -205,7 +205,7 @@ _declare(Objective("kl_cov", {"token": s.at(s.token_ratio, s.kl_cov)}, chooses_t
                    presets={"kl_cov": dict(ratio="token", kl_cov_ratio=2e-4, kl_cov_coef=0.1, agg="token_mean")},
                    verl=Verl(keys={"kl_cov_ratio": ("policy_loss.kl_cov_ratio", 2e-4),
                                    "kl_cov_coef": ("policy_loss.ppo_kl_coef", 1.0)})))
-_declare(Objective("dro", {"token": s.at(s.token_ratio, s.dro)}, fields=("dro_beta",), required=("dro_beta",),
+_declare(Objective("dro", {"token": s.at(s.token_ratio, f.dro)}, fields=("dro_beta",), required=("dro_beta",),
                    presets={"dro": dict(ratio="token", dro_beta=0.1, agg="token_mean")},
                    verl=Verl(keys={"dro_beta": ("policy_loss.dro_beta", None)})))  # required, as by verl's dro
 _declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True, sequence_steps={"sequence_sum": "vespo"},
@@ -216,17 +216,16 @@ _declare(Objective("vespo", {"sequence_sum": s.vespo}, weights_in_ratio=True, se
                    verl=Verl(keys={f"vespo_{k}": (f"policy_loss.vespo.{k}", None)
                                    for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}),
                    trl={f"vespo_{k}": f"vespo_{k}" for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}))
-_declare(Objective("topr", {"token": s.at(s.token_ratio, s.topr), "sequence_sum": s.at(s.trajectory_ratio, s.topr)},
+_declare(Objective("topr", {"token": s.at(s.token_ratio, f.topr), "sequence_sum": s.at(s.trajectory_ratio, f.topr)},
                    presets={"topr": dict(ratio="token", clip_low=None, clip_high=None, agg="token_mean")}))
-# GPPO: the clip family whose held tokens keep the gradient β·bound·A·∇ℓ, β its two fields (`surrogates.clip`)
-_declare(Objective("gppo", {"token": s.at(s.token_ratio, functools.partial(s.clip, preserve=("gppo_beta_low",
-                                                                                             "gppo_beta_high")))},
+# GPPO: the clip family whose held tokens keep the gradient β·bound·A·∇ℓ, β its two fields
+_declare(Objective("gppo", {"token": s.at(s.token_ratio, f.gppo)},
                    clip="ratio", fields=("dual_clip", "gppo_beta_low", "gppo_beta_high"), presets={
                        # Klear-Reasoner's run: DAPO's clip-higher bounds, verl's dual clip at 10, β₁ = β₂ = 1
                        "gppo": dict(ratio="token", clip_low=0.2, clip_high=0.28, dual_clip=10.0, gppo_beta_low=1.0,
                                     gppo_beta_high=1.0, agg="token_mean")}))
-# SPO (Xie et al., 2025): its spec generated from its formula in the table; the paper's ε
-_declare(Objective("spo", {"token": s.at(s.token_ratio, token_formulas.spo)}, fields=("spo_eps",),
+# SPO (Xie et al., 2025): the paper's ε
+_declare(Objective("spo", {"token": s.at(s.token_ratio, f.spo)}, fields=("spo_eps",),
                    presets={"spo": dict(ratio="token", spo_eps=0.2, agg="token_mean")}))
 
 # A kernel objective of the table declared nowhere above: its spec is the one generated from its formula
@@ -234,7 +233,7 @@ _declare(Objective("spo", {"token": s.at(s.token_ratio, token_formulas.spo)}, fi
 for _entry in _KERNEL_OBJECTIVES:
     if _entry.name not in _REGISTRY:
         _bounds = {"clip_low", "clip_high"} & set(_entry.params)
-        _declare(Objective(_entry.name, {"token": s.at(s.token_ratio, getattr(token_formulas, _entry.name))},
+        _declare(Objective(_entry.name, {"token": s.at(s.token_ratio, getattr(f, _entry.name))},
                            clip="band" if _bounds else None,
                            fields=tuple(p for p in _entry.params if p not in _bounds | {"log_ratio_clamp"})))
 

@@ -1,11 +1,15 @@
-"""Importance weights (docs/math.md §4) and surrogates (§5) as per-token losses.
+"""Importance weights (docs/math.md §4) and what of the surrogates (§5) is not a per-token formula of the table.
 
+The per-token surrogates of the kernels' objectives (clip, CISPO, REINFORCE, SAPO, DPPO, DRO, TOPR, GPPO, SPO) are
+generated from their formulas, once, in token_formulas.py: the spec the kernels are derived from. What stays here
+reads more than one token: the ratios (a sequence's, a group's), the sequence-level surrogates (FSPO, VESPO, GMPO,
+SNIS, whose row loss is no function of one token), the covariance choice of Clip-Cov and KL-Cov (over the whole
+batch, then the table's per-token formula), and the helpers the fused sequence steps share with them.
 Every function returns a `Surrogate` over (B, T): sequence-level losses are broadcast to the
 row's tokens, so one aggregation serves all of them (docs/math.md, "Surrogates").
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Optional
@@ -13,34 +17,9 @@ from typing import Optional
 import torch
 
 from .._groups import group_exp, group_gather, group_sum
+from . import token_formulas
 from .aggregation import masked_sum_rows
-from .batch import Batch
-
-
-@dataclasses.dataclass
-class Surrogate:
-    loss: torch.Tensor  # (B, T) per-token loss, differentiable w.r.t. ℓ
-    ratio: torch.Tensor  # (B, T) unclipped importance weight, detached, for metrics
-    clipped_low: torch.Tensor  # (B, T) bool: the lower clip removes the gradient here
-    clipped_high: torch.Tensor  # (B, T) bool
-
-
-def clip_objective(w, adv, cfg, preserve=None):
-    """The clip family: PPO's clipped surrogate max(−A·min(w, δ), −A·clip(w)), then the dual clip, each where set.
-    `preserve`: None, or (β_low, β_high), with which a token the clip holds (w below the band with A < 0, above it with
-    A > 0) is −β·bound·A·w/sg(w) (GPPO): PPO's value for β = 1, and the gradient −β·bound·A·∇ℓ where PPO's is 0
-    (docs/math.md §5)."""
-    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
-    held_low, held_high = (w.detach() < lo) & (adv < 0), (w.detach() > hi) & (adv > 0)
-    unclipped = -adv * (w.clamp(max=cfg.delta) if cfg.delta is not None else w)
-    loss = torch.maximum(unclipped, -adv * w.clamp(lo, hi))
-    if preserve is not None:
-        beta_low, beta_high = preserve
-        bound = torch.where(held_low, w.new_tensor(beta_low * lo), beta_high * hi)  # w's dtype
-        loss = torch.where(held_low | held_high, -adv * bound * (w / w.detach()), loss)
-    if cfg.dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
-    return Surrogate(loss, w.detach(), held_low, held_high)
+from .batch import Batch, Surrogate
 
 
 def _token_log_ratio(b: Batch, cfg) -> torch.Tensor:
@@ -91,24 +70,6 @@ def _none(b: Batch) -> torch.Tensor:
     return torch.zeros_like(b.mask)
 
 
-def clip(w, b: Batch, cfg, preserve=None) -> Surrogate:
-    """The clip family (`clip_objective`); `preserve`: None, or the config fields of its (β_low, β_high) (GPPO's)."""
-    return clip_objective(w, b.adv, cfg, None if preserve is None else tuple(getattr(cfg, f) for f in preserve))
-
-
-def reinforce(w, b: Batch, cfg) -> Surrogate:
-    """REINFORCE (and GPG): −A·ℓ."""
-    return Surrogate(-b.adv * b.logp, w.detach(), _none(b), _none(b))
-
-
-def cispo(w, b: Batch, cfg) -> Surrogate:
-    """CISPO: the clipped weight is a constant that scales the REINFORCE gradient (w per token, or a
-    row's sequence ratio broadcast to its tokens, as TRL's sequence-level CISPO)."""
-    w = w.detach()
-    weight, clipped_low, clipped_high = cispo_weight(w, cfg)
-    return Surrogate(-weight * b.adv * b.logp, w, clipped_low, clipped_high)
-
-
 def cispo_weight(w: torch.Tensor, cfg):
     """(clamp(w, 1 − ε_low, 1 + ε_high), w below the band, w above it): CISPO's constant weight, either
     bound None for none."""
@@ -116,49 +77,6 @@ def cispo_weight(w: torch.Tensor, cfg):
     high = None if cfg.clip_high is None else 1 + cfg.clip_high
     none = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
     return w.clamp(low, high), w < low if low is not None else none, w > high if high is not None else none
-
-
-def soft_gate(w, adv, cfg) -> Surrogate:
-    """SAPO: −A·f(w), f(w) = σ(τ(w − 1))·4/τ with τ = τ_pos where A > 0, τ_neg elsewhere (no hard clip)."""
-    tau = torch.where(adv > 0, adv.new_tensor(cfg.sapo_tau_pos), adv.new_tensor(cfg.sapo_tau_neg))
-    none = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-    return Surrogate(-adv * torch.sigmoid(tau * (w - 1)) * (4 / tau), w.detach(), none, none)
-
-
-def sapo(w, b: Batch, cfg) -> Surrogate:
-    return soft_gate(w, b.adv, cfg)
-
-
-def dppo(w, b: Batch, cfg, divergence: str) -> Surrogate:
-    """DPPO (Binary-TV / Binary-KL, `divergence` "tv" / "kl"): −A·sg(min(w, ratio_cap))·ℓ on the tokens inside the
-    divergence trust region."""
-    with torch.no_grad():
-        p, p_old, adv = torch.exp(b.logp), torch.exp(b.old_logp), b.adv
-        if divergence == "tv":
-            inside_pos = p - p_old <= cfg.clip_high
-            inside_neg = p - p_old >= -cfg.clip_low
-        else:  # the KL between the Bernoulli distributions (p_old, 1 − p_old) and (p, 1 − p)
-            kl = p_old * (b.old_logp - b.logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
-            inside_pos = (kl <= cfg.clip_high) | (p <= p_old)
-            inside_neg = (kl <= cfg.clip_low) | (p >= p_old)
-        inside = torch.where(adv > 0, inside_pos, inside_neg)
-        weight = w.detach() if cfg.ratio_cap is None else w.detach().clamp(max=cfg.ratio_cap)
-    loss = -adv * weight * b.logp * inside.to(w.dtype)
-    w = w.detach()
-    return Surrogate(loss, w, ~inside & (adv < 0), ~inside & (adv > 0))
-
-
-def dro(w, b: Batch, cfg) -> Surrogate:
-    """DRO: −(A·ℓ − ½β(ℓ − ℓ_old)²); the log-ratio is not exponentiated, so not clamped."""
-    loss = -(b.adv * b.logp - 0.5 * cfg.dro_beta * (b.logp - b.old_logp).square())
-    return Surrogate(loss, w.detach(), _none(b), _none(b))
-
-
-def topr(w, b: Batch, cfg) -> Surrogate:
-    """TOPR: −A·ℓ where A ≥ 0 (no ratio), −sg(clamp(w, 0, 1))·A·ℓ where A < 0; flagged where the truncation binds."""
-    w = w.detach()
-    weight = torch.where(b.adv < 0, w.clamp(0, 1), torch.ones_like(w))
-    return Surrogate(-weight * b.adv * b.logp, w, _none(b), (w > 1) & (b.adv < 0))
 
 
 def _covariance(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -188,13 +106,11 @@ def kl_cov_tokens(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, cfg
 
 
 def clip_cov(w, b: Batch, cfg) -> Surrogate:
-    """Clip-Cov: PPO's clip, and no gradient (loss 0) on a random few tokens of high covariance."""
-    sur = clip_objective(w, b.adv, cfg)
+    """Clip-Cov: the table's formula (PPO's clip, loss 0 and no gradient on the chosen tokens) at its choice, a random
+    few tokens of high covariance."""
     with torch.no_grad():
         chosen = clip_cov_tokens(w.detach(), b.adv, b.logp.detach(), b.mask, cfg)
-    loss = torch.where(chosen, torch.zeros((), dtype=sur.loss.dtype, device=sur.loss.device), sur.loss)
-    adv = b.adv
-    return Surrogate(loss, sur.ratio, sur.clipped_low | (chosen & (adv < 0)), sur.clipped_high | (chosen & (adv > 0)))
+    return token_formulas.clip_cov(w, b, cfg, chosen.to(w.dtype))
 
 
 def random_tokens(candidates: torch.Tensor, mask: torch.Tensor, fraction: float, draw: str = "device") -> torch.Tensor:
@@ -229,12 +145,11 @@ def _ranks(values: torch.Tensor, descending: bool = False) -> torch.Tensor:
 
 
 def kl_cov(w, b: Batch, cfg) -> Surrogate:
-    """KL-Cov: −A·w, plus kl_cov_coef·|ℓ − ℓ_old| on the k tokens of largest covariance."""
+    """KL-Cov: the table's formula (−A·w, plus chosen·|ℓ − ℓ_old|) with chosen = kl_cov_coef on the k tokens of
+    largest covariance, 0 elsewhere."""
     with torch.no_grad():
         chosen = kl_cov_tokens(b.adv, b.logp.detach(), b.mask, cfg)
-    penalty = cfg.kl_cov_coef * (b.logp - b.old_logp).abs()
-    loss = -b.adv * w + torch.where(chosen, penalty, torch.zeros((), dtype=penalty.dtype, device=penalty.device))
-    return Surrogate(loss, w.detach(), _none(b), _none(b))
+    return token_formulas.kl_cov(w, b, cfg, torch.where(chosen, w.new_tensor(cfg.kl_cov_coef), 0.0))
 
 
 def fspo(b: Batch, cfg) -> Surrogate:
@@ -290,11 +205,6 @@ def group_expectation_ratio(b: Batch, cfg) -> torch.Tensor:
     log_w = (b.row_mean(b.logp) - log_e).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     log_w = torch.where(valid, log_w, torch.zeros_like(log_w))  # a group of empty rows has no Ê_g
     return b.per_token(torch.exp(log_w))
-
-
-def group_expectation(b: Batch, cfg) -> Surrogate:
-    """GEPO: PPO's clip of the group-expectation ratio."""
-    return clip_objective(group_expectation_ratio(b, cfg), b.adv, cfg)
 
 
 def gepo_log_expectation(log_q: torch.Tensor, group: torch.Tensor, num_groups: int, valid: torch.Tensor,

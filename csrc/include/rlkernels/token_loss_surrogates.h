@@ -23,7 +23,7 @@ template <typename T>
 RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip(T adv, T w, bool r_passes, const TokenLossParams<T>& p) {
   const T lo = T(1) - p.clip_low;
   const T hi = T(1) + p.clip_high;
-  const T unclipped = -adv * min_(w, p.delta);
+  const T unclipped = -adv * clamp_(w, T(0), p.delta);
   const T clipped = -adv * clamp_(w, lo, hi);
   const T ppo = max_(unclipped, clipped);
   const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
@@ -32,10 +32,10 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip(T adv, T w, bool r_passes, co
   const bool held_high = adv > T(0) && w > hi;
   const T g0 = r_passes ? -adv * w : T(0);
   const T d_clipped = hi >= w && lo <= w ? g0 : T(0);
-  const T d_unclipped = p.delta < w ? T(0) : g0;
-  const T d_ppo = clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? d_unclipped : d_clipped + d_unclipped;
+  const T d_unclipped = p.delta >= w && w >= T(0) ? g0 : T(0);
+  const T d_ppo = clipped > unclipped ? d_clipped : clipped < unclipped ? d_unclipped : unclipped == unclipped && clipped == clipped ? T(0.5) * d_clipped + T(0.5) * d_unclipped : d_clipped + d_unclipped;
   const T s = clip;
-  const T ds = adv < T(0) ? (cap < ppo ? T(0) : d_ppo) : d_ppo;
+  const T ds = adv < T(0) ? (cap < ppo ? T(0) : cap > ppo ? d_ppo : ppo == ppo && cap == cap ? T(0.5) * d_ppo : d_ppo) : d_ppo;
   return {s, ds, held_low, held_high};
 }
 
@@ -113,7 +113,7 @@ template <typename T>
 RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip_cov(T adv, T w, T chosen, bool r_passes, const TokenLossParams<T>& p) {
   const T lo = T(1) - p.clip_low;
   const T hi = T(1) + p.clip_high;
-  const T unclipped = -adv * min_(w, p.delta);
+  const T unclipped = -adv * clamp_(w, T(0), p.delta);
   const T clipped = -adv * clamp_(w, lo, hi);
   const T ppo = max_(unclipped, clipped);
   const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
@@ -122,10 +122,10 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_clip_cov(T adv, T w, T chosen, boo
   const bool held_high = adv > T(0) && w > hi;
   const T g0 = r_passes ? -adv * w : T(0);
   const T d_clipped = hi >= w && lo <= w ? g0 : T(0);
-  const T d_unclipped = p.delta < w ? T(0) : g0;
-  const T d_ppo = clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? d_unclipped : d_clipped + d_unclipped;
+  const T d_unclipped = p.delta >= w && w >= T(0) ? g0 : T(0);
+  const T d_ppo = clipped > unclipped ? d_clipped : clipped < unclipped ? d_unclipped : unclipped == unclipped && clipped == clipped ? T(0.5) * d_clipped + T(0.5) * d_unclipped : d_clipped + d_unclipped;
   const T s = chosen != T(0) ? T(0) : clip;
-  const T ds = chosen != T(0) ? T(0) : adv < T(0) ? (cap < ppo ? T(0) : d_ppo) : d_ppo;
+  const T ds = chosen != T(0) ? T(0) : adv < T(0) ? (cap < ppo ? T(0) : cap > ppo ? d_ppo : ppo == ppo && cap == cap ? T(0.5) * d_ppo : d_ppo) : d_ppo;
   return {s, ds, held_low || (adv < T(0) && chosen != T(0)), held_high || (adv > T(0) && chosen != T(0))};
 }
 
@@ -165,9 +165,9 @@ RLK_HOST_DEVICE inline Surrogate<T> surrogate_gppo(T adv, T w, bool r_passes, co
   const T cap = -p.dual_clip * (adv < T(0) ? adv : -T(1));
   const T g0 = r_passes ? unclipped : T(0);
   const T d_clipped = hi >= w && lo <= w ? g0 : T(0);
-  const T d_preserved = held_high || held_low ? (r_passes ? kept : T(0)) : clipped > unclipped ? d_clipped : unclipped == unclipped && clipped == clipped ? g0 : d_clipped + g0;
+  const T d_preserved = held_high || held_low ? (r_passes ? kept : T(0)) : clipped > unclipped ? d_clipped : clipped < unclipped ? g0 : unclipped == unclipped && clipped == clipped ? T(0.5) * d_clipped + T(0.5) * g0 : d_clipped + g0;
   const T s = adv < T(0) ? min_(preserved, cap) : preserved;
-  const T ds = adv < T(0) ? (cap < preserved ? T(0) : d_preserved) : d_preserved;
+  const T ds = adv < T(0) ? (cap < preserved ? T(0) : cap > preserved ? d_preserved : preserved == preserved && cap == cap ? T(0.5) * d_preserved : d_preserved) : d_preserved;
   return {s, ds, held_low, held_high};
 }
 

@@ -19,7 +19,7 @@ def surrogate_clip(adv, w, r_passes, params):
     # −dual_clip·A); clip_low = w < 1 − ε_low and A < 0, clip_high = w > 1 + ε_high and A > 0
     lo = 1.0 - params[CLIP_LOW]
     hi = 1.0 + params[CLIP_HIGH]
-    unclipped = -adv * minimum(w, params[DELTA])
+    unclipped = -adv * clamp(w, 0.0, params[DELTA])
     clipped = -adv * clamp(w, lo, hi)
     ppo = maximum(unclipped, clipped)
     cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
@@ -28,10 +28,10 @@ def surrogate_clip(adv, w, r_passes, params):
     held_high = (adv > 0.0) & (w > hi)
     g0 = tl.where(r_passes, -adv * w, 0.0)
     d_clipped = tl.where((hi >= w) & (lo <= w), g0, 0.0)
-    d_unclipped = tl.where(params[DELTA] < w, 0.0, g0)
-    d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), d_unclipped, d_clipped + d_unclipped))
+    d_unclipped = tl.where((params[DELTA] >= w) & (w >= 0.0), g0, 0.0)
+    d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where(clipped < unclipped, d_unclipped, tl.where((unclipped == unclipped) & (clipped == clipped), 0.5 * d_clipped + 0.5 * d_unclipped, d_clipped + d_unclipped)))
     s = clip
-    ds = tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, d_ppo), d_ppo)
+    ds = tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, tl.where(cap > ppo, d_ppo, tl.where((ppo == ppo) & (cap == cap), 0.5 * d_ppo, d_ppo))), d_ppo)
     return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
 
 
@@ -110,7 +110,7 @@ def surrogate_clip_cov(adv, w, chosen, r_passes, params):
     # A > 0 (the token counts as clipped on A's side)
     lo = 1.0 - params[CLIP_LOW]
     hi = 1.0 + params[CLIP_HIGH]
-    unclipped = -adv * minimum(w, params[DELTA])
+    unclipped = -adv * clamp(w, 0.0, params[DELTA])
     clipped = -adv * clamp(w, lo, hi)
     ppo = maximum(unclipped, clipped)
     cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
@@ -119,10 +119,10 @@ def surrogate_clip_cov(adv, w, chosen, r_passes, params):
     held_high = (adv > 0.0) & (w > hi)
     g0 = tl.where(r_passes, -adv * w, 0.0)
     d_clipped = tl.where((hi >= w) & (lo <= w), g0, 0.0)
-    d_unclipped = tl.where(params[DELTA] < w, 0.0, g0)
-    d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), d_unclipped, d_clipped + d_unclipped))
+    d_unclipped = tl.where((params[DELTA] >= w) & (w >= 0.0), g0, 0.0)
+    d_ppo = tl.where(clipped > unclipped, d_clipped, tl.where(clipped < unclipped, d_unclipped, tl.where((unclipped == unclipped) & (clipped == clipped), 0.5 * d_clipped + 0.5 * d_unclipped, d_clipped + d_unclipped)))
     s = tl.where(chosen != 0.0, 0.0, clip)
-    ds = tl.where(chosen != 0.0, 0.0, tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, d_ppo), d_ppo))
+    ds = tl.where(chosen != 0.0, 0.0, tl.where(adv < 0.0, tl.where(cap < ppo, 0.0, tl.where(cap > ppo, d_ppo, tl.where((ppo == ppo) & (cap == cap), 0.5 * d_ppo, d_ppo))), d_ppo))
     return s, ds, tl.where(held_low | ((adv < 0.0) & (chosen != 0.0)), 1.0, 0.0), tl.where(held_high | ((adv > 0.0) & (chosen != 0.0)), 1.0, 0.0)
 
 
@@ -163,9 +163,9 @@ def surrogate_gppo(adv, w, r_passes, params):
     cap = -params[DUAL_CLIP] * tl.where(adv < 0.0, adv, -1.0)
     g0 = tl.where(r_passes, unclipped, 0.0)
     d_clipped = tl.where((hi >= w) & (lo <= w), g0, 0.0)
-    d_preserved = tl.where(held_high | held_low, tl.where(r_passes, kept, 0.0), tl.where(clipped > unclipped, d_clipped, tl.where((unclipped == unclipped) & (clipped == clipped), g0, d_clipped + g0)))
+    d_preserved = tl.where(held_high | held_low, tl.where(r_passes, kept, 0.0), tl.where(clipped > unclipped, d_clipped, tl.where(clipped < unclipped, g0, tl.where((unclipped == unclipped) & (clipped == clipped), 0.5 * d_clipped + 0.5 * g0, d_clipped + g0))))
     s = tl.where(adv < 0.0, minimum(preserved, cap), preserved)
-    ds = tl.where(adv < 0.0, tl.where(cap < preserved, 0.0, d_preserved), d_preserved)
+    ds = tl.where(adv < 0.0, tl.where(cap < preserved, 0.0, tl.where(cap > preserved, d_preserved, tl.where((preserved == preserved) & (cap == cap), 0.5 * d_preserved, d_preserved))), d_preserved)
     return s, ds, tl.where(held_low, 1.0, 0.0), tl.where(held_high, 1.0, 0.0)
 
 
