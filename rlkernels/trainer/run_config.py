@@ -541,7 +541,8 @@ def load_config_file(path: str) -> dict:
     if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
         message = str(_unknown(unknown, f"--config {path}"))
         raise ValueError("; ".join([message, *trl_names.refused(out)]))
-    return out, any(trl_names.is_trl_name(str(k)) for k in data), {n: f"{k} in --config {path}" for n, k in keys.items()}
+    return out, any(trl_names.is_trl_name(str(k)) for k in data), \
+        {n: f"{k} in --config {path}, flag {_flag(n)}" for n, k in keys.items()}
 
 
 class _DuplicateKey(Exception):
@@ -622,8 +623,8 @@ def _flags_as_written(argv: List[str]) -> dict:
 
 def _as_written(error: ValueError, written: dict) -> ValueError:
     """`error`, whose message starts with the flag of the bad value, naming that value as the user gave it: the
-    recipe key and file for a --config file's value, the flag as typed for the command line's (issue 37 item 11:
-    a recipe's max_completion_length was reported as --max-new-tokens)."""
+    recipe key and file (then its flag, to override it) for a --config file's value, the flag as typed for the
+    command line's (issue 37 item 11: a recipe's max_completion_length was reported as --max-new-tokens only)."""
     message = str(error)
     for name, where in written.items():
         flag = _flag(name)
