@@ -542,7 +542,8 @@ def load_config_file(path: str) -> dict:
     if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
         message = str(_unknown(unknown, f"--config {path}"))
         raise ValueError("; ".join([message, *trl_names.refused(out)]))
-    return out, any(trl_names.is_trl_name(str(k)) for k in data)
+    return out, any(trl_names.is_trl_name(str(k)) for k in data), \
+        {n: f"{k} in --config {path}, flag {_flag(n)}" for n, k in keys.items()}
 
 
 class _DuplicateKey(Exception):
@@ -575,7 +576,8 @@ def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
     recipe: TRL's defaults < the file < flags). `notes`, if given, gets the lines the log should show: the TRL
     settings given that have no effect here, and where a TRL recipe still trains otherwise than `trl grpo`."""
     flags = parse_flags(argv)
-    values, trl_recipe = load_config_file(flags.pop("config")) if "config" in flags else ({}, False)
+    values, trl_recipe, written = load_config_file(flags.pop("config")) if "config" in flags else ({}, False, {})
+    written.update(_flags_as_written(argv))
     values.update(flags)
     ignored = [k for k in values if k in trl_names.IGNORED_WHY]
     for k in ignored:
@@ -598,8 +600,38 @@ def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
                 raise ValueError(f"{_flag(name)}: applies only to the built-in demo model and task, not to "
                                  f"--model {values['model']}")
     cfg = Config(**values)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        raise _as_written(e, written) from None
     return cfg, set(values)
+
+
+def _flags_as_written(argv: List[str]) -> dict:
+    """{field: the flag as the command line spelled it}, e.g. max_new_tokens: --max-completion-length. Our own
+    old names (--prompts) are left out: their errors name the flag that replaced them."""
+    out = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            key = flag[2:].replace("-", "_")
+            if key.startswith("no_") and key not in FIELDS:
+                key = key[3:]
+            if key in FIELDS or (key in trl_names.RENAMED and trl_names.is_trl_name(key)):
+                out[trl_names.RENAMED.get(key, key)] = flag
+    return out
+
+
+def _as_written(error: ValueError, written: dict) -> ValueError:
+    """`error`, whose message starts with the flag of the bad value, naming that value as the user gave it: the
+    recipe key and file (then its flag, to override it) for a --config file's value, the flag as typed for the
+    command line's (issue 37 item 11: a recipe's max_completion_length was reported as --max-new-tokens only)."""
+    message = str(error)
+    for name, where in written.items():
+        flag = _flag(name)
+        if message.startswith(flag) and message[len(flag):len(flag) + 1] in (":", " ", "/") and where != flag:
+            return ValueError(where + message[len(flag):])
+    return error
 
 
 def _validate_model_options(cfg: Config) -> None:
