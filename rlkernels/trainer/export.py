@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from . import run_folder
 
-TMP = ".hf.tmp"  # files are written here first, then moved into the run folder one by one
+TMP = run_folder.EXPORT_TMP
 
 
 def save_pretrained(policy, tok, out_dir: str, *, merge_lora: bool) -> None:

@@ -25,12 +25,13 @@ except ImportError:  # Windows: runs are not locked
 CHECKPOINT = "checkpoint.pt"
 LOCK = ".rlkernels.lock"
 MARKER = ".rlkernels-run"  # written into every folder a run claims: what it may write into again
+EXPORT_TMP = ".hf.tmp"  # the model export writes its files here first, then moves them into the folder one by one
 REPLACED = ".rlkernels-replaced"  # the run an --overwrite replaces, until the new one has its first checkpoint
 RUN_FILES = (CHECKPOINT, "metrics.jsonl", "summary.json")  # what says a folder holds a run
 OURS = {LOCK, MARKER, REPLACED}
 # what a run wrote, in a folder of a version that kept no list: its logs, checkpoint, trackers and model export
 UNLISTED_RUN_FILES = (*RUN_FILES, CHECKPOINT + ".tmp", "completions.jsonl", "metrics.png", "events.out.tfevents.*",
-                      "wandb", ".hf.tmp", "config.json", "generation_config.json", "model.safetensors",
+                      "wandb", EXPORT_TMP, "config.json", "generation_config.json", "model.safetensors",
                       "model-*-of-*.safetensors", "model.safetensors.index.json", "adapter_config.json",
                       "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                       "chat_template.jinja")
@@ -200,6 +201,4 @@ def _clean_up_cut_short(out: str) -> None:
     if os.path.exists(stale):  # a checkpoint write cut short; the checkpoint beside it is the last whole one
         os.remove(stale)
         print(f"removed {stale}: a checkpoint write that did not finish")
-    from . import export  # transformers: not for the flags' checks, which import this module through trackers
-
-    shutil.rmtree(os.path.join(out, export.TMP), ignore_errors=True)  # a model export cut short
+    shutil.rmtree(os.path.join(out, EXPORT_TMP), ignore_errors=True)  # a model export cut short
