@@ -72,7 +72,8 @@ def writing(out_dir: str):
 def write_file(path: str, text: str, mode: str) -> None:
     """Write or append `text`; a full disk (or a folder gone read-only) is a one-line error naming --out."""
     try:
-        record(path)
+        if mode != "a" or not os.path.exists(path):  # an append to a file it made: listed then (not every step)
+            record(path)
         with open(path, mode) as f:
             f.write(text)
     except OSError as e:

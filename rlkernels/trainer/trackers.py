@@ -16,7 +16,6 @@ import math
 import os
 
 from . import run_folder
-from .run_folder import writing
 
 COLUMNS = ("step", "prompt", "completion", "answer", "reward")  # a completions row
 
@@ -79,21 +78,21 @@ class Trackers:
 
     def __init__(self, names, out_dir: str, settings: dict, first_step: int):
         self.out_dir = out_dir
-        with writing(out_dir):
+        with run_folder.writing(out_dir):
             self.backends = [BACKENDS[n](out_dir, settings, first_step) for n in names if n != "none"]
 
     def metrics(self, row: dict) -> None:
-        with writing(self.out_dir):
+        with run_folder.writing(self.out_dir):
             for b in self.backends:
                 b.metrics(row)
 
     def completions(self, step: int, rows: list) -> None:
-        with writing(self.out_dir):
+        with run_folder.writing(self.out_dir):
             for b in self.backends:
                 b.completions(step, rows)
 
     def close(self) -> None:
-        with writing(self.out_dir):
+        with run_folder.writing(self.out_dir):
             for b in self.backends:
                 b.close()
 
