@@ -1,6 +1,6 @@
-"""The trainer's flat config: one dataclass, overridden by a JSON or YAML file and by `--key value` flags
-(parsed by argparse from the dataclass's fields: see `build_parser`). TRL's names are accepted
-too (trl_names.py).
+"""The trainer's flat config (settings.py declares each setting), overridden by a JSON or YAML file and by
+`--key value` flags (parsed by argparse built from the settings: see `build_parser`), and checked (`validate`).
+TRL's names are accepted too (trl_names.py).
 
 Precedence: defaults < `--config FILE.json|FILE.yaml` < flags. On `--resume DIR` the checkpoint's config
 replaces the defaults (flags still win, e.g. `--steps` to train further). Fields whose default is None take
@@ -20,25 +20,15 @@ import typing
 from typing import List, Optional
 
 from . import nesting, trackers, trl_names
+from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, LOSS_FIELDS, MODE_DEFAULTS, MULTI,
+                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, nullable)
 
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
-REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | trl grpo's "
-                "accuracy_reward, reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment")
 FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
-MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW)
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
-# (the demo's, a --model run's): 2-digit sums need 4 tokens; a real model's answers need room, and TRL's
-# temperature 1.0 samples the model's own distribution; a small learning rate for full fine-tuning
-MODE_DEFAULTS = {"max_new_tokens": (4, 256), "temperature": (0.7, 1.0), "lr": (1e-4, 1e-6),
-                 "prompts_per_step": (32, 8), "eval_size": (256, 64)}
-
-
-# verl 0.9.1's advantage estimators (its AdvantageEstimator) that the trainer forms with rlkernels.advantages, and
-# those it cannot, with why; the *_vectorized ones are verl's second implementations of the same estimator
-ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-                  "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo")
+# the verl estimators the trainer cannot form, with why
 ADV_REFUSED = {name: "needs Σ_v π_v² of each sampled token under the behaviour policy, which the trainer's fused "
                      "loss head never forms (it does not materialise the distribution)"
                for name in ("optimal_token_baseline", "tir_optimal_token_baseline")}
@@ -46,214 +36,6 @@ ADV_REFUSED = {name: "needs Σ_v π_v² of each sampled token under the behaviou
 ADV_BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gdpo")
 # the estimators --scale-rewards applies to (verl's norm_adv_by_std_in_grpo: group or none; grpo also batch)
 ADV_SCALED = (None, "grpo", "grpo_vectorized", "grpo_passk", "gdpo")
-
-
-def _field(default, help: str, **metadata):
-    """A Config field with its `--help` line (`build_parser` reads `metadata["help"]`)."""
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
-
-
-def _mode_field(name: str, help: str):
-    demo, model = MODE_DEFAULTS[name]
-    return _field(None, f"{help}; none = {demo} for the demo, {model} with --model")
-
-
-@dataclasses.dataclass
-class Config:
-    # run
-    out: str = _field("", "output folder; \"\" = runs/<timestamp>")
-    seed: int = _field(0, "random seed (0 to 2**32 - 1)")
-    threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks")
-    resume: str = _field("", "a run folder (or checkpoint file) to continue exactly")
-    trust_checkpoint_code: bool = _field(False, "--resume: import the --reward files and modules and the --plugin "
-                                                "code the checkpoint names (without it, only code this command "
-                                                "line names is run)")
-    overwrite: bool = _field(False, "replace the run that --out holds: what its runs wrote goes once this one has "
-                                    "its first checkpoint, your own files stay (without it, such a folder is "
-                                    "refused: --resume continues it)")
-    progress: bool = _field(True, "show a tqdm progress bar (--progress false to hide it)")
-    device: str = _field("auto", "auto (cuda if available, else cpu) | cpu | cuda | cuda:N; under torchrun cuda is "
-                                 "cuda:LOCAL_RANK. A resumed run takes this from its own flags")
-    dtype: str = _field("auto", "forward passes under autocast: auto (bfloat16 on a GPU that has it, else float32) | "
-                                "float32 | bfloat16; weights stay float32")
-    # model; "" = the built-in tiny Llama with a character tokenizer (offline demo)
-    model: str = _field("", "a local Hugging Face causal-LM folder; \"\" = the built-in tiny Llama with a character "
-                            "tokenizer (the offline demo)")
-    n_layer: int = _field(2, "demo model only: layers")
-    n_embd: int = _field(128, "demo model only: hidden size (a multiple of --n-head)")
-    n_head: int = _field(4, "demo model only: attention heads")
-    lora_rank: int = _field(0, "> 0: train LoRA adapters of this rank through peft")
-    lora_alpha: float = _field(16.0, "LoRA alpha")
-    lora_target: str = _field("all-linear", "LoRA modules: all-linear (every linear layer but the head) or name,name,...")
-    lora_dropout: float = _field(0.0, "LoRA dropout, in [0, 1) (a TRL recipe: ModelConfig's 0.05)")
-    lora_target_parameters: List[str] = _field([], "LoRA on these parameters (peft's target_parameters, e.g. a "
-                                                   "mixture of experts' stacked weights)", action="extend")
-    lora_modules_to_save: List[str] = _field([], "modules trained in full beside the adapters (peft's "
-                                                 "modules_to_save)", action="extend")
-    use_rslora: bool = _field(False, "LoRA: rank-stabilised scaling alpha/sqrt(r) (peft's use_rslora)")
-    use_dora: bool = _field(False, "LoRA: weight-decomposed adapters (peft's use_dora)")
-    attn_implementation: Optional[str] = _field(None, "with --model: the attention kernel from_pretrained loads "
-                                                      "(eager | sdpa | flash_attention_2 | ...); none = transformers' "
-                                                      "choice")
-    chat_template: Optional[str] = _field(None, "with --model: a Jinja chat template that replaces the tokenizer's "
-                                                "(open-r1's chat_template); saved with the run's tokenizer")
-    merge_lora: bool = _field(False, "save the merged weights, not the adapter (the demo model is always merged)")
-    gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
-                                                 "non-reentrant): less memory for longer sequences, about one more "
-                                                 "forward of time")
-    fsdp: bool = _field(False, "under torchrun: shard the policy, critic and reference model over the ranks with "
-                               "FSDP2 (fully_shard per decoder layer) instead of replicating them with DDP, for "
-                               "models that do not fit one device")
-    # data; "" = the demo's synthetic addition "a+b=" with `digits`-digit operands
-    dataset: str = _field("", "a local .json/.jsonl/.csv/.parquet file or a `datasets` folder (save_to_disk, or data "
-                              "files); a prompt column (a string or a conversation [{\"role\", \"content\"}, ...]) and "
-                              "any others, e.g. answer; \"\" = the demo's synthetic addition (required with --model)")
-    dataset_split: str = _field("train", "the split of --dataset to train on (a single file has only train)")
-    prompt_column: str = _field("prompt", "the column of --dataset (and --eval-dataset) holding the prompts")
-    dataset_config: Optional[str] = _field(None, "the configuration (subset) of a --dataset folder or Hub dataset "
-                                                 "(TRL's dataset_config, load_dataset's name)")
-    system_prompt: Optional[str] = _field(None, "a system message before every prompt (open-r1's): a string prompt "
-                                                "becomes the conversation [system, user]")
-    eval_dataset: str = _field("", "held-out prompts, as --dataset; \"\" = --eval-size prompts of --dataset held out "
-                                   "(or its --eval-split)")
-    eval_split: str = _field("", "the split of --eval-dataset, or of --dataset without it; \"\" = train of "
-                                 "--eval-dataset, and without either flag the held-out rows of --dataset")
-    # rewards; several as --reward A B or --reward A --reward B; none given = exact (none at all with --reward-model)
-    reward: List[str] = _field([], f"{REWARD_FORMS}: a function (prompt, completion, answer) -> float, or TRL's "
-                                   "(prompts, completions, **columns) -> list[float], every dataset column as a keyword "
-                                   "argument; None = not applicable to that completion; several as --reward A B; none "
-                                   "given = exact (none at all with --reward-model)", action="extend")
-    reward_model: str = _field("", "a local sequence-classification model folder (one label) scoring prompt + "
-                                   "completion")
-    # one weight per reward, the --reward functions then --reward-model; [] = all 1.0. A completion's reward
-    # is Σ weight·reward over those that did not return None
-    reward_weights: List[float] = _field([], "one weight per reward, the --reward functions then --reward-model; "
-                                             "none = all 1.0. A completion's reward is the sum of weight·reward over "
-                                             "those that did not return None", action="extend")
-    multi_objective_aggregation: str = _field(
-        "sum_then_normalize", "several rewards, as TRL's option of that name: sum_then_normalize (the weighted sum, "
-        "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
-        "prompt group, the weighted sum of those normalised over the whole batch)")
-    digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)")
-    eval_size: Optional[int] = _mode_field("eval_size", "held-out prompts evaluated (greedy completions) at most; 0 = "
-                                                        "no evaluation (a TRL recipe that asks for none)")
-    eval_holdout: bool = _field(True, "hold the --eval-size prompts of --dataset out of training; false: evaluate on "
-                                      "training prompts (a TRL recipe that asks for no evaluation)")
-    # supervised warm-up (demo task only): stops at a target held-out accuracy, so that RL starts from a comparable
-    # point on every seed and has room to improve
-    warmup_steps: int = _field(600, "demo: supervised warm-up steps before RL at most (fewer once --warmup-target is "
-                                    "reached); with --model, TRL's warmup_steps: --lr-warmup-steps")
-    warmup_target: Optional[float] = _field(0.35, "demo model only: stop the warm-up once the held-out greedy reward "
-                                                  "(accuracy) reaches this at two checks in a row, one every "
-                                                  "--warmup-eval-every steps; none = all --warmup-steps")
-    # 5, not 10: checks 10 steps apart let seed 0 pass the target between two and stop at 0.63 (RESULTS.md)
-    warmup_eval_every: int = _field(5, "demo model only: warm-up steps between checks of --warmup-target")
-    warmup_batch: int = _field(64, "demo model only: warm-up batch size")
-    warmup_lr: float = _field(1e-3, "demo model only: warm-up learning rate")
-    # RL
-    algo: str = _field("grpo", "a preset of rlkernels.presets (docs/math.md §9: ppo, grpo, dr_grpo, dapo, gspo, cispo, "
-                               "sapo, vespo, ...; a wrong name lists them all), or one added by presets.register")
-    plugin: List[str] = _field([], "Python files (path/to/file.py) or modules imported before the config is "
-                                   "checked: one that registers an objective or a preset (rlkernels."
-                                   "register_objective, presets.register) makes it an --algo; several as --plugin A B",
-                               action="extend")
-    steps: int = _field(150, "RL steps")
-    prompts_per_step: Optional[int] = _mode_field("prompts_per_step", "prompts per RL step (per rank)")
-    num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)")
-    max_new_tokens: Optional[int] = _mode_field("max_new_tokens", "completion length at most")
-    max_prompt_length: Optional[int] = _field(None, "with --model: a prompt longer than this many tokens keeps its last "
-                                                    "ones (TRL's max_prompt_length), said in the log; none = whole "
-                                                    "prompts (one beyond the model's context is an error)")
-    temperature: Optional[float] = _mode_field("temperature", "sampling temperature")
-    lr: Optional[float] = _mode_field("lr", "RL learning rate, in (0, 1]")
-    lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps")
-    lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine")
-    weight_decay: float = _field(0.0, "AdamW weight decay")
-    adam_beta1: float = _field(0.9, "AdamW β1 of the RL optimizer")
-    adam_beta2: float = _field(0.98, "AdamW β2 of the RL optimizer (a TRL recipe: TRL's 0.999)")
-    adam_epsilon: float = _field(1e-8, "AdamW ε of the RL optimizer")
-    train_epochs: Optional[float] = _field(None, "TRL's num_train_epochs without max_steps: passes over the training "
-                                                 "prompts, which set --steps once --dataset is read")
-    epochs: int = _field(1, "μ: optimisation passes over each rollout batch")
-    minibatches: int = _field(2, "optimizer steps per epoch (split by prompt groups)")
-    max_grad_norm: float = _field(1.0, "gradient clipping norm")
-    kl_coef: Optional[float] = _field(None, "none = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)")
-    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL (> 0); none = fixed β")
-    clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's")
-    clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's")
-    # TRL's loss settings, as PolicyLossConfig's fields of these names (rlkernels.integrations.trl maps them alike)
-    delta: Optional[float] = _field(None, "the clip objectives: cap the unclipped ratio at δ (TRL's two-sided GRPO); "
-                                          "none = no cap")
-    top_entropy_quantile: float = _field(1.0, "train only the tokens in this top fraction of entropy (TRL's, the "
-                                              "80/20 rule); 1 = every token")
-    kl_bias_correction: bool = _field(False, "the KL term weighted by the importance ratio (TRL's "
-                                             "use_bias_correction_kl)")
-    sapo_tau_pos: Optional[float] = _field(None, "sapo: τ+ (TRL's sapo_temperature_pos); none = the preset's")
-    sapo_tau_neg: Optional[float] = _field(None, "sapo: τ- (TRL's sapo_temperature_neg); none = the preset's")
-    vespo_k_pos: Optional[float] = _field(None, "vespo: k+; none = the preset's")
-    vespo_lambda_pos: Optional[float] = _field(None, "vespo: λ+; none = the preset's")
-    vespo_k_neg: Optional[float] = _field(None, "vespo: k-; none = the preset's")
-    vespo_lambda_neg: Optional[float] = _field(None, "vespo: λ-; none = the preset's")
-    entropy_coef: float = _field(0.0, "entropy bonus coefficient")
-    scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
-                                                "none; none given = none for dr_grpo, else group")
-    adv_estimator: Optional[str] = _field(None, "the advantages, as verl's algorithm.adv_estimator: "
-                                                "" + " | ".join(ADV_ESTIMATORS) + "; none = --algo's own (gae for ppo, "
-                                                "Tree-GRPO with --tree, grpo otherwise)")
-    loss_path: str = _field("linear", "linear (from hidden states, no logits) | fused (fused_policy_loss) | split")
-    # PPO critic
-    critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)")
-    vf_coef: float = _field(0.5, "PPO value-loss coefficient")
-    vf_clip: Optional[float] = _field(0.2, "PPO value clip (> 0); none = unclipped")
-    gamma: float = _field(1.0, "discount of PPO's GAE and of --adv-estimator reinforce_plus_plus, in [0, 1]")
-    lam: float = _field(0.95, "PPO GAE λ, in [0, 1]")
-    # options
-    pods_keep: int = _field(0, "> 0: PODS, keep m of the num_generations rollouts per prompt")
-    dynamic_sampling: bool = _field(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
-    max_gen_batches: int = _field(4, "dynamic sampling: rollout batches per step at most (then train on what is kept)")
-    overlong_buffer: int = _field(0, "> 0: DAPO overlong penalty over the last `buffer` tokens")
-    mask_truncated_completions: bool = _field(False, "DAPO (TRL's option of that name): a completion that ends without "
-                                                     "eos is left out of the loss (its tokens masked; its reward still "
-                                                     "counts in its group's advantages)")
-    tree: bool = _field(False, "Tree-GRPO: branch continuations from sampled prefixes")
-    tree_roots: int = _field(2, "Tree-GRPO: trees per prompt (num_generations = roots × branches)")
-    # logging / checkpoints
-    logging_steps: int = _field(1, "a metrics row (metrics.jsonl, --report-to) every N steps, and at evals")
-    eval_every: int = _field(20, "evaluate every N steps")
-    eval_completions: int = _field(8, "held-out prompts whose greedy completion, answer and reward are logged at each "
-                                      "eval (completions.jsonl; TensorBoard text, a W&B table); 0 = none")
-    report_to: List[str] = _field(["none"], "metrics and eval completions also to: none | tensorboard | wandb (several "
-                                            "allowed; W&B offline unless WANDB_MODE says otherwise), besides "
-                                            "metrics.jsonl and completions.jsonl", action="extend")
-    ckpt_every: int = _field(50, "checkpoint every N steps (with --save-strategy steps)")
-    save_strategy: str = _field("steps", "when to checkpoint (TRL's option): steps (every --ckpt-every steps) | epoch "
-                                         "(after each pass over the training prompts) | no (only at the end: the final "
-                                         "model and the checkpoint that --resume continues)")
-
-    def __post_init__(self):
-        # a field of several values also takes one (Config(reward="exact"), and checkpoints from before the
-        # list fields), and a list (from JSON)
-        for name in MULTI:
-            v = getattr(self, name)
-            setattr(self, name, list(v) if isinstance(v, (list, tuple)) else [v])
-        for name, (demo, model) in MODE_DEFAULTS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, model if self.model else demo)
-        if str(self.save_strategy).lower() == "false":  # YAML 1.1 reads an unquoted `save_strategy: no` as false
-            self.save_strategy = "no"
-        if isinstance(self.scale_rewards, (bool, str)):  # TRL also takes true (group) and false (none)
-            self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(),
-                                                                         self.scale_rewards)
-
-
-FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-MULTI = tuple(n for n, t in typing.get_type_hints(Config).items() if typing.get_origin(t) is list)  # several values
-CHOICES = {"critic": ("shared", "separate"), "loss_path": ("linear", "fused", "split"),
-           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-           "lr_scheduler_type": ("constant", "linear", "cosine"), "scale_rewards": (None, "group", "batch", "none"),
-           "save_strategy": ("steps", "epoch", "no")}
 
 
 def _flag(name: str) -> str:
@@ -347,8 +129,6 @@ def _unknown(names: List[str], where: str) -> ValueError:
 #   * defaults are suppressed while parsing, so what was set explicitly is known (a resumed run keeps the
 #     rest from its checkpoint), and a --config file's values fill in under the flags;
 #   * parse errors are ValueErrors naming the flag (`main` prints them as one line and exits 2).
-DEMO_ONLY = ("n_layer", "n_embd", "n_head", "digits", "warmup_target", "warmup_eval_every", "warmup_batch",
-             "warmup_lr")  # the built-in model/task (warmup_steps is TRL's learning-rate warm-up with --model)
 USAGE = "rlkernels train [--config FILE.json|FILE.yaml] [--FLAG VALUE ...]  (every Config field; --help)"
 
 
@@ -636,8 +416,6 @@ def _as_written(error: ValueError, written: dict) -> ValueError:
 
 def _validate_model_options(cfg: Config) -> None:
     """ModelConfig's and open-r1's options of a TRL recipe (issue 40)."""
-    if not 0 <= cfg.lora_dropout < 1:
-        raise ValueError(f"--lora-dropout: expected a number in [0, 1), got {cfg.lora_dropout}")
     for name in ("attn_implementation", "chat_template"):
         if getattr(cfg, name) is not None and not cfg.model:
             raise ValueError(f"{_flag(name)}: applies to a --model; the demo's tiny Llama and character tokenizer "
@@ -648,6 +426,22 @@ def _validate_model_options(cfg: Config) -> None:
         raise ValueError("--system-prompt: applies to the prompts of a --dataset, not to the demo's sums")
 
 
+def _validate_each(cfg: Config) -> None:
+    """Each setting on its own: a finite number (nan and inf pass comparisons like `> 0`, or fail them unclearly,
+    and break training later), within the bounds settings.py gives it."""
+    for name in FIELDS:
+        values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
+        for v in values:
+            if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
+                raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
+    for name, bounds in BOUNDS.items():
+        v = getattr(cfg, name)
+        if v is not None and not bounds.holds(v):
+            integer = _base_type(name)[0] is int
+            raise ValueError(f"{_flag(name)}: expected {'an int' if integer else 'a number'} {bounds.text(integer)}"
+                             f"{' or none' if nullable(name) else ''}, got {v}")
+
+
 def validate(cfg: Config) -> None:
     """Raise a ValueError naming the flag of the first bad value."""
     for name, allowed in CHOICES.items():
@@ -655,65 +449,24 @@ def validate(cfg: Config) -> None:
             shown = ", ".join(a for a in allowed if a is not None)
             raise ValueError(f"{_flag(name)}: expected one of {shown}, got {getattr(cfg, name)!r}")
     _validate_adv_estimator(cfg)
-    for name in FIELDS:  # nan and inf pass comparisons like `> 0` (or fail them unclearly) and break training later
-        values = getattr(cfg, name) if name in MULTI else (getattr(cfg, name),)
-        for v in values:
-            if _base_type(name)[0] is float and v is not None and not math.isfinite(v):
-                raise ValueError(f"{_flag(name)}: expected a finite number, got {v}")
-    positive = ("n_layer", "n_embd", "n_head", "digits", "steps", "prompts_per_step",
-                "num_generations", "max_new_tokens", "epochs", "minibatches", "warmup_batch",
-                "eval_every", "ckpt_every", "tree_roots", "max_gen_batches", "warmup_eval_every", "logging_steps")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{_flag(name)}: expected an int >= 1, got {getattr(cfg, name)}")
-    if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
-        raise ValueError(f"--max-prompt-length: expected an int >= 1 or none, got {cfg.max_prompt_length}")
-    for name in ("warmup_steps", "lr_warmup_steps", "lora_rank", "pods_keep", "overlong_buffer", "threads",
-                 "eval_completions", "eval_size"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{_flag(name)}: expected an int >= 0, got {getattr(cfg, name)}")
-    if cfg.train_epochs is not None and not 0 < cfg.train_epochs <= 1e6:
-        raise ValueError(f"--train-epochs: expected a number in (0, 1e6], got {cfg.train_epochs}")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(cfg, name) < 1:
-            raise ValueError(f"{_flag(name)}: expected a number in [0, 1), got {getattr(cfg, name)}")
-    if not cfg.adam_epsilon > 0:
-        raise ValueError(f"--adam-epsilon: expected a number > 0, got {cfg.adam_epsilon}")
+    _validate_each(cfg)
     cpus = os.cpu_count() or 1
     if cfg.threads > 4 * cpus:  # torch.set_num_threads(100000) crashes the process (SIGSEGV) on OpenMP builds
         raise ValueError(f"--threads: expected at most 4 × the {cpus} CPUs of this machine ({4 * cpus}), "
                          f"got {cfg.threads}")
-    if not 0 <= cfg.seed < 2**32:  # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
-        raise ValueError(f"--seed: expected an int from 0 to 2**32 - 1, got {cfg.seed}")
     if not cfg.dataset and cfg.digits > MAX_DIGITS:
         raise ValueError(f"--digits: expected at most {MAX_DIGITS} (the demo task lists all 10^(2·digits) "
                          f"operand pairs in memory, and a tiny model learns no more), got {cfg.digits}")
-    for name in ("temperature", "lr", "warmup_lr", "max_grad_norm", "lora_alpha"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{_flag(name)}: expected a number > 0, got {getattr(cfg, name)}")
     if not 1 / FLOAT32_MAX <= cfg.temperature <= FLOAT32_MAX:  # the ops scale float32 logits by 1/τ
         raise ValueError(f"--temperature: expected a number >= {1 / FLOAT32_MAX:.3g} (1/τ must fit float32) and "
                          f"<= {FLOAT32_MAX:.3g} (τ must fit float32), got {cfg.temperature}")
-    for name in ("lr", "warmup_lr"):  # AdamW moves each weight by about lr a step: more than 1 wrecks any model
-        if getattr(cfg, name) > MAX_LR:
-            raise ValueError(f"{_flag(name)}: expected a number in (0, {MAX_LR:g}], got {getattr(cfg, name)}")
-    for name in ("kl_coef", "clip_low", "clip_high", "weight_decay"):
-        v = getattr(cfg, name)
-        if v is not None and not v >= 0:
-            raise ValueError(f"{_flag(name)}: expected a number >= 0 or none, got {v}")
     if cfg.lr * cfg.weight_decay > 1:  # AdamW scales each weight by 1 − lr·weight_decay a step
         raise ValueError(f"--weight-decay: expected a number in [0, 1 / --lr] ({1 / cfg.lr:.3g}), "
                          f"got {cfg.weight_decay}")
-    for name in ("kl_target", "vf_clip"):  # PPO divides the observed KL by the target; value_loss needs clip > 0
-        v = getattr(cfg, name)
-        if v is not None and not v > 0:
-            raise ValueError(f"{_flag(name)}: expected a number > 0 or none, got {v}")
     if cfg.num_generations < 2 and cfg.algo != "ppo":
         raise ValueError(f"--num-generations: expected an int >= 2 for --algo {cfg.algo}, whose advantages compare "
                          f"each completion with its prompt's group (a group of one has advantage 0); --algo ppo "
                          f"takes 1, got {cfg.num_generations}")
-    if not 0 <= cfg.gamma <= 1 or not 0 <= cfg.lam <= 1:
-        raise ValueError(f"--gamma/--lam: expected values in [0, 1], got {cfg.gamma}, {cfg.lam}")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"--n-embd: must be a multiple of --n-head ({cfg.n_head}), got {cfg.n_embd}")
     if cfg.minibatches > cfg.prompts_per_step:
@@ -872,11 +625,6 @@ def loss_config(cfg: Config, group_size: int):
     return base.replace(**over)
 
 
-# the Config fields that are PolicyLossConfig's of the same name, none = the preset's
-LOSS_FIELDS = ("delta", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-               "vespo_lambda_neg")
-
-
 def describe(cfg: Config) -> str:
     """The settings that differ from their defaults, as flags on one line (summary.json holds them all)."""
     default = Config(model=cfg.model)
@@ -888,12 +636,9 @@ def describe(cfg: Config) -> str:
 # ----------------------------------------------------------------------------------------------
 # --resume: the checkpoint's config under this run's flags
 
-# what fixes the shapes of the saved weights and optimizer state, or the objective: a resumed run keeps it
-RESUME_FIXED = ("model", "n_layer", "n_embd", "n_head", "lora_rank", "lora_target", "lora_target_parameters",
-                "lora_modules_to_save", "use_dora", "algo", "critic")
-# what belongs to the machine, not the run: a resumed run takes it from its own flags (a run saved on
-# a GPU resumes on a CPU machine)
-RESUME_FRESH = ("resume", "device", "overwrite", "trust_checkpoint_code")
+# settings.py marks each setting a resumed run keeps (RESUME_FIXED: the shapes of the saved weights and optimizer
+# state, or the objective) and those it takes from its own flags (RESUME_FRESH: the machine's, so that a run saved
+# on a GPU resumes on a CPU machine)
 
 
 def run_dir(resume: str) -> str:

@@ -1,7 +1,9 @@
 """TRL's names for the trainer's settings: `GRPOConfig`'s, and the `ModelConfig` / `ScriptArguments` keys of a
 TRL recipe, accepted as flags and `--config` keys beside the trainer's own (docs/trainer.md#trls-names).
 
-* RENAMED: one of our settings under TRL's name (or an older name of ours): `--learning_rate` is `--lr`.
+* RENAMED: one of our settings under TRL's name (or an older name of ours): `--learning_rate` is `--lr`; SAME_NAME:
+  GRPOConfig's settings of our name; TRL_DEFAULTS: GRPOConfig's defaults where ours differ. All three come from
+  the `trl`, `former` and `trl_default` that settings.py declares with each setting.
 * OPTIONS: TRL settings that set ours by a rule (`resolve`), with their types.
 * SAME_AS_HERE: TRL settings accepted when their value is what this trainer does anyway (`use_vllm: false`);
   another value is refused, naming the setting and why.
@@ -21,17 +23,10 @@ from __future__ import annotations
 
 from typing import List
 
-RENAMED = {
-    "output_dir": "out", "learning_rate": "lr", "beta": "kl_coef", "max_completion_length": "max_new_tokens",
-    "max_steps": "steps", "num_iterations": "epochs", "save_steps": "ckpt_every", "eval_steps": "eval_every",
-    "model_name_or_path": "model", "dataset_name": "dataset", "dataset_train_split": "dataset_split",
-    "dataset_test_split": "eval_split", "reward_funcs": "reward", "reward_model_name_or_path": "reward_model",
-    "torch_dtype": "dtype", "activation_checkpointing": "gradient_checkpointing",
-    "prompts": "dataset",  # this trainer's name before --dataset read more than JSONL
-    "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
-    "use_bias_correction_kl": "kl_bias_correction",
-    "dataset_prompt_column": "prompt_column",  # open-r1's
-}
+from .settings import FIELDS
+
+FORMER = {old: name for name, f in FIELDS.items() for old in f.metadata["former"]}  # our own older names
+RENAMED = {**{alias: name for name, f in FIELDS.items() for alias in f.metadata["trl"] if alias != name}, **FORMER}
 # (type, help); list types take several values
 OPTIONS = {
     "loss_type": (str, "TRL's loss: grpo, dr_grpo, dapo, cispo, sapo, luspo, vespo (sets --algo)"),
@@ -140,16 +135,10 @@ IGNORED = {  # why each group has no effect here
         "entropy_target"),
 }
 # GRPOConfig's settings that are this trainer's fields under the same name (a null in a recipe: TRL's default)
-SAME_NAME = ("seed", "temperature", "num_generations", "lr_scheduler_type", "weight_decay", "max_grad_norm",
-             "gradient_checkpointing", "logging_steps", "report_to", "reward_weights", "multi_objective_aggregation",
-             "scale_rewards", "entropy_coef", "fsdp", "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon",
-             "delta", "top_entropy_quantile", "mask_truncated_completions", "save_strategy", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+SAME_NAME = tuple(name for name, f in FIELDS.items() if name in f.metadata["trl"])
 IGNORED_WHY = {name: why for why, names in IGNORED.items() for name in names}
-# GRPOConfig's defaults where they differ from this trainer's, for a TRL recipe (`recipe_defaults`)
-TRL_DEFAULTS = {"algo": "dapo", "kl_coef": 0.0, "num_generations": 8, "max_new_tokens": 512, "temperature": 1.0,
-                "lr": 1e-6, "lr_scheduler_type": "linear", "lr_warmup_steps": 0, "seed": 42, "logging_steps": 10,
-                "ckpt_every": 500, "gradient_checkpointing": True, "adam_beta2": 0.999, "kl_bias_correction": True,
-                "lora_alpha": 32.0, "lora_dropout": 0.05}  # the last two: ModelConfig's
+# GRPOConfig's (and ModelConfig's) defaults where they differ from this trainer's, for a TRL recipe (`resolve`)
+TRL_DEFAULTS = {name: f.metadata["trl_default"] for name, f in FIELDS.items() if "trl_default" in f.metadata}
 # where a TRL recipe still trains or reports otherwise than `trl grpo`, for its log line
 DIFFERENCES = ("a step is one rollout batch (TRL's max_steps counts optimizer steps: the same with steps_per_generation "
                "= gradient_accumulation_steps and num_iterations 1)", "evaluation is the greedy reward of --eval-size "
@@ -178,7 +167,7 @@ def kind(name: str):
 
 def is_trl_name(key: str) -> bool:
     """Whether a --config key is TRL's spelling of a setting, not this trainer's (which makes a TRL recipe)."""
-    return (key in RENAMED and key != "prompts") or key in OPTIONS or key in SAME_AS_HERE or key in IGNORED_WHY
+    return (key in RENAMED and key not in FORMER) or key in OPTIONS or key in SAME_AS_HERE or key in IGNORED_WHY
 
 
 def ignored_line(names) -> str:
