@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from . import nesting, trackers, trl_names
 from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, LOSS_FIELDS, MODE_DEFAULTS, MULTI,
-                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, nullable)
+                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, expected, help_line)
 
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
@@ -172,7 +172,7 @@ def build_parser(suppress_defaults: bool = False, prog: str = "rlkernels train")
         spellings = [_flag(name)] + (["--" + name] if "_" in name else [])
         default = argparse.SUPPRESS if suppress_defaults else \
             (field.default_factory() if field.default is dataclasses.MISSING else field.default)
-        kwargs = dict(dest=name, type=_converter(name), default=default, help=field.metadata["help"])
+        kwargs = dict(dest=name, type=_converter(name), default=default, help=help_line(name))
         if name in MULTI:
             metavar = name.upper()[:-1] if name.endswith("s") else name.upper()
             parser.add_argument(*spellings, nargs="+", action="extend", metavar=metavar, **kwargs)
@@ -437,9 +437,7 @@ def _validate_each(cfg: Config) -> None:
     for name, bounds in BOUNDS.items():
         v = getattr(cfg, name)
         if v is not None and not bounds.holds(v):
-            integer = _base_type(name)[0] is int
-            raise ValueError(f"{_flag(name)}: expected {'an int' if integer else 'a number'} {bounds.text(integer)}"
-                             f"{' or none' if nullable(name) else ''}, got {v}")
+            raise ValueError(f"{_flag(name)}: expected {expected(name)}, got {v}")
 
 
 def validate(cfg: Config) -> None:

@@ -62,7 +62,7 @@ _UNSET = object()
 def _field(default, help: str, *, reads: tuple, mode: Optional[tuple] = None, choices: Optional[tuple] = None,
            trl: tuple = (), former: tuple = (), trl_default=_UNSET, demo_only: bool = False,
            on_resume: Optional[str] = None, loss_field: bool = False, **bounds):
-    """A setting: its default and `--help` line, and
+    """A setting: its default and help (`help_line` adds what the rest declares), and
     * reads: who reads it (READERS);
     * mode: (the demo's value, a --model run's) of a setting whose default is None;
     * choices: the values it takes; bounds: at_least / above / at_most / below (Bounds), for a number;
@@ -72,8 +72,6 @@ def _field(default, help: str, *, reads: tuple, mode: Optional[tuple] = None, ch
     * on_resume: "kept" (fixes the saved weights' shapes or the objective) or "fresh" (the machine's, never the
       checkpoint's);
     * loss_field: PolicyLossConfig's field of the same name, none = the preset's."""
-    if mode is not None:
-        help = f"{help}; none = {mode[0]} for the demo, {mode[1]} with --model"
     metadata = {"help": help, "reads": reads, "mode": mode, "choices": choices, "trl": trl, "former": former,
                 "demo_only": demo_only, "on_resume": on_resume, "loss_field": loss_field,
                 "bounds": Bounds(**bounds) if bounds else None}
@@ -88,7 +86,7 @@ def _field(default, help: str, *, reads: tuple, mode: Optional[tuple] = None, ch
 class Config:
     # run
     out: str = _field("", "output folder; \"\" = runs/<timestamp>", trl=("output_dir",), reads=("logging",))
-    seed: int = _field(0, "random seed (0 to 2**32 - 1)",
+    seed: int = _field(0, "random seed",
                        at_least=0, at_most=2**32 - 1, trl=("seed",), trl_default=42, reads=("data",))
     threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks",
                           at_least=0, reads=("setup",))
@@ -120,7 +118,7 @@ class Config:
     lora_alpha: float = _field(16.0, "LoRA alpha", above=0, trl_default=32.0, reads=("setup",))
     lora_target: str = _field("all-linear", "LoRA modules: all-linear (every linear layer but the head) or name,name,...",
                               on_resume="kept", reads=("setup",))
-    lora_dropout: float = _field(0.0, "LoRA dropout, in [0, 1) (a TRL recipe: ModelConfig's 0.05)",
+    lora_dropout: float = _field(0.0, "LoRA dropout",
                                  at_least=0, below=1, trl_default=0.05, reads=("setup",))
     lora_target_parameters: List[str] = _field([], "LoRA on these parameters (peft's target_parameters, e.g. a "
                                                    "mixture of experts' stacked weights)",
@@ -142,7 +140,8 @@ class Config:
     gradient_checkpointing: bool = _field(False, "recompute each layer's activations in the backward (HF's, "
                                                  "non-reentrant): less memory for longer sequences, about one more "
                                                  "forward of time",
-                                                 trl=("gradient_checkpointing", "activation_checkpointing"), trl_default=True, reads=("setup",))
+                                                 trl=("gradient_checkpointing", "activation_checkpointing"),
+                                                 trl_default=True, reads=("setup",))
     fsdp: bool = _field(False, "under torchrun: shard the policy, critic and reference model over the ranks with "
                                "FSDP2 (fully_shard per decoder layer) instead of replicating them with DDP, for "
                                "models that do not fit one device", trl=("fsdp",), reads=("setup",))
@@ -182,7 +181,8 @@ class Config:
         "sum_then_normalize", "several rewards, as TRL's option of that name: sum_then_normalize (the weighted sum, "
         "then the advantages of --algo) | normalize_then_sum (GDPO, GRPO family: each reward normalised within its "
         "prompt group, the weighted sum of those normalised over the whole batch)",
-        choices=("sum_then_normalize", "normalize_then_sum"), trl=("multi_objective_aggregation",), reads=("advantages",))
+        choices=("sum_then_normalize", "normalize_then_sum"), trl=("multi_objective_aggregation",),
+        reads=("advantages",))
     digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)",
                          at_least=1, demo_only=True, reads=("setup",))
     eval_size: Optional[int] = _field(None, "held-out prompts evaluated (greedy completions) at most; 0 = "
@@ -220,23 +220,27 @@ class Config:
     num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)",
                                   at_least=1, trl=("num_generations",), trl_default=8, reads=("sampling",))
     max_new_tokens: Optional[int] = _field(None, "completion length at most",
-                                           mode=(4, 256), at_least=1, trl=("max_completion_length",), trl_default=512, reads=("sampling", "advantages"))
+                                           mode=(4, 256), at_least=1, trl=("max_completion_length",),
+                                           trl_default=512, reads=("sampling", "advantages"))
     max_prompt_length: Optional[int] = _field(None, "with --model: a prompt longer than this many tokens keeps its last "
                                                     "ones (TRL's max_prompt_length), said in the log; none = whole "
                                                     "prompts (one beyond the model's context is an error)",
                                                     at_least=1, reads=("setup",))
     temperature: Optional[float] = _field(None, "sampling temperature",
-                                          mode=(0.7, 1.0), above=0, trl=("temperature",), trl_default=1.0, reads=("sampling",))
-    lr: Optional[float] = _field(None, "RL learning rate, in (0, 1]",
-                                 mode=(1e-4, 1e-6), above=0, at_most=MAX_LR, trl=("learning_rate",), trl_default=1e-6, reads=("optimization",))
+                                          mode=(0.7, 1.0), above=0, trl=("temperature",),
+                                          trl_default=1.0, reads=("sampling",))
+    lr: Optional[float] = _field(None, "RL learning rate",
+                                 mode=(1e-4, 1e-6), above=0, at_most=MAX_LR, trl=("learning_rate",),
+                                 trl_default=1e-6, reads=("optimization",))
     lr_warmup_steps: int = _field(5, "RL learning rate ramps linearly from lr/N to lr over the first N steps",
                                   at_least=0, trl_default=0, reads=("optimization",))
     lr_scheduler_type: str = _field("constant", "after the warm-up: constant | linear (to 0 at the last step) | cosine",
-                                    choices=("constant", "linear", "cosine"), trl=("lr_scheduler_type",), trl_default="linear", reads=("optimization",))
+                                    choices=("constant", "linear", "cosine"), trl=("lr_scheduler_type",),
+                                    trl_default="linear", reads=("optimization",))
     weight_decay: float = _field(0.0, "AdamW weight decay", at_least=0, trl=("weight_decay",), reads=("setup",))
     adam_beta1: float = _field(0.9, "AdamW β1 of the RL optimizer",
                                at_least=0, below=1, trl=("adam_beta1",), reads=("setup",))
-    adam_beta2: float = _field(0.98, "AdamW β2 of the RL optimizer (a TRL recipe: TRL's 0.999)",
+    adam_beta2: float = _field(0.98, "AdamW β2 of the RL optimizer",
                                at_least=0, below=1, trl=("adam_beta2",), trl_default=0.999, reads=("setup",))
     adam_epsilon: float = _field(1e-8, "AdamW ε of the RL optimizer", above=0, trl=("adam_epsilon",), reads=("setup",))
     train_epochs: Optional[float] = _field(None, "TRL's num_train_epochs without max_steps: passes over the training "
@@ -250,7 +254,7 @@ class Config:
                                   above=0, trl=("max_grad_norm",), reads=("optimization",))
     kl_coef: Optional[float] = _field(None, "none = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)",
                                       at_least=0, trl=("beta",), trl_default=0.0, reads=("loss",))
-    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL (> 0); none = fixed β",
+    kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL; none = fixed β",
                                         above=0, reads=("optimization",))
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's", at_least=0, reads=("loss",))
     clip_high: Optional[float] = _field(None, "upper ratio clip; none = the preset's", at_least=0, reads=("loss",))
@@ -278,7 +282,8 @@ class Config:
     entropy_coef: float = _field(0.0, "entropy bonus coefficient", trl=("entropy_coef",), reads=("loss",))
     scale_rewards: Optional[str] = _field(None, "GRPO family: group (divide by the group's std) | batch (by the batch's) | "
                                                 "none; none given = none for dr_grpo, else group",
-                                                choices=(None, "group", "batch", "none"), trl=("scale_rewards",), reads=("advantages",))
+                                                choices=(None, "group", "batch", "none"), trl=("scale_rewards",),
+                                                reads=("advantages",))
     adv_estimator: Optional[str] = _field(None, "the advantages, as verl's algorithm.adv_estimator: "
                                                 "" + " | ".join(ADV_ESTIMATORS) + "; none = --algo's own (gae for ppo, "
                                                 "Tree-GRPO with --tree, grpo otherwise)", reads=("advantages",))
@@ -288,10 +293,10 @@ class Config:
     critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)",
                          choices=("shared", "separate"), on_resume="kept", reads=("setup",))
     vf_coef: float = _field(0.5, "PPO value-loss coefficient", reads=("optimization",))
-    vf_clip: Optional[float] = _field(0.2, "PPO value clip (> 0); none = unclipped", above=0, reads=("optimization",))
-    gamma: float = _field(1.0, "discount of PPO's GAE and of --adv-estimator reinforce_plus_plus, in [0, 1]",
+    vf_clip: Optional[float] = _field(0.2, "PPO value clip; none = unclipped", above=0, reads=("optimization",))
+    gamma: float = _field(1.0, "discount of PPO's GAE and of --adv-estimator reinforce_plus_plus",
                           at_least=0, at_most=1, reads=("advantages",))
-    lam: float = _field(0.95, "PPO GAE λ, in [0, 1]", at_least=0, at_most=1, reads=("advantages",))
+    lam: float = _field(0.95, "PPO GAE λ", at_least=0, at_most=1, reads=("advantages",))
     # options
     pods_keep: int = _field(0, "> 0: PODS, keep m of the num_generations rollouts per prompt",
                             at_least=0, reads=("sampling",))
@@ -366,8 +371,17 @@ def nullable(name: str) -> bool:
     return type(None) in typing.get_args(typing.get_type_hints(Config)[name]) and name not in MODE_DEFAULTS
 
 
-# ---- docs/trainer.md#every-setting ----------------------------------------------------------------------------
-TABLE_HEAD = ("| flag | default | values | TRL's name | read by | what it does |", "|---|---|---|---|---|---|")
+def value_type(name: str) -> type:
+    """int, float, bool or str: the type of a setting's value (of each, for one of several values)."""
+    hint = typing.get_type_hints(Config)[name]
+    return typing.get_args(hint)[0] if typing.get_origin(hint) in (list, typing.Union) else hint
+
+
+def expected(name: str) -> str:
+    """What a bounded setting takes, as its error and its --help line say it: `an int >= 1`, `a number in (0, 1]`."""
+    integer = value_type(name) is int
+    return (f"{'an int' if integer else 'a number'} {BOUNDS[name].text(integer)}"
+            f"{' or none' if nullable(name) else ''}")
 
 
 def _shown(value) -> str:
@@ -377,15 +391,31 @@ def _shown(value) -> str:
         else str(value)
 
 
+def help_line(name: str) -> str:
+    """`--help`'s line: the setting's help, then what its mode, bounds and TRL default declare."""
+    meta = FIELDS[name].metadata
+    parts = [meta["help"]]
+    if meta["mode"]:
+        parts.append(f"none = {_shown(meta['mode'][0])} for the demo, {_shown(meta['mode'][1])} with --model")
+    if meta["bounds"]:
+        parts.append(expected(name))
+    if "trl_default" in meta:
+        parts.append(f"a TRL recipe: {_shown(meta['trl_default'])}")
+    return "; ".join(parts)
+
+
+# ---- docs/trainer.md#every-setting ----------------------------------------------------------------------------
+TABLE_HEAD = ("| flag | default | values | TRL's names | read by | what it does |", "|---|---|---|---|---|---|")
+
+
 def _values(name: str) -> str:
-    meta, typ = FIELDS[name].metadata, typing.get_type_hints(Config)[name]
-    base = typing.get_args(typ)[0] if name in MULTI or typing.get_origin(typ) is typing.Union else typ
+    meta = FIELDS[name].metadata
     if meta["choices"]:  # None among them is the default that another setting decides
         return " \\| ".join(c for c in meta["choices"] if c is not None)
-    kind = {int: "int", float: "number", bool: "bool", str: "string"}[base]
-    kind = f"several {kind}s" if name in MULTI else kind
-    return (f"{kind} {meta['bounds'].text(base is int)}" if meta["bounds"] else kind) + \
-        (" or none" if nullable(name) else "")
+    if meta["bounds"]:
+        return expected(name)
+    kind = {int: "an int", float: "a number", bool: "a bool", str: "a string"}[value_type(name)]
+    return (f"several: {kind} each" if name in MULTI else kind) + (" or none" if nullable(name) else "")
 
 
 def markdown_table() -> str:
@@ -395,9 +425,11 @@ def markdown_table() -> str:
         meta = f.metadata
         default = (f"{_shown(meta['mode'][0])} (demo), {_shown(meta['mode'][1])} (--model)" if meta["mode"] else
                    _shown(f.default_factory() if f.default is dataclasses.MISSING else f.default))
+        if "trl_default" in meta:
+            default += f"; TRL recipe: {_shown(meta['trl_default'])}"
         trl = ", ".join(f"`{n}`" for n in meta["trl"])
-        rows.append(f"| `--{name.replace('_', '-')}` | {default} | {_values(name)} | {trl} | {', '.join(meta['reads'])} "
-                    f"| {meta['help'].replace('|', chr(92) + '|')} |")
+        rows.append(f"| `--{name.replace('_', '-')}` | {default} | {_values(name)} | {trl} | "
+                    f"{', '.join(meta['reads'])} | {meta['help'].replace('|', chr(92) + '|')} |")
     return "\n".join(rows) + "\n"
 
 
