@@ -6,21 +6,22 @@ import re
 
 import pytest
 
-from rlkernels.trainer import config_parts, run_config, settings, trl_names
+from rlkernels.trainer import config_parts, run_config, settings, settings_docs, trl_names
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINER_MD = (ROOT / "docs" / "trainer.md").read_text()
 
 
 def test_docs_table_is_the_settings():
-    start = TRAINER_MD.index(settings.TABLE_HEAD[0])
-    end = TRAINER_MD.index("<!-- end of the generated table -->", start)
-    assert TRAINER_MD[start:end] == settings.markdown_table(), \
-        "docs/trainer.md: regenerate the table with `python -m rlkernels.trainer.settings`"
+    start = TRAINER_MD.index(settings_docs.TABLE_HEAD[0])
+    end = TRAINER_MD.index(settings_docs.END, start)
+    assert TRAINER_MD[start:end] == settings_docs.markdown_table(), \
+        "docs/trainer.md: rewrite the table with `python -m rlkernels.trainer.settings_docs`"
 
 
 def test_docs_trl_section_names_every_trl_name():
-    section = TRAINER_MD[TRAINER_MD.index("## TRL's names"):TRAINER_MD.index("\n## ", TRAINER_MD.index("## TRL's names") + 1)]
+    start = TRAINER_MD.index("## TRL's names")
+    section = TRAINER_MD[start:TRAINER_MD.index("\n## ", start)]
     named = set(re.findall(r"`(\w+)`", section))
     aliases = [a for a in trl_names.RENAMED if a not in trl_names.FORMER]
     assert not [a for a in aliases + list(trl_names.SAME_NAME) if a not in named]

@@ -2,7 +2,7 @@
 metadata its `--help` line, its range or choices, its TRL names, and which part of the run reads it. The rest
 is derived from here: the flags (run_config.build_parser), the TRL mapping (trl_names.RENAMED, SAME_NAME,
 TRL_DEFAULTS), the checks of each value on its own (run_config.validate; checks across settings are code there)
-and the table of docs/trainer.md#every-setting (`python -m rlkernels.trainer.settings` prints it).
+and the table of docs/trainer.md#every-setting (settings_docs.py).
 
 Neither torch nor anything else of the trainer is imported here: `--help` reads this module.
 """
@@ -384,7 +384,8 @@ def expected(name: str) -> str:
             f"{' or none' if nullable(name) else ''}")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """A value as --help and the docs write it: true, none, "", a list's items."""
     if isinstance(value, list):
         return " ".join(map(str, value)) or "none"
     return '""' if value == "" else "none" if value is None else str(value).lower() if isinstance(value, bool) \
@@ -396,42 +397,9 @@ def help_line(name: str) -> str:
     meta = FIELDS[name].metadata
     parts = [meta["help"]]
     if meta["mode"]:
-        parts.append(f"none = {_shown(meta['mode'][0])} for the demo, {_shown(meta['mode'][1])} with --model")
+        parts.append(f"none = {shown(meta['mode'][0])} for the demo, {shown(meta['mode'][1])} with --model")
     if meta["bounds"]:
         parts.append(expected(name))
     if "trl_default" in meta:
-        parts.append(f"a TRL recipe: {_shown(meta['trl_default'])}")
+        parts.append(f"a TRL recipe: {shown(meta['trl_default'])}")
     return "; ".join(parts)
-
-
-# ---- docs/trainer.md#every-setting ----------------------------------------------------------------------------
-TABLE_HEAD = ("| flag | default | values | TRL's names | read by | what it does |", "|---|---|---|---|---|---|")
-
-
-def _values(name: str) -> str:
-    meta = FIELDS[name].metadata
-    if meta["choices"]:  # None among them is the default that another setting decides
-        return " \\| ".join(c for c in meta["choices"] if c is not None)
-    if meta["bounds"]:
-        return expected(name)
-    kind = {int: "an int", float: "a number", bool: "a bool", str: "a string"}[value_type(name)]
-    return (f"several: {kind} each" if name in MULTI else kind) + (" or none" if nullable(name) else "")
-
-
-def markdown_table() -> str:
-    """The settings as the rows of docs/trainer.md's table (python_tests/test_trainer_settings.py compares)."""
-    rows = list(TABLE_HEAD)
-    for name, f in FIELDS.items():
-        meta = f.metadata
-        default = (f"{_shown(meta['mode'][0])} (demo), {_shown(meta['mode'][1])} (--model)" if meta["mode"] else
-                   _shown(f.default_factory() if f.default is dataclasses.MISSING else f.default))
-        if "trl_default" in meta:
-            default += f"; TRL recipe: {_shown(meta['trl_default'])}"
-        trl = ", ".join(f"`{n}`" for n in meta["trl"])
-        rows.append(f"| `--{name.replace('_', '-')}` | {default} | {_values(name)} | {trl} | "
-                    f"{', '.join(meta['reads'])} | {meta['help'].replace('|', chr(92) + '|')} |")
-    return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown_table(), end="")
