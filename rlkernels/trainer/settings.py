@@ -85,7 +85,8 @@ def _field(default, help: str, *, reads: tuple, mode: Optional[tuple] = None, ch
 @dataclasses.dataclass
 class Config:
     # run
-    out: str = _field("", "output folder; \"\" = runs/<timestamp>", trl=("output_dir",), reads=("logging",))
+    out: str = _field("", "output folder; \"\" = runs/<timestamp>", trl=("output_dir",), reads=("logging", "setup"))
+    # torch.manual_seed takes 64 bits, and the trainer derives seed·1000 + rank
     seed: int = _field(0, "random seed",
                        at_least=0, at_most=2**32 - 1, trl=("seed",), trl_default=42, reads=("data",))
     threads: int = _field(0, "torch threads; 0 = 1 for the demo model, else min(cpu count, 4) / ranks",
@@ -218,7 +219,7 @@ class Config:
     prompts_per_step: Optional[int] = _field(None, "prompts per RL step (per rank)",
                                              mode=(32, 8), at_least=1, reads=("sampling",))
     num_generations: int = _field(8, "completions per prompt (the GRPO group: at least 2; ppo takes 1)",
-                                  at_least=1, trl=("num_generations",), trl_default=8, reads=("sampling",))
+                                  at_least=1, trl=("num_generations",), trl_default=8, reads=("sampling", "setup"))
     max_new_tokens: Optional[int] = _field(None, "completion length at most",
                                            mode=(4, 256), at_least=1, trl=("max_completion_length",),
                                            trl_default=512, reads=("sampling", "advantages"))
@@ -253,7 +254,8 @@ class Config:
     max_grad_norm: float = _field(1.0, "gradient clipping norm",
                                   above=0, trl=("max_grad_norm",), reads=("optimization",))
     kl_coef: Optional[float] = _field(None, "none = the preset's (grpo 0.04 k3 in the loss; ppo 0.05 k1 in the reward)",
-                                      at_least=0, trl=("beta",), trl_default=0.0, reads=("loss",))
+                                      at_least=0, trl=("beta",), trl_default=0.0, reads=("loss", "setup"))
+    # > 0: PPO divides the observed KL by the target
     kl_target: Optional[float] = _field(None, "PPO: adaptive β towards this KL; none = fixed β",
                                         above=0, reads=("optimization",))
     clip_low: Optional[float] = _field(None, "lower ratio clip; none = the preset's", at_least=0, reads=("loss",))
@@ -293,13 +295,14 @@ class Config:
     critic: str = _field("shared", "PPO critic: shared (value head on the actor trunk) | separate (own trunk)",
                          choices=("shared", "separate"), on_resume="kept", reads=("setup",))
     vf_coef: float = _field(0.5, "PPO value-loss coefficient", reads=("optimization",))
+    # > 0: value_loss needs a clip above 0
     vf_clip: Optional[float] = _field(0.2, "PPO value clip; none = unclipped", above=0, reads=("optimization",))
     gamma: float = _field(1.0, "discount of PPO's GAE and of --adv-estimator reinforce_plus_plus",
                           at_least=0, at_most=1, reads=("advantages",))
     lam: float = _field(0.95, "PPO GAE λ", at_least=0, at_most=1, reads=("advantages",))
     # options
     pods_keep: int = _field(0, "> 0: PODS, keep m of the num_generations rollouts per prompt",
-                            at_least=0, reads=("sampling",))
+                            at_least=0, reads=("sampling", "setup"))
     dynamic_sampling: bool = _field(False, "DAPO: drop groups whose rewards are all equal, sample more to refill",
                                     reads=("sampling",))
     max_gen_batches: int = _field(4, "dynamic sampling: rollout batches per step at most (then train on what is kept)",
