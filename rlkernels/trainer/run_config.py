@@ -20,8 +20,9 @@ import typing
 from typing import List, Optional
 
 from . import nesting, trackers, trl_names
-from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, LOSS_FIELDS, MODE_DEFAULTS, MULTI,
-                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, expected, help_line)
+from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, LOSS_FIELDS, MULTI, RESUME_FIXED,
+                       RESUME_FRESH, REWARD_FORMS, Config, expected, help_line)
+from .settings import MODE_DEFAULTS  # noqa: F401  (read here by the docstring's readers and the tests)
 
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
