@@ -14,6 +14,7 @@ from typing import List, NamedTuple, Optional
 
 REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | trl grpo's "
                 "accuracy_reward, reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment")
+MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB
 MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW moves each weight by about lr a step: more wrecks any model)
 # verl 0.9.1's advantage estimators (its AdvantageEstimator) that the trainer forms with rlkernels.advantages; the
 # *_vectorized ones are verl's second implementations of the same estimator
@@ -184,7 +185,7 @@ class Config:
         "prompt group, the weighted sum of those normalised over the whole batch)",
         choices=("sum_then_normalize", "normalize_then_sum"), trl=("multi_objective_aggregation",),
         reads=("advantages",))
-    digits: int = _field(2, "demo task only: operand digits of the synthetic addition (at most 3)",
+    digits: int = _field(2, f"demo task only: operand digits of the synthetic addition (at most {MAX_DIGITS})",
                          at_least=1, demo_only=True, reads=("setup",))
     eval_size: Optional[int] = _field(None, "held-out prompts evaluated (greedy completions) at most; 0 = "
                                                         "no evaluation (a TRL recipe that asks for none)",
