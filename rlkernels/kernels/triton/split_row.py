@@ -49,7 +49,7 @@ from .row_math import LOG2E, dlogits, row_state
 CHUNK_BYTES = 40 * 1024  # a chunk's logits at most: 2 tiles of 16 KB on a GPU
 PARTIALS = tl.constexpr(4)  # per chunk: m, s, u, and (rank 0) the target's logit
 # The interpreter's tile: small, so that the tests' short rows (V = 200) take several chunks, one a partial one.
-_INTERPRET_BLOCK_V = 64
+_INTERPRET_BLOCK_V = 128
 
 
 def split_plan(vocab, dtype, interpret=INTERPRET):
