@@ -1,6 +1,6 @@
 """The Triton two-pass row (kernels/triton/split_row.py, docs/design.md §7): `policy_token_fwd_grad` with each row
 split over several programs. Under the interpreter (no GPU) its phases run as two launches through the same jitted
-code; the one-launch wait is the protocol of benchmarks/split_row_protocol.py (test_split_row_protocol.py) and a GPU
+code; the one-launch wait is the protocol of split_row_protocol.py (test_split_row_protocol.py) and a GPU
 check. Against the three-pass Triton composition (policy_token_fwd, then token_logprobs_bwd at the token's
 derivatives times the scale) on the cases of token_loss_cases.py, and through `fused_policy_loss` against
 `two_pass=False` and the fp64 reference on every preset the forward kernel evaluates: fresh random inputs, V odd and

@@ -25,7 +25,7 @@ arrival count is complete, so no program of the row has written ∂logits yet: `
 
 Under TRITON_INTERPRET=1 programs run one after another and a spin wait would never end: the same kernel runs
 as two launches there (STATS, then GRAD), the kernel boundary ordering the phases; the wait is compiled out.
-benchmarks/split_row_protocol.py models the protocol on the host under adversarial schedules.
+python_tests/split_row_protocol.py models the protocol on the host under adversarial schedules.
 """
 
 import math
