@@ -69,7 +69,7 @@ def split_plan(vocab, dtype, interpret=INTERPRET):
 def _split_row_kernel(
     logits_ptr, targets_ptr, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr, bonus_ptr,
     logp_ptr, entropy_ptr, stats_ptr, out_ptr, partials_ptr, sync_ptr,
-    n, V, seq_len, stride_batch, stride_row, stride_out_batch, stride_out_row, chunk, chunks,
+    V, seq_len, stride_batch, stride_row, stride_out_batch, stride_out_row, chunk, chunks,
     inv_temp, cap, inv_cap, scale, loss_params,
     OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr, BIAS_CORRECTION: tl.constexpr, NUM_STATS: tl.constexpr, HAS_CAP: tl.constexpr,
@@ -83,62 +83,65 @@ def _split_row_kernel(
     TILE: tl.constexpr = BLOCK_V // 2  # the stats stream half tiles, as `row_forward`
     VEC: tl.constexpr = 128 // logits_ptr.dtype.element_ty.primitive_bitwidth
     c = inv_temp * LOG2E
-    ticket = tl.atomic_add(tickets, 1)
-    while ticket < n * chunks:
-        row = ticket // chunks
-        rank = ticket - row * chunks
-        b = row // seq_len
-        t = row - b * seq_len
-        row_ptr = row_start(logits_ptr, b, t, stride_batch, stride_row)
-        lo = rank.to(tl.int64) * chunk
-        hi = lo + chunk
+    # one item per program, by ticket, not by program id (the module's docstring)
+    row, rank, b, t, lo, hi = _item(tl.atomic_add(tickets, 1), seq_len, chunk, chunks)
+    row_ptr = row_start(logits_ptr, b, t, stride_batch, stride_row)
+    target = tl.load(targets_ptr + row)
+    arrived = sync_ptr + 2 + row
+    if STATS:
+        base, lead, end, full_end = row_span(row_ptr, V, TILE)
+        m, s, u = span_state(base, tile_offsets(TILE, VEC), lead, end, full_end, lo, hi, c, cap, inv_cap, True,
+                             HAS_CAP, TILE)
         part = partials_ptr + (row * chunks + rank) * PARTIALS
-        arrived = sync_ptr + 2 + row
-        target = tl.load(targets_ptr + row)
-        if STATS:
-            base, lead, end, full_end = row_span(row_ptr, V, TILE)
-            m, s, u = span_state(base, tile_offsets(TILE, VEC), lead, end, full_end, lo, hi, c, cap, inv_cap, True,
-                                 HAS_CAP, TILE)
-            tl.store(part, m)
-            tl.store(part + 1, s)
-            tl.store(part + 2, u)
-            if rank == 0:
-                tl.store(part + 3, target_logit(row_ptr, target, V))
-            tl.debug_barrier()  # every thread's stores before the release
-            tl.atomic_add(arrived, 1, sem="release", scope="gpu")
-        if GRAD:
-            if STATS:  # one launch: wait for the row's peers (the interpreter's two launches never wait)
-                while tl.atomic_add(arrived, 0, sem="acquire", scope="gpu") < chunks:
-                    pass
-                tl.debug_barrier()
-            ranks = tl.arange(0, CHUNKS_P2)
-            peers = partials_ptr + (row * chunks + ranks) * PARTIALS
-            there = ranks < chunks
-            # .cg: from L2, where the peers' stores are, never a line this SM's L1 kept
-            m, s, u = row_state(tl.load(peers, mask=there, other=float("-inf"), cache_modifier=".cg"),
-                                tl.load(peers + 1, mask=there, other=0.0, cache_modifier=".cg"),
-                                tl.load(peers + 2, mask=there, other=0.0, cache_modifier=".cg"), c, True)
-            z_y = tl.load(partials_ptr + row * chunks * PARTIALS + 3, cache_modifier=".cg")
-            logp, entropy, log_s = row_result(z_y, m, s, u, inv_temp, cap, inv_cap, True, HAS_CAP)
-            grad_logp, grad_entropy, loss, clip_low, clip_high, ratio, approx_kl, kl, h_stat = row_loss(
-                row, logp, entropy, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr,
-                loss_params, OBJECTIVE, KL, HAS_OLD, HAS_REF, HAS_IS_WEIGHTS, BIAS_CORRECTION)
-            if rank == 0:
-                tl.store(logp_ptr + row, logp)
-                tl.store(entropy_ptr + row, entropy)
-                store_stats(stats_ptr + row * NUM_STATS, loss, clip_low, clip_high, ratio, approx_kl, kl, h_stat)
-            h = 0.0
-            row_entropy = 0.0
-            if HAS_H:
-                row_entropy = entropy
-                if HAS_BONUS:
-                    h = tl.load(bonus_ptr + row) * scale
-                else:
-                    h = grad_entropy * scale
-            coef_target, coef_a, coef_b = grad_coefs(grad_logp * scale, h, row_entropy, inv_temp)
-            _grad_chunk(row_ptr, row_start(out_ptr, b, t, stride_out_batch, stride_out_row), V, lo, hi, target,
-                        z_y, m, log_s * LOG2E, c, coef_target, coef_a, coef_b, cap, inv_cap, HAS_H, HAS_CAP, BLOCK_V)
-        ticket = tl.atomic_add(tickets, 1)
+        tl.store(part, m)
+        tl.store(part + 1, s)
+        tl.store(part + 2, u)
+        if rank == 0:
+            tl.store(part + 3, target_logit(row_ptr, target, V))
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(arrived, 1, sem="release", scope="gpu")
+    if GRAD:
+        if STATS:  # one launch: wait for the row's peers (the interpreter's two launches never wait)
+            while tl.atomic_add(arrived, 0, sem="acquire", scope="gpu") < chunks:
+                pass
+            tl.debug_barrier()
+        ranks = tl.arange(0, CHUNKS_P2)
+        peers = partials_ptr + (row * chunks + ranks) * PARTIALS
+        there = ranks < chunks
+        # .cg: from L2, where the peers' stores are, never a line this SM's L1 kept
+        m, s, u = row_state(tl.load(peers, mask=there, other=float("-inf"), cache_modifier=".cg"),
+                            tl.load(peers + 1, mask=there, other=0.0, cache_modifier=".cg"),
+                            tl.load(peers + 2, mask=there, other=0.0, cache_modifier=".cg"), c, True)
+        z_y = tl.load(partials_ptr + row * chunks * PARTIALS + 3, cache_modifier=".cg")
+        logp, entropy, log_s = row_result(z_y, m, s, u, inv_temp, cap, inv_cap, True, HAS_CAP)
+        grad_logp, grad_entropy, loss, clip_low, clip_high, ratio, approx_kl, kl, h_stat = row_loss(
+            row, logp, entropy, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr,
+            loss_params, OBJECTIVE, KL, HAS_OLD, HAS_REF, HAS_IS_WEIGHTS, BIAS_CORRECTION)
+        if rank == 0:
+            tl.store(logp_ptr + row, logp)
+            tl.store(entropy_ptr + row, entropy)
+            store_stats(stats_ptr + row * NUM_STATS, loss, clip_low, clip_high, ratio, approx_kl, kl, h_stat)
+        h = 0.0
+        row_entropy = 0.0
+        if HAS_H:
+            row_entropy = entropy
+            if HAS_BONUS:
+                h = tl.load(bonus_ptr + row) * scale
+            else:
+                h = grad_entropy * scale
+        coef_target, coef_a, coef_b = grad_coefs(grad_logp * scale, h, row_entropy, inv_temp)
+        _grad_chunk(row_ptr, row_start(out_ptr, b, t, stride_out_batch, stride_out_row), V, lo, hi, target,
+                    z_y, m, log_s * LOG2E, c, coef_target, coef_a, coef_b, cap, inv_cap, HAS_H, HAS_CAP, BLOCK_V)
+
+
+@triton.jit
+def _item(ticket, seq_len, chunk, chunks):
+    """(row, rank, b, t, lo, hi) of a ticket: the row n = b·T + t and its chunk [lo, hi) past the row's aligned base."""
+    row = ticket // chunks
+    rank = ticket - row * chunks
+    b = row // seq_len
+    lo = rank.to(tl.int64) * chunk
+    return row, rank, b, row - b * seq_len, lo, lo + chunk
 
 
 @triton.jit
@@ -211,13 +214,12 @@ def policy_token_fwd_grad(logits, targets, mask, weight, adv, old_logp, ref_logp
     cap, has_cap = cap_args(softcap)
     # One launch where K programs are surely resident together (the module's docstring), else two.
     one_launch = not INTERPRET and chunks <= resident_floor(dev)
-    programs = min(n * chunks, _resident_capacity(dev, warps) if not INTERPRET else 1)
     partials = torch.empty(n * chunks, PARTIALS.value, dtype=torch.float32, device=dev)
     sync = torch.zeros(2 + n, dtype=torch.int32, device=dev)  # fresh counters each call
     args = (logits, targets.to(torch.int64).contiguous(), mask, weight, adv,
             *(adv if x is None else x for x in given.values()),  # absent: never read
             logp, entropy, stats, out, partials, sync,
-            n, vocab, seq_len, *strides, *row_layout(out)[2:], chunk, chunks,
+            vocab, seq_len, *strides, *row_layout(out)[2:], chunk, chunks,
             1.0 / float(temperature), *cap, float(scale), p.packed())
     flags = dict(OBJECTIVE=int(p.objective), KL=int(kl), HAS_OLD=given["old_logp"] is not None,
                  HAS_REF=given["ref_logp"] is not None, HAS_IS_WEIGHTS=given["is_weights"] is not None,
@@ -226,11 +228,6 @@ def policy_token_fwd_grad(logits, targets, mask, weight, adv, old_logp, ref_logp
                  CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK_V=block, num_warps=warps)
     with on_device(dev):
         for phases in ((True, True),) if one_launch else ((True, False), (False, True)):
-            wrap(_split_row_kernel)[(programs,)](*args, STATS=phases[0], GRAD=phases[1], **flags)
+            wrap(_split_row_kernel)[(n * chunks,)](*args, STATS=phases[0], GRAD=phases[1], **flags)
     return logp, entropy, stats, out
 
-
-def _resident_capacity(device, warps):
-    """The persistent grid: as many programs as the SMs hold by their thread limit (2048 each on sm_80 and
-    sm_90); fewer being resident only delays the rest, which hold no ticket until they start."""
-    return resident_floor(device) * max(1, 2048 // (32 * warps))
