@@ -292,7 +292,7 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
     rows = []
     element = torch.empty(0, dtype=dtype).element_size()
     for name, run in paths(n, vocab, hidden, dtype, backend, "cpu", batch, backward).items():
-        if only and name not in only:
+        if only and name not in only and not any(o.startswith(name + ", triton split row") for o in only):
             continue
         with FakeTensorMode(), _modelling_a_gpu():
             counter, leaves = measure(run)
@@ -305,10 +305,10 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
             model_ms=1e3 * (counter.bytes / HBM_BYTES_PER_S + counter.flops / MATMUL_FLOPS_PER_S),
             by_op=dict(sorted(counter.by_op.items(), key=lambda kv: -kv[1])),
         ))
-    two_pass = [r for r in rows if r.path.startswith("fused_policy_loss grpo, two-pass")]
     if importlib.util.find_spec("triton") is None:
         return rows
-    return rows + [split_row(r, n, vocab, dtype) for r in two_pass]
+    derived = [split_row(r, n, vocab, dtype) for r in rows if r.path.startswith("fused_policy_loss grpo, two-pass")]
+    return [r for r in rows + derived if not only or r.path in only]
 
 
 def split_row(two_pass: Traffic, n: int, vocab: int, dtype: torch.dtype) -> Traffic:
