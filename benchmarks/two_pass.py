@@ -1,7 +1,8 @@
 """Two passes against three: forward + backward of `fused_policy_loss` with `two_pass=True` and `two_pass=False`,
 interleaved A/B (so that the load of a shared machine falls on both alike), the median of each; on CUDA beside
 Liger-Kernel's Triton GRPO loss (benchmarks/providers.py) and the Triton backend (three passes, and two: its split row),
-contiguous logits and `logits[:, :-1]`; at N = 8192, V = 151936, bf16 GRPO it ends with the verdict against issue 38's goal (GOAL: 1.30 ms).
+contiguous logits and `logits[:, :-1]`; at N = 8192, V = 151936, bf16 GRPO it ends with the verdict against issue
+38's goal (GOAL: 1.30 ms).
 
     python -m benchmarks.two_pass                         # N = 4096, V = 151936, grpo and dapo, fp32 and bf16, cpu
     python -m benchmarks.two_pass --n 1024 --rounds 3 --presets grpo --dtypes bf16

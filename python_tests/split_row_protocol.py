@@ -214,6 +214,6 @@ def run(variant: Variant, seed: int, rows: int = 3, chunks: int = 3, resident: i
                 return f"launch {launch}, row {row}: {len(got)} of {chunks} programs finished"
             wrong = {k: r for k, r in got.items() if r != want}
             if wrong:
-                return f"launch {launch}, row {row}: ranks {sorted(wrong)} got {sorted(set(map(str, wrong.values())))}, " \
-                       f"expected {want!r}"
+                got = sorted(set(map(str, wrong.values())))
+                return f"launch {launch}, row {row}: ranks {sorted(wrong)} got {got}, expected {want!r}"
     return None

@@ -136,7 +136,8 @@ def _split_row_kernel(
 
 @triton.jit
 def _item(ticket, seq_len, chunk, chunks):
-    """(row, rank, b, t, lo, hi) of a ticket: the row n = b·T + t and its chunk [lo, hi) past the row's aligned base."""
+    """(row, rank, b, t, lo, hi) of a ticket: the row n = b·T + t and its chunk [lo, hi) past the row's aligned
+    base."""
     row = ticket // chunks
     rank = ticket - row * chunks
     b = row // seq_len
