@@ -106,67 +106,62 @@ class _Model:
 
     def program(self, p):
         """The steps of one program; each `yield` is a point where others may run."""
-        v, chunks, items = self.v, self.chunks, self.rows * self.chunks
+        v, chunks = self.v, self.chunks
         item = p.pid
-        while True:
-            if v.tickets:
-                item = self.mem["ticket"]
-                self.mem["ticket"] += 1
-                yield
-            if item >= items:
-                return
-            row, rank = divmod(item, chunks)
-            owner = chunks - 1  # the chunk that holds the target, and overwrites its logit
-
-            def publish():
-                self.store(p, ("part", row, rank), partial(self.launch, row, rank, chunks))
-                if rank == 0 and v.target_before_arrive:
-                    self.store(p, ("zy", row), self.load(p, ("z", row)))
-
-            if v.publish_before_arrive:
-                publish()
-                yield
-            if v.release:
-                self.flush(p)
-            self.mem[("arrived", row)] += 1
-            self.mem[("order", row)].append(rank)
+        if v.tickets:  # one item per program, as the kernel: the next ticket, whichever program starts
+            item = self.mem["ticket"]
+            self.mem["ticket"] += 1
             yield
-            if not v.publish_before_arrive:
-                publish()
-                yield
-            keys = [("part", row, k) for k in range(chunks)] + [("zy", row)]
-            seen = None if v.acquire else [self.load(p, k) for k in keys]  # loads hoisted above the wait
-            p.waiting_on = row
-            while self.mem[("arrived", row)] < chunks:
-                yield
-            p.waiting_on = None
-            if rank == 0 and not v.target_before_arrive:
+        row, rank = divmod(item, chunks)
+        owner = chunks - 1  # the chunk that holds the target, and overwrites its logit
+
+        def publish():
+            self.store(p, ("part", row, rank), partial(self.launch, row, rank, chunks))
+            if rank == 0 and v.target_before_arrive:
                 self.store(p, ("zy", row), self.load(p, ("z", row)))
-                self.flush(p)
-                yield
-            if seen is None:
-                seen = [self.load(p, k) for k in keys]
-            order = range(chunks) if v.rank_order else self.mem[("order", row)]
-            try:
-                total = 0.0
-                for k in order:
-                    total += seen[k]
-                result = total + seen[-1]
-            except TypeError:  # an uninitialised partial
-                result = None
-            self.results.setdefault(row, {})[rank] = result
-            if rank == owner:  # the chunk's gradient over the logits, the target's last
-                self.store(p, ("z", row), "gradient")
-                yield
-            self.flush(p)  # a program's stores are visible once it exits
-            if not v.tickets:
-                return
+
+        if v.publish_before_arrive:
+            publish()
+            yield
+        if v.release:
+            self.flush(p)
+        self.mem[("arrived", row)] += 1
+        self.mem[("order", row)].append(rank)
+        yield
+        if not v.publish_before_arrive:
+            publish()
+            yield
+        keys = [("part", row, k) for k in range(chunks)] + [("zy", row)]
+        seen = None if v.acquire else [self.load(p, k) for k in keys]  # loads hoisted above the wait
+        p.waiting_on = row
+        while self.mem[("arrived", row)] < chunks:
+            yield
+        p.waiting_on = None
+        if rank == 0 and not v.target_before_arrive:
+            self.store(p, ("zy", row), self.load(p, ("z", row)))
+            self.flush(p)
+            yield
+        if seen is None:
+            seen = [self.load(p, k) for k in keys]
+        order = range(chunks) if v.rank_order else self.mem[("order", row)]
+        try:
+            total = 0.0
+            for k in order:
+                total += seen[k]
+            result = total + seen[-1]
+        except TypeError:  # an uninitialised partial
+            result = None
+        self.results.setdefault(row, {})[rank] = result
+        if rank == owner:  # the chunk's gradient over the logits, the target's last
+            self.store(p, ("z", row), "gradient")
+            yield
+        self.flush(p)  # a program's stores are visible once it exits
 
 
 def run(variant: Variant, seed: int, rows: int = 3, chunks: int = 3, resident: int = 3, launches: int = 2,
         max_steps: int = 100000) -> Optional[str]:
     """None when every launch finished with every row's exact result in every program of the row, else what
-    went wrong. The grid is one program per item (the most a launch uses); `resident` of them run at once."""
+    went wrong. The grid is one program per item, as the kernel's; `resident` of them run at once."""
     rng = random.Random(seed)
     model = _Model(variant, rows, chunks, rng)
     for launch in range(launches):

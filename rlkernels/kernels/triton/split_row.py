@@ -18,7 +18,9 @@ is that row's. So the launch finishes whenever K programs can be resident at onc
 whatever order the hardware starts programs in; with items by program id a program of a later row could sit
 resident, waiting, while a peer it needs is never started. The launcher checks K against the SM count (a
 launchable program fits at least once per SM), and otherwise runs the two phases as two launches (below).
-The persistent grid is the resident capacity, so L2 holds about that many chunks (docs/design.md §7).
+The grid is one program per item; the hardware starts each as another exits, so L2 holds about the resident
+programs' chunks (docs/design.md §7). (A persistent grid looping over tickets cost 100 registers on sm_90: ptxas
+hoisted the loss's parameters out of the loop.)
 
 Every logit still is read from memory once and written once, and the target logit is read before its row's
 arrival count is complete, so no program of the row has written ∂logits yet: ``out`` may be the logits.
@@ -48,7 +50,7 @@ from .row_math import LOG2E, dlogits, row_state
 
 CHUNK_BYTES = 40 * 1024  # a chunk's logits at most: 2 tiles of 16 KB on a GPU
 PARTIALS = tl.constexpr(4)  # per chunk: m, s, u, and (rank 0) the target's logit
-# The interpreter's tile: small, so that the tests' short rows (V = 200) take several chunks, one a partial one.
+# The interpreter's tile: small, so that the tests' short rows (V = 203) take several chunks, one a partial one.
 _INTERPRET_BLOCK_V = 128
 
 
