@@ -285,3 +285,18 @@ def test_the_default_stays_three_passes_on_triton():
     """Opt-in until a device run shows the split row faster (TWO_PASS_BY_DEFAULT)."""
     from rlkernels.ops.fused_policy_loss import TWO_PASS_BY_DEFAULT
     assert "triton" not in TWO_PASS_BY_DEFAULT
+
+
+@pytest.mark.slow
+def test_inplace_writes_the_gradient_over_the_logits_in_the_forward():
+    """`two_pass=True, inplace=True`: the logits hold the three-pass gradient when the call returns."""
+    config, logits, targets, adv, mask, kw = _case("grpo", torch.float32, seed=4)
+    _, expected = _run(config, logits, targets, adv, mask, kw, None, False)
+    buffer = logits.clone()
+    x = buffer.view_as(buffer).requires_grad_(True)
+    out = rlkernels.fused_policy_loss(x, targets, adv, mask, config, temperature=0.7, backend="triton",
+                                      two_pass=True, inplace=True, **kw)
+    assert torch.equal(buffer.isnan(), expected.isnan())
+    _same("in place", buffer.nan_to_num(0.0), expected.nan_to_num(0.0), GRAD_TOL[torch.float32])
+    out.loss.backward()
+    assert x.grad.data_ptr() == buffer.data_ptr()
