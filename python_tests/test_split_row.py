@@ -224,6 +224,7 @@ def _case(name, dtype, seed):
     mask[2] = False  # a sequence without tokens
     kw = dict(old_logp=inputs["old_logp"].float().to(DEVICE), ref_logp=inputs["ref_logp"].float().to(DEVICE))
     targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 1] = 1  # a finite logit (a cap keeps −inf, where the reference's tanh makes it −c)
     return (config, logits.to(DEVICE, dtype), targets.to(DEVICE), inputs["advantages"].float().to(DEVICE),
             mask.to(DEVICE), kw)
 
