@@ -34,7 +34,8 @@ over the logit's bits, e.g. 2 × 128 / 16 = 16 for a Triton tile of 8192 bf16 lo
 Limits (issue 23), checked on the streaming row kernels of 16-bit logits on sm_90 compiled without the
 final-logit cap: at least MIN_THREADS_PER_SM = 1536 threads per SM (CUDA and Triton), and at most
 TRITON_INSTRUCTIONS = 12 instructions per logit in a Triton forward, 16 in a backward. A cap adds a tanh
-per logit (some 20 instructions, and registers): its kernels are shown, not held to the limits.
+per logit (some 20 instructions, and registers): its kernels are shown, not held to the limits; so is the opt-in
+split row (OPT_IN: `_split_row_kernel`, two_pass=True on triton, whose registers sm_90 bf16 puts at 63).
 
 Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/kernels/triton is compiled
 by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
@@ -136,6 +137,9 @@ VOCABS = tuple(2 ** k for k in range(18)) + (151936,)
 # logit (some 20 instructions, and registers): its kernels are reported, not held to them.
 LIMITED = {("sm_90", "bf16"), ("sm_90", "fp16")}
 MIN_THREADS_PER_SM = 1536
+# Opt-in kernels (the split row of two_pass=True on triton): reported, not held to the limits until a device run
+# decides whether they replace the default path.
+OPT_IN = frozenset({"_split_row_kernel"})
 TRITON_INSTRUCTIONS = {"forward": 12, "backward": 16}
 
 # --- ptxas -v reports (shared with python_tests/test_cuda_compile.py) -------------------------------------
@@ -261,7 +265,7 @@ class Row:
 
     def limits(self):
         """(threads per SM at least, instructions per logit at most or None) that this row must meet, or None."""
-        if not self.streaming or self.capped or (self.arch, self.dtype) not in LIMITED:
+        if not self.streaming or self.capped or (self.arch, self.dtype) not in LIMITED or self.kernel in OPT_IN:
             return None
         per_element = None
         if self.backend == "triton":
@@ -361,7 +365,8 @@ def _row(kernel, backend, arch, dtype, config, entry, shared, block, function, s
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Pointees other than the logits' dtype; every other row vector is fp32 in the launchers (_row_vector).
-_POINTEES = {"targets_ptr": "int64", "mask_ptr": "bool"}
+_POINTEES = {"targets_ptr": "int64", "mask_ptr": "bool", "sync_ptr": "int32", "grad_out_ptr": "float32",
+             "assumed_ptr": "float64"}
 _LOGITS_DTYPE = ("logits_ptr", "out_ptr")  # out: the logits themselves or empty_like(logits)
 _FULL_PRODUCT = 4  # at most this many reachable flag combinations: all of them at every configuration
 # Flags compiled with their default value everywhere and with every value at the streaming configuration
@@ -371,7 +376,7 @@ _STREAMING_ONLY = {"HAS_CAP": "0"}
 # LOSS_BLOCK tokens, Triton's default 4 warps; n = the tokens of 8 rows of 4096, a multiple of 16 like V.
 _ELEMENTWISE_WARPS, _ELEMENTWISE_TOKENS = 4, 8 * 4096
 # {elementwise kernel: (its module's BLOCK constant, its warps constant; None: Triton's default)}
-_ELEMENTWISE_LAUNCH = {"_policy_token_loss_kernel": ("LOSS_BLOCK", None),
+_ELEMENTWISE_LAUNCH = {"_policy_token_loss_kernel": ("LOSS_BLOCK", None), "_scale_grad_kernel": ("SCALE_BLOCK", None),
                        "_covariance_choice_kernel": ("CHOICE_BLOCK", "CHOICE_WARPS")}
 
 
@@ -388,8 +393,10 @@ def _flag_domains():
         "KL": {"k3": P.KL_K3, "none": P.KL_NONE, **{e.name: e.id for e in P.KL_ESTIMATORS}},
         "BIAS_CORRECTION": {"0": False, "1": True},
         "HAS_CAP": {"0": False, "1": True},
+        "HAS_BONUS": on_off,
     }
-    return domains, {"NUM_STATS": P.NUM_STATS, "FRACTION": 2e-4}  # FRACTION: Clip-Cov's and KL-Cov's default
+    # FRACTION: Clip-Cov's and KL-Cov's default; STATS and GRAD: the split row's one launch (on a GPU)
+    return domains, {"NUM_STATS": P.NUM_STATS, "FRACTION": 2e-4, "STATS": True, "GRAD": True}
 
 
 def _reachable(flags):
@@ -490,7 +497,7 @@ def triton_jobs(archs, dtypes, quick=False):
     for module_name, name in triton_kernels():
         module = importlib.import_module(module_name)
         fn = getattr(module, name)
-        names = [p.name for p in fn.params if p.is_constexpr and p.name not in ("BLOCK_V", "BLOCK")
+        names = [p.name for p in fn.params if p.is_constexpr and p.name not in ("BLOCK_V", "BLOCK", "CHUNKS_P2")
                  and p.name not in fixed]
         everywhere, streaming = flag_plan(names)
         if is_elementwise(fn):  # one configuration, in no logits dtype: every flag value once (the cover)
@@ -537,6 +544,9 @@ def _stand_in(name, logits_dtype, size):
         return 0  # the first launch of a grid (the grid's y holds 65535 sequences)
     if name in ("V", "n", "seq_len") or name.startswith("stride"):
         return size  # contiguous rows (T = V rows per sequence); n: the tokens of an elementwise kernel
+    if name in ("chunk", "chunks"):  # the split row's, as its launcher plans them
+        from rlkernels.kernels.triton.split_row import split_plan
+        return split_plan(size, logits_dtype, interpret=False)[2 if name == "chunk" else 3]
     if name == "loss_params":  # the token loss's packed scalars, as TokenLossParams.packed() gives them
         from rlkernels.kernels.token_loss_params import NUM_PARAMS
         return (1.0,) * NUM_PARAMS
@@ -564,6 +574,8 @@ def compile_triton(job, cuobjdump):
     dtype = getattr(torch, _TORCH_DTYPES.get(job.dtype, "float32"))  # "-": no logits
     args = [_stand_in(p.name, dtype, job.size) for p in fn.params if not p.is_constexpr]
     constexprs = {n: domains[n][label] for n, label in job.flags}
+    if "CHUNKS_P2" in fn.arg_names:  # the split row's chunks per row, rounded up to a power of two
+        constexprs["CHUNKS_P2"] = triton.next_power_of_2(_stand_in("chunks", dtype, job.size))
     kwargs = {**constexprs, **{n: v for n, v in fixed.items() if n in fn.arg_names},
               "BLOCK" if job.elementwise else "BLOCK_V": job.block, "num_warps": job.num_warps}
     # What JITFunction.run does at a launch: bind, specialise (types, tt.divisibility), pack.

@@ -26,7 +26,8 @@ The modelled time is bytes / 4.27 TB/s + FLOPs / 760 TFLOP/s, the copy bandwidth
 rate measured on an H200 (benchmarks/RESULTS.md). Passes are bytes over N·V·b (b the logits' element size):
 the logits path's floor is 3 (read forward, read and write backward), 2 on the two-pass path (read once and write
 the gradient, both in the forward: `two_pass=True`, the cpu backend's default and the cuda backend's sm_90 cluster
-kernel, docs/design.md §7, which calls the same op); the hidden-state path's FLOP floor is
+kernel, docs/design.md §7, which calls the same op; the triton backend's split row, the same op with a scratch of
+K partials per row, is a row derived from it: `split_row`); the hidden-state path's FLOP floor is
 3·2·N·H·V (the logits, ∂hidden and ∂W products).
 
 What the bytes do not show, the table shows beside them (`per_call`): the launches per call and the host time
@@ -49,6 +50,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import statistics
 import time
@@ -290,7 +292,7 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
     rows = []
     element = torch.empty(0, dtype=dtype).element_size()
     for name, run in paths(n, vocab, hidden, dtype, backend, "cpu", batch, backward).items():
-        if only and name not in only:
+        if only and name not in only and not any(o.startswith(name + ", triton split row") for o in only):
             continue
         with FakeTensorMode(), _modelling_a_gpu():
             counter, leaves = measure(run)
@@ -303,7 +305,28 @@ def model(n=8192, vocab=151936, hidden=4096, dtype=torch.bfloat16, backend="cpu"
             model_ms=1e3 * (counter.bytes / HBM_BYTES_PER_S + counter.flops / MATMUL_FLOPS_PER_S),
             by_op=dict(sorted(counter.by_op.items(), key=lambda kv: -kv[1])),
         ))
-    return rows
+    if importlib.util.find_spec("triton") is None:
+        return rows
+    derived = [split_row(r, n, vocab, dtype) for r in rows if r.path.startswith("fused_policy_loss grpo, two-pass")]
+    return [r for r in rows + derived if not only or r.path in only]
+
+
+def split_row(two_pass: Traffic, n: int, vocab: int, dtype: torch.dtype) -> Traffic:
+    """The two-pass row as the triton backend's split row makes it (kernels/triton/split_row.py): the same op and
+    so the same bytes (the row read once, ∂logits written once), plus its scratch, counted once each way: K
+    partials of 16 bytes per row written and read back (by each of the row's K programs, from L2 on a GPU: once
+    from memory at most) and the N + 2 int32 counters zeroed and counted up. Its chunk's second read comes from
+    L2, not HBM (docs/design.md §7): not counted, as a device run must confirm."""
+    from rlkernels.kernels.triton.split_row import PARTIALS, split_plan
+
+    chunks = split_plan(vocab, dtype, interpret=False)[3]
+    scratch = 2 * n * chunks * PARTIALS.value * 4 + 2 * 4 * (n + 2)
+    total = two_pass.bytes + scratch
+    return dataclasses.replace(
+        two_pass, path=f"{two_pass.path}, triton split row (K = {chunks})", bytes=total,
+        peak_bytes=two_pass.peak_bytes + scratch // 2, passes=two_pass.passes * total / two_pass.bytes,
+        model_ms=two_pass.model_ms + 1e3 * scratch / HBM_BYTES_PER_S,
+        by_op={**two_pass.by_op, "split row scratch (partials, counters)": scratch})
 
 
 def per_call(n, vocab, hidden, dtype, backend, device, batch=8, reps=5, only: Optional[List[str]] = None

@@ -1,7 +1,8 @@
 """Two passes against three: forward + backward of `fused_policy_loss` with `two_pass=True` and `two_pass=False`,
 interleaved A/B (so that the load of a shared machine falls on both alike), the median of each; on CUDA beside
-Liger-Kernel's Triton GRPO loss (benchmarks/providers.py) and the Triton backend (three passes), contiguous logits and
-`logits[:, :-1]`; at N = 8192, V = 151936, bf16 GRPO it ends with the verdict against issue 38's goal (GOAL: 1.30 ms).
+Liger-Kernel's Triton GRPO loss (benchmarks/providers.py) and the Triton backend (three passes, and two: its split row),
+contiguous logits and `logits[:, :-1]`; at N = 8192, V = 151936, bf16 GRPO it ends with the verdict against issue
+38's goal (GOAL: 1.30 ms).
 
     python -m benchmarks.two_pass                         # N = 4096, V = 151936, grpo and dapo, fp32 and bf16, cpu
     python -m benchmarks.two_pass --n 1024 --rounds 3 --presets grpo --dtypes bf16
@@ -97,12 +98,13 @@ def _liger_step(n, vocab, dtype_name, device):
 
 def compare(n, vocab, dtype_name, preset, rounds, device, sliced=False, liger=None, inplace=False):
     """(medians {path: s}, the rounds' times {path: [s]}) of the two-pass, three-pass (and Liger) paths; on CUDA
-    also the Triton backend's (what a GPU user gets without the compiled extension: three passes)."""
+    also the Triton backend's (what a GPU user gets without the compiled extension: three passes) and its split row
+    (`two_pass=True` on triton, kernels/triton/split_row.py)."""
     leaf, targets, adv, mask, kw = _inputs(n, vocab, DTYPES[dtype_name], device, extra=int(sliced))
     config = presets.get(preset)
     paths = [("two", device, True), ("three", device, False)]
-    if device == "cuda":
-        paths.append(("triton", "triton", False))
+    if device == "cuda":  # the Triton backend, three passes and the split row (two_pass=True, opt-in)
+        paths += [("triton", "triton", False), ("triton_two", "triton", True)]
     steps = {name: _rlkernels_step(backend, leaf, targets, adv, mask, kw, config, two_pass, sliced, inplace)
              for name, backend, two_pass in paths}
     if liger is not None:
@@ -130,7 +132,7 @@ def verdict(med, n, vocab, dtype, preset, layout):
     if (preset, dtype, n, vocab, layout) != (g["preset"], g["dtype"], g["n"], g["vocab"], g["layout"]):
         return None
     names = {"two": "cluster kernel (cuda, two passes)", "three": "cuda three passes", "triton": "triton path",
-             "liger": "Liger"}
+             "triton_two": "triton split row (two passes)", "liger": "Liger"}
     parts = [f"{names[k]} {med[k] * 1e3:.3f} ms {'met' if med[k] * 1e3 <= g['ms'] else 'NOT met'}" +
              (f" ({med['liger'] / med[k]:.2f}x Liger)" if "liger" in med and k != "liger" else "")
              for k in names if k in med]
@@ -180,8 +182,9 @@ def main(argv=None):
             print(line, flush=True)
             status |= not ok
     print(f"| preset | dtype | layout | two passes ({unit}) | three passes ({unit}) | speed-up | Liger ({unit}) | "
-          f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) | triton ({unit}) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"Liger / two passes | best two / three ({unit}) | rounds two / three ({unit}) | triton ({unit}) | "
+          f"triton two passes ({unit}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         for preset in names:
             liger = _liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo" \
@@ -191,7 +194,7 @@ def main(argv=None):
                                      None if inplace else liger, inplace)
                 fmt = lambda ts: " ".join(f"{t * scale:.3g}" for t in ts)  # noqa: E731
                 lig = f"{med['liger'] * scale:.3f} | {med['liger'] / med['two']:.2f}x" if "liger" in med else "- | -"
-                tri = f"{med['triton'] * scale:.3f}" if "triton" in med else "-"
+                tri = " | ".join(f"{med[k] * scale:.3f}" if k in med else "-" for k in ("triton", "triton_two"))
                 print(f"| {preset} | {dtype} | {layout} | {med['two'] * scale:.3f} | "
                       f"{med['three'] * scale:.3f} | {med['three'] / med['two']:.2f}x | {lig} | "
                       f"{min(times['two']) * scale:.3f} / {min(times['three']) * scale:.3f} | "

@@ -7,6 +7,8 @@ writes the gradient (the two-pass path). A slice such as
 before: a clone of the slice for token_logprobs, `slice_backward` for both ops). The parent's rows outside
 the slice are written once (zeros): that is the gradient autograd needs there.
 """
+import importlib.util
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -54,6 +56,19 @@ def test_two_pass_path_makes_two_passes(backend, sliced, dtype):
         "rlkernels_C::policy_token_fwd_grad_out", 0)
     assert kernel >= 2 * size, row.by_op  # the forward writes the gradient
     assert row.peak_bytes <= 2 * size * (1 + outside) + 0.05 * size, row.by_op
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not importable")
+def test_the_triton_split_row_adds_only_its_scratch():
+    """The split row is the two-pass op (2 passes) plus K partials of 16 bytes per row, written and read once, and
+    N + 2 int32 counters (kernels/triton/split_row.py)."""
+    from rlkernels.kernels.triton.split_row import split_plan
+
+    chunks = split_plan(V, torch.bfloat16, interpret=False)[3]
+    name = "fused_policy_loss grpo, two-pass"
+    base, split = traffic.model(N, V, H, torch.bfloat16, "cpu", only=[name, f"{name}, triton split row (K = {chunks})"])
+    assert split.bytes - base.bytes == 2 * N * chunks * 16 + 8 * (N + 2)
+    assert split.passes - base.passes == pytest.approx((32 * chunks * N + 8 * (N + 2)) / (N * V * 2))
 
 
 def test_counter_counts_what_an_op_reads_and_writes():

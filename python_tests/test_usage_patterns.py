@@ -4,7 +4,10 @@ import pytest
 
 from usage_patterns import cases, run
 
-CASES = [pytest.param(op, pat, skip, id=f"{op.id}-{pat.id}") for op, pat, skip in cases()]
+# the interpreter's split row (triton, two_pass=True): ~1 s a case
+CASES = [pytest.param(op, pat, skip, id=f"{op.id}-{pat.id}",
+                      marks=[pytest.mark.slow] if op.kw.get("backend") == "triton" and op.kw.get("two_pass") else [])
+         for op, pat, skip in cases()]
 
 
 @pytest.mark.parametrize("op,pat,skip", CASES)

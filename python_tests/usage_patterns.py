@@ -183,7 +183,9 @@ for _cfg in CONFIGS:
                        if _cfg == "grpo" else [({"two_pass": False}, ())],
                        "torch": [({}, ())],
                        # the interpreter is slow: the views of the sequence-level config on the grpo case only
-                       "triton": [({}, (), {"views"} if _cfg != "grpo" else ())]})
+                       "triton": [({}, (), {"views"} if _cfg != "grpo" else ())]
+                       # the split row (test_usage_patterns.py marks its cases slow)
+                       + ([({"two_pass": True}, _TWO_PASS - {"inplace"}, {"inplace"})] if _cfg == "grpo" else [])})
     _call, _define = _fused_linear(_cfg)
     register(f"fused_linear_policy_loss[{_cfg}]", call=_call, define=_define, sample=_logits, shape=(B, T, H),
              primary=("loss",), caps={"views", "targets", "threads", "view_node_hooks"}, backends={"cpu": [({}, ())], "torch": [({}, ())]})

@@ -109,9 +109,10 @@ class Kernels(Protocol):
                               entropy_grad: Optional[Tensor], temperature: float, params: TokenLossParams,
                               scale: float, out: Optional[Tensor] = None,
                               softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(logp, entropy, stats, grad_logits): the two-pass row (docs/design.md §2). cpu and cuda have it (with
-        `scale_grad_`; cuda on sm_90 and later, where a row of up to 8 blocks' shared memory is held by a thread-block
-        cluster: it raises on an older device or a longer row), triton does not (`supports`, docs/design.md §7).
+        """(logp, entropy, stats, grad_logits): the two-pass row (docs/design.md §2). Every backend but torch has it
+        (with `scale_grad_`): cpu; cuda on sm_90 and later, where a row of up to 8 blocks' shared memory is held by a
+        thread-block cluster (it raises on an older device or a longer row); triton as a split row, K programs per
+        row meeting through counters in global memory (docs/design.md §7).
 
         ``policy_token_fwd``'s ``logp``, ``entropy`` and ``stats`` and, from the same read of each row,
         ``token_logprobs_bwd`` at ``g = scale·grad_logp`` and ``h = scale·h₀``, where h₀ is

@@ -11,7 +11,7 @@ autograd on `(B, T)` tensors. Either way the backward is one kernel over the log
 per-token derivatives times the incoming gradient (an `(N,)` product, no N × V pass), written
 into a new buffer or, with `inplace=True`, into the logits themselves: 3 passes over the logits.
 
-Two passes where the backend has `policy_token_fwd_grad` (cpu by default; cuda on sm_90 when asked) and the
+Two passes where the backend has `policy_token_fwd_grad` (cpu by default; cuda on sm_90 and triton when asked) and the
 forward kernel evaluates the loss: that kernel also writes ∂logits, for the incoming gradient `grad_scale`, from the
 same read of each row; the backward hands it over, scaled once only when the incoming gradient differs
 (docs/design.md §2).
@@ -42,8 +42,8 @@ from .token_logprobs import _define as define_ops, token_logprobs
 
 # {backend: the shortest row (V) from which the two-pass row is the default}: where it was measured faster (cpu:
 # 1.6-2.0x from V = 32 up; at V = 16 slower in two runs of three: too short a row to amortise its set-up;
-# benchmarks/RESULTS.md). cuda has the kernel (sm_90) but takes it only when asked until a device run shows it exact
-# and faster (design.md §7).
+# benchmarks/RESULTS.md). cuda (sm_90) and triton (the split row) have the kernel but take it only when asked until a
+# device run shows it exact and faster (design.md §7).
 TWO_PASS_BY_DEFAULT = {"cpu": 32}
 
 
@@ -76,7 +76,7 @@ def fused_policy_loss(
     `two_pass`: whether the forward writes ∂logits from its own read of each row (2 passes over the logits
     instead of 3). None: on the cpu backend from V = 32 up (`TWO_PASS_BY_DEFAULT`) where the config's loss is
     token-level (docs/design.md §4), for fp32 and fp64 logits and without `inplace`; True: required (cuda: sm_90 or
-    later) (ValueError where it cannot); False: never. Its gradient assumes the incoming gradient `grad_scale` (1 for
+    later; triton: the split row) (ValueError where it cannot); False: never. Its gradient assumes the incoming gradient `grad_scale` (1 for
     `loss.backward()`; 1/k for `(loss / k).backward()`, gradient accumulation): then the backward moves nothing
     of size N × V. Another incoming gradient c costs one pass scaling the written gradient by c / grad_scale:
     for fp32 and fp64 logits within a rounding of that dtype; for bf16 only where c / grad_scale is a power

@@ -94,28 +94,49 @@ def row_forward(row_ptr, target, V, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.con
     offs = tile_offsets(TILE, VEC)
     c = inv_temp * LOG2E
     base, lead, end, full_end = row_span(row_ptr, V, TILE)
-    m = tl.full([TILE // VEC], float("-inf"), tl.float32)
-    s = tl.zeros([TILE // VEC], tl.float32)
-    u = tl.zeros([TILE // VEC], tl.float32)
-    z = load_tile(base, offs, lead, end, True)
+    m, s, u = span_state(base, offs, lead, end, full_end, 0, end, c, cap, inv_cap, NEED_ENTROPY, HAS_CAP, TILE)
+    logp, entropy, log_s = row_result(target_logit(row_ptr, target, V), m, s, u, inv_temp, cap, inv_cap,
+                                      NEED_ENTROPY, HAS_CAP)
+    return logp, entropy, m, log_s
+
+
+@triton.jit
+def span_state(base, offs, lead, end, full_end, lo, hi, c, cap, inv_cap, NEED_ENTROPY: tl.constexpr,
+               HAS_CAP: tl.constexpr, TILE: tl.constexpr):
+    """(m, s, u) of the logits at [lo, hi) ∩ [lead, end) past ``base`` (`row_span`'s terms; ``lo`` a multiple of
+    TILE), merged over the lanes: the whole row (0, end) in `row_forward`, a chunk of it in split_row.py."""
+    LANES: tl.constexpr = TILE * base.dtype.element_ty.primitive_bitwidth // 128
+    m = tl.full([LANES], float("-inf"), tl.float32)
+    s = tl.zeros([LANES], tl.float32)
+    u = tl.zeros([LANES], tl.float32)
+    z = load_tile(base + lo, offs, lead - lo, end - lo, True)
     m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
-    for start in range(TILE, full_end, TILE):
+    for start in range(lo + TILE, tl.minimum(hi, full_end), TILE):
         z = load_tile(base + start, offs, 0, 0, False)
         m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
-    if (full_end > 0) & (full_end < end):
+    if (full_end > lo) & (full_end < hi) & (full_end < end):
         z = load_tile(base + full_end, offs, 0, end - full_end, True)
         m, s, u = lane_update(m, s, u, cap_tile(z, cap, inv_cap, HAS_CAP), c, NEED_ENTROPY)
-    m, s, u = row_state(m, s, u, c, NEED_ENTROPY)
+    return row_state(m, s, u, c, NEED_ENTROPY)
 
-    log_s = tl.log(s)
-    # A target outside [0, V) would read another row's logit: load nothing, and give NaN.
+
+@triton.jit
+def target_logit(row_ptr, target, V):
+    """The target's raw logit (fp32) of the row at ``row_ptr``; NaN for a target outside [0, V), which would read
+    another row's logit: nothing is loaded then."""
     in_row = (target >= 0) & (target < V)
-    # The same fp32 d as in the loop, so z_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
-    z_y = tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32)
+    return tl.load(row_ptr + target, mask=in_row, other=float("nan")).to(tl.float32)
+
+
+@triton.jit
+def row_result(z_y, m, s, u, inv_temp, cap, inv_cap, NEED_ENTROPY: tl.constexpr, HAS_CAP: tl.constexpr):
+    """(logp, entropy, log s) of a row from its (m, s, u) and target logit; entropy 0 unless NEED_ENTROPY."""
+    log_s = tl.log(s)
     entropy = 0.0
     if NEED_ENTROPY:
         entropy = row_entropy(log_s, s, u)
-    return log_prob(cap_tile(z_y, cap, inv_cap, HAS_CAP), m, log_s, inv_temp), entropy, m, log_s
+    # The same fp32 d as in the loop, so z_y ≤ m, 0 ≤ log s and logp ≤ 0 exactly.
+    return log_prob(cap_tile(z_y, cap, inv_cap, HAS_CAP), m, log_s, inv_temp), entropy, log_s
 
 
 @triton.jit
@@ -133,6 +154,16 @@ def _token_logprobs_fwd_kernel(
     tl.store(lse_parts_ptr + 2 * row + 1, log_s)
     if NEED_ENTROPY:
         tl.store(entropy_ptr + row, entropy)
+
+
+@triton.jit
+def grad_coefs(g, h, entropy, inv_temp):
+    """(g/τ, A, B₂) of `dlogits` from the row's g = ∂/∂ℓ, h = ∂/∂H and entropy."""
+    # Rounded alone: at p = 1 (one finite logit) coef_target + coef_a must be exactly 0.
+    coef_target = mul_rounded(g, inv_temp)
+    coef_a = -mul_rounded(g + h * entropy, inv_temp)
+    coef_b = -h * inv_temp * LN2
+    return coef_target, coef_a, coef_b
 
 
 @triton.jit
@@ -182,10 +213,7 @@ def _token_logprobs_bwd_kernel(
     else:
         entropy = 0.0
         h = 0.0
-    # Rounded alone: at p = 1 (one finite logit) coef_target + coef_a must be exactly 0.
-    coef_target = mul_rounded(g, inv_temp)
-    coef_a = -mul_rounded(g + h * entropy, inv_temp)
-    coef_b = -h * inv_temp * LN2
+    coef_target, coef_a, coef_b = grad_coefs(g, h, entropy, inv_temp)
     log2_s = log_s * LOG2E
     c = inv_temp * LOG2E
     # The target's term is added once, after the row (a select per logit would cost two instructions

@@ -37,7 +37,20 @@ def _policy_token_fwd_kernel(
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_parts_ptr + 2 * row, m)
     tl.store(lse_parts_ptr + 2 * row + 1, log_s)
+    grad_logp, grad_entropy, loss, clip_low, clip_high, ratio, approx_kl, kl, h = row_loss(
+        row, logp, entropy, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr, loss_params,
+        OBJECTIVE, KL, HAS_OLD, HAS_REF, HAS_IS_WEIGHTS, BIAS_CORRECTION)
+    tl.store(grad_logp_ptr + row, grad_logp)
+    tl.store(grad_entropy_ptr + row, grad_entropy)
+    store_stats(stats_ptr + row * NUM_STATS, loss, clip_low, clip_high, ratio, approx_kl, kl, h)
 
+
+@triton.jit
+def row_loss(row, logp, entropy, mask_ptr, weight_ptr, adv_ptr, old_logp_ptr, ref_logp_ptr, is_weights_ptr,
+             loss_params, OBJECTIVE: tl.constexpr, KL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+             HAS_IS_WEIGHTS: tl.constexpr, BIAS_CORRECTION: tl.constexpr):
+    """(w_agg·∂s/∂ℓ, w_agg·∂s/∂H, then the 7 statistics in token_loss_params.STATS order) of the token of `row`,
+    at its log-prob and entropy, each 0 where masked."""
     # As the spec does (`LossInputs.masked`): a masked token enters the loss as zeros, so padding (NaN, inf)
     # never reaches the arithmetic, and every output below is 0 there.
     valid = tl.load(mask_ptr + row) != 0
@@ -57,15 +70,20 @@ def _policy_token_fwd_kernel(
         l, old_logp, ref_logp, adv, h, 0.0, is_weight, loss_params, OBJECTIVE, KL, HAS_REF, BIAS_CORRECTION,
     )
     weight = tl.load(weight_ptr + row)
-    tl.store(grad_logp_ptr + row, tl.where(valid, weight * ds, 0.0))
-    tl.store(grad_entropy_ptr + row, tl.where(valid, -weight * loss_params[ENTROPY_COEF], 0.0))
-    stats_row = stats_ptr + row * NUM_STATS  # columns in token_loss_params.STATS order
-    tl.store(stats_row + 0, tl.where(valid, weight * s, 0.0))
-    tl.store(stats_row + 1, tl.where(valid, clip_low, 0.0))
-    tl.store(stats_row + 2, tl.where(valid, clip_high, 0.0))
-    tl.store(stats_row + 3, tl.where(valid, ratio, 0.0))
-    tl.store(stats_row + 4, tl.where(valid, approx_kl, 0.0))
-    tl.store(stats_row + 5, tl.where(valid, kl, 0.0))
+    return (tl.where(valid, weight * ds, 0.0), tl.where(valid, -weight * loss_params[ENTROPY_COEF], 0.0),
+            tl.where(valid, weight * s, 0.0), tl.where(valid, clip_low, 0.0), tl.where(valid, clip_high, 0.0),
+            tl.where(valid, ratio, 0.0), tl.where(valid, approx_kl, 0.0), tl.where(valid, kl, 0.0), h)
+
+
+@triton.jit
+def store_stats(stats_row, loss, clip_low, clip_high, ratio, approx_kl, kl, h):
+    """A row of `stats`, in token_loss_params.STATS order."""
+    tl.store(stats_row + 0, loss)
+    tl.store(stats_row + 1, clip_low)
+    tl.store(stats_row + 2, clip_high)
+    tl.store(stats_row + 3, ratio)
+    tl.store(stats_row + 4, approx_kl)
+    tl.store(stats_row + 5, kl)
     tl.store(stats_row + 6, h)
 
 
