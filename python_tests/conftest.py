@@ -19,6 +19,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`exhaustive` sweeps run where they are cheap (a GPU) or when asked: under the interpreter CI runs their sample."""
+    if os.environ.get("RLKERNELS_EXHAUSTIVE") == "1" or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="an exhaustive sweep: RLKERNELS_EXHAUSTIVE=1 runs it")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def restore_verl(monkeypatch):
     """Whatever a test patches in verl's fused-kernel path (`register(fused_kernels=True)` does) is put back afterwards."""

@@ -98,11 +98,11 @@ def test_rows_take_several_chunks_and_a_partial_one():
         assert (chunks - 1) * chunk < 151936 <= chunks * chunk - lead  # every alignment covered, no empty chunk
 
 
-FAST = ["all_terms_t0_8"]  # the interpreter takes ~3 s a check: every other case is `slow`
+FAST = ["all_terms_t0_8"]  # the interpreter takes ~3 s a check: every other case is `exhaustive` (conftest.py)
 
 
 def _fast(names):
-    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.exhaustive) for n in names]
 
 
 @pytest.mark.parametrize("name", _fast(fwd_cases()))
@@ -115,7 +115,7 @@ def test_equals_forward_then_backward(name):
     assert grad[2].isnan().all() and grad[1].isnan().all()  # the NaN row and the all −inf one
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", list(NAN_CASES))
 def test_nan_inputs(name):
     case = NAN_CASES[name]
@@ -237,12 +237,13 @@ def _run(config, logits, targets, adv, mask, kw, softcap, two_pass, incoming=1.0
     return out, x.grad
 
 
-def _presets(fast):
-    return [n if n == fast else pytest.param(n, marks=pytest.mark.slow) for n in FORWARD_PRESETS]
+def _presets(*sample):
+    """The presets of `sample` in every run, the others `exhaustive` (conftest.py)."""
+    return [n if n in sample else pytest.param(n, marks=pytest.mark.exhaustive) for n in FORWARD_PRESETS]
 
 
-@pytest.mark.parametrize("softcap", [9.0, pytest.param(None, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", _presets("grpo"))
+@pytest.mark.parametrize("softcap", [9.0, pytest.param(None, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("name", _presets("grpo", "dapo"))
 def test_every_forward_preset_matches_three_passes_and_the_reference(name, softcap):
     config, logits, targets, adv, mask, kw = _case(name, torch.float32, seed=len(name))
     two, grad2 = _run(config, logits, targets, adv, mask, kw, softcap, True)
