@@ -34,8 +34,8 @@ over the logit's bits, e.g. 2 × 128 / 16 = 16 for a Triton tile of 8192 bf16 lo
 Limits (issue 23), checked on the streaming row kernels of 16-bit logits on sm_90 compiled without the
 final-logit cap: at least MIN_THREADS_PER_SM = 1536 threads per SM (CUDA and Triton), and at most
 TRITON_INSTRUCTIONS = 12 instructions per logit in a Triton forward, 16 in a backward. A cap adds a tanh
-per logit (some 20 instructions, and registers): its kernels are shown, not held to the limits; so is the opt-in
-split row (OPT_IN: `_split_row_kernel`, two_pass=True on triton, whose registers sm_90 bf16 puts at 63).
+per logit (some 20 instructions, and registers): its kernels are shown, not held to the limits. The split row
+(two_pass=True on triton) is held to the forward's budget, its count being that of its gradient loop.
 
 Triton: every `triton.JITFunction` named `*_kernel` in the modules of rlkernels/kernels/triton is compiled
 by `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 80 | 90, 32))`.
@@ -137,9 +137,6 @@ VOCABS = tuple(2 ** k for k in range(18)) + (151936,)
 # logit (some 20 instructions, and registers): its kernels are reported, not held to them.
 LIMITED = {("sm_90", "bf16"), ("sm_90", "fp16")}
 MIN_THREADS_PER_SM = 1536
-# Opt-in kernels (the split row of two_pass=True on triton): reported, not held to the limits until a device run
-# decides whether they replace the default path.
-OPT_IN = frozenset({"_split_row_kernel"})
 TRITON_INSTRUCTIONS = {"forward": 12, "backward": 16}
 
 # --- ptxas -v reports (shared with python_tests/test_cuda_compile.py) -------------------------------------
@@ -265,7 +262,7 @@ class Row:
 
     def limits(self):
         """(threads per SM at least, instructions per logit at most or None) that this row must meet, or None."""
-        if not self.streaming or self.capped or (self.arch, self.dtype) not in LIMITED or self.kernel in OPT_IN:
+        if not self.streaming or self.capped or (self.arch, self.dtype) not in LIMITED:
             return None
         per_element = None
         if self.backend == "triton":
@@ -567,7 +564,8 @@ def compile_triton(job, cuobjdump):
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    fn = getattr(importlib.import_module(job.module), job.kernel)
+    module = importlib.import_module(job.module)
+    fn = getattr(module, job.kernel)
     domains, fixed = _flag_domains()
     target = GPUTarget("cuda", int(job.arch[3:]), 32)
     backend = make_backend(target)
@@ -578,6 +576,8 @@ def compile_triton(job, cuobjdump):
         constexprs["CHUNKS_P2"] = triton.next_power_of_2(_stand_in("chunks", dtype, job.size))
     kwargs = {**constexprs, **{n: v for n, v in fixed.items() if n in fn.arg_names},
               "BLOCK" if job.elementwise else "BLOCK_V": job.block, "num_warps": job.num_warps}
+    if hasattr(module, "MAX_REGISTERS"):  # a launch option of that module's kernel (split_row.py)
+        kwargs["maxnreg"] = module.MAX_REGISTERS
     # What JITFunction.run does at a launch: bind, specialise (types, tt.divisibility), pack.
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
