@@ -576,8 +576,10 @@ def compile_triton(job, cuobjdump):
         constexprs["CHUNKS_P2"] = triton.next_power_of_2(_stand_in("chunks", dtype, job.size))
     kwargs = {**constexprs, **{n: v for n, v in fixed.items() if n in fn.arg_names},
               "BLOCK" if job.elementwise else "BLOCK_V": job.block, "num_warps": job.num_warps}
-    if hasattr(module, "MAX_REGISTERS"):  # a launch option of that module's kernel (split_row.py)
-        kwargs["maxnreg"] = module.MAX_REGISTERS
+    if hasattr(module, "register_cap"):  # a launch option of that module's kernel (split_row.py)
+        cap = module.register_cap(dict(job.flags).get("HAS_CAP") == "1")
+        if cap is not None:
+            kwargs["maxnreg"] = cap
     # What JITFunction.run does at a launch: bind, specialise (types, tt.divisibility), pack.
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)

@@ -50,9 +50,15 @@ from .row_math import LOG2E, dlogits, row_state
 
 CHUNK_BYTES = 40 * 1024  # a chunk's logits at most: 2 tiles of 16 KB on a GPU
 # ptxas keeps both phases' values live across the wait: 63 registers on sm_90 with 16-bit logits (1024 threads per
-# SM, below the 1536 of docs/design.md §7); each phase alone takes 32. Capped at 40 it compiles without spills on
-# sm_80 and sm_90, Triton 3.6 and 3.9 (benchmarks/gpu_static.py compiles it with this launch option).
+# SM, below the 1536 of docs/design.md §7); each phase alone takes 32. Capped at 40 every variant without the soft
+# cap compiles without spills on sm_80 and sm_90, Triton 3.6 and 3.9; the soft cap's tanh would spill there (CISPO,
+# fp16, sm_90), so that variant keeps ptxas's own count (benchmarks/gpu_static.py compiles with the same option).
 MAX_REGISTERS = 40
+
+
+def register_cap(has_cap):
+    """The `maxnreg` launch option of a variant (None: ptxas's choice)."""
+    return None if has_cap else MAX_REGISTERS
 PARTIALS = tl.constexpr(4)  # per chunk: m, s, u, and (rank 0) the target's logit
 # The interpreter's tile: small, so that the tests' short rows (V = 203) take several chunks, one a partial one.
 _INTERPRET_BLOCK_V = 128
@@ -232,8 +238,9 @@ def policy_token_fwd_grad(logits, targets, mask, weight, adv, old_logp, ref_logp
                  HAS_REF=given["ref_logp"] is not None, HAS_IS_WEIGHTS=given["is_weights"] is not None,
                  BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
                  HAS_H=has_bonus or p.entropy_coef != 0, HAS_BONUS=has_bonus,
-                 CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK_V=block, num_warps=warps,
-                 maxnreg=MAX_REGISTERS)
+                 CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK_V=block, num_warps=warps)
+    if register_cap(has_cap) is not None:
+        flags["maxnreg"] = register_cap(has_cap)
     with on_device(dev):
         for phases in ((True, True),) if one_launch else ((True, False), (False, True)):
             wrap(_split_row_kernel)[(n * chunks,)](*args, STATS=phases[0], GRAD=phases[1], **flags)
