@@ -48,6 +48,27 @@ def preset(name, **overrides):
     return presets.get(name, **{**TEST_FIELDS.get(name, {}), **overrides})
 
 
+def preset_case(name, B, T, V, dtype=torch.float32, seed=0, device="cpu"):
+    """(config, logits, targets, adv, mask, kw) of preset `name` with an entropy bonus, on `device`: fp64 loss inputs
+    rounded to fp32, logits in `dtype` with −inf entries in an unmasked row, a masked all −inf row, a masked row
+    with a NaN and a sequence without tokens (B ≥ 3, T ≥ 4)."""
+    config = preset(name, entropy_coef=0.01)
+    inputs = random_loss_inputs(B, T, dtype=torch.float64, noise=0.2, per_token_adv=True, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    logits[0, 1, ::4] = -torch.inf  # −inf entries in an unmasked row
+    logits[1, 2] = -torch.inf  # a masked row that is all −inf
+    logits[1, 3, 7] = torch.nan  # a masked row with a NaN
+    mask = inputs["mask"].clone()
+    mask[0, 1], mask[1, 2:4] = True, False
+    mask[2] = False  # a sequence without tokens
+    kw = dict(old_logp=inputs["old_logp"].float().to(device), ref_logp=inputs["ref_logp"].float().to(device))
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 1] = 1  # a finite logit (a cap keeps −inf, where the reference's tanh makes it −c)
+    return (config, logits.to(device, dtype), targets.to(device), inputs["advantages"].float().to(device),
+            mask.to(device), kw)
+
+
 def check_fused_against_the_composition(config, logits, targets, adv, mask, kw, backend, temperature=1.0):
     """`fused_policy_loss` on `backend` equals its definition `policy_loss(token_logprobs(...))` (torch backend) in
     loss, ∂logits and metrics; returns (the fused output, its ∂logits)."""

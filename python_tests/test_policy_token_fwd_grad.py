@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from token_loss_cases import CASES, NAN_CASES, BY_NAME, draw_inputs, fwd_cases, seed, token_args, with_nan_fields
+from token_loss_cases import CASES, NAN_CASES, BY_NAME, draw_inputs, fwd_cases, seed, token_args, with_edge_rows, with_nan_fields
 from rlkernels.kernels.token_loss_params import NUM_STATS
 from rlkernels.losses import PolicyLossConfig
 from rlkernels.ops.kernel_params import token_loss_params
@@ -39,15 +39,6 @@ def _args(backend, case, x):
     n = x.mask.numel()
     adv = a["adv"] if a["adv"] is not None else torch.zeros(n, dtype=backend.acc)
     return [x.targets, x.mask.reshape(-1), x.weight.reshape(-1).to(backend.acc), adv, a["old"], a["ref"], None]
-
-
-def _with_edge_rows(logits):
-    """Row 0 holds −inf entries, row 1 is all −inf, row 2 holds a NaN (a copy)."""
-    z = logits.clone()
-    z[0, ::3] = -math.inf
-    z[1] = -math.inf
-    z[2, 5] = math.nan
-    return z
 
 
 def _check(backend, case, x, scale, entropy_grad=None, softcap=0.0, out=None):
@@ -77,7 +68,7 @@ def test_equals_forward_then_backward(name, backend):
     x = draw_inputs(case, backend.acc, seed(name), backend.fwd_shape)
     _check(backend, case, x, 1.0)
     _check(backend, case, x, 0.375)  # a caller's gradient accumulation: the scale goes in before rounding
-    edges = dataclasses.replace(x, logits=_with_edge_rows(x.logits))
+    edges = dataclasses.replace(x, logits=with_edge_rows(x.logits))
     grad = _check(backend, case, edges, 1.0, softcap=7.5)
     assert grad[2].isnan().all()  # the NaN row
 

@@ -20,8 +20,8 @@ from rlkernels import presets, reference
 from rlkernels.losses import PolicyLossConfig
 from rlkernels.ops._plan import Step, plan
 from rlkernels.ops.kernel_params import token_loss_params
-from token_loss_cases import BY_NAME, CASES, NAN_CASES, draw_inputs, fwd_cases, seed, token_args, with_nan_fields
-from loss_inputs import preset, random_loss_inputs
+from token_loss_cases import BY_NAME, CASES, NAN_CASES, draw_inputs, fwd_cases, seed, token_args, with_edge_rows, with_nan_fields
+from loss_inputs import preset, preset_case
 
 TRITON = BY_NAME["triton"]
 pytestmark = pytest.mark.skipif(not TRITON.available[0], reason=TRITON.available[1])
@@ -51,15 +51,6 @@ def _args(case, x):
     adv = a["adv"] if a["adv"] is not None else torch.zeros(x.mask.numel(), device=DEVICE)
     return [x.targets.to(DEVICE), x.mask.reshape(-1).to(DEVICE), x.weight.reshape(-1).float().to(DEVICE), adv,
             a["old"], a["ref"], None]
-
-
-def _with_edge_rows(logits):
-    """Row 0 holds −inf entries, row 1 is all −inf, row 2 holds a NaN (a copy)."""
-    z = logits.clone()
-    z[0, ::3] = -math.inf
-    z[1] = -math.inf
-    z[2, 5] = math.nan
-    return z
 
 
 def _check(case, x, scale, entropy_grad=None, softcap=0.0, out=None, dtype=None):
@@ -110,7 +101,7 @@ def test_equals_forward_then_backward(name):
     case = CASES[name]
     x = draw_inputs(case, torch.float32, seed(name), SHAPE)
     _check(case, x, 0.375)  # a caller's gradient accumulation: the scale goes in before rounding
-    edges = dataclasses.replace(x, logits=_with_edge_rows(x.logits))
+    edges = dataclasses.replace(x, logits=with_edge_rows(x.logits))
     grad = _check(case, edges, 1.0, softcap=7.5)
     assert grad[2].isnan().all() and grad[1].isnan().all()  # the NaN row and the all −inf one
 
@@ -212,21 +203,7 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _case(name, dtype, seed):
-    config = preset(name, entropy_coef=0.01)
-    inputs = random_loss_inputs(B, T, dtype=torch.float64, noise=0.2, per_token_adv=True, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, T, V, generator=g) * 2
-    logits[0, 1, ::4] = -torch.inf  # −inf entries in an unmasked row
-    logits[1, 2] = -torch.inf  # a masked row that is all −inf
-    logits[1, 3, 7] = torch.nan  # a masked row with a NaN
-    mask = inputs["mask"].clone()
-    mask[0, 1], mask[1, 2:4] = True, False
-    mask[2] = False  # a sequence without tokens
-    kw = dict(old_logp=inputs["old_logp"].float().to(DEVICE), ref_logp=inputs["ref_logp"].float().to(DEVICE))
-    targets = torch.randint(0, V, (B, T), generator=g)
-    targets[0, 1] = 1  # a finite logit (a cap keeps −inf, where the reference's tanh makes it −c)
-    return (config, logits.to(DEVICE, dtype), targets.to(DEVICE), inputs["advantages"].float().to(DEVICE),
-            mask.to(DEVICE), kw)
+    return preset_case(name, B, T, V, dtype, seed, DEVICE)
 
 
 def _run(config, logits, targets, adv, mask, kw, softcap, two_pass, incoming=1.0):

@@ -13,7 +13,7 @@ from rlkernels import _backend, presets, reference
 from rlkernels.ops._plan import Step, plan
 from rlkernels.kernels import cpu
 
-from loss_inputs import preset, random_loss_inputs
+from loss_inputs import preset, preset_case
 
 pytestmark = pytest.mark.skipif(not rlkernels.backend_info()["cpu"]["available"], reason="no cpu extension")
 FORWARD_PRESETS = [n for n in presets.NAMES if plan(preset(n), cpu).step is Step.FORWARD]
@@ -28,20 +28,7 @@ def _close(a, b):
 
 
 def _case(name, dtype=torch.float32, seed=0):
-    config = preset(name, entropy_coef=0.01)
-    inputs = random_loss_inputs(B, T, dtype=torch.float64, noise=0.2, per_token_adv=True, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, T, V, generator=g) * 2
-    logits[0, 1, ::4] = -torch.inf  # −inf entries in an unmasked row
-    logits[1, 2] = -torch.inf  # a masked row that is all −inf
-    logits[1, 3, 7] = torch.nan  # a masked row with a NaN
-    mask = inputs["mask"].clone()
-    mask[0, 1], mask[1, 2:4] = True, False
-    mask[2] = False  # a sequence without tokens
-    kw = dict(old_logp=inputs["old_logp"].float(), ref_logp=inputs["ref_logp"].float())
-    targets = torch.randint(0, V, (B, T), generator=g)
-    targets[0, 1] = 1  # a finite logit
-    return config, logits.to(dtype), targets, inputs["advantages"].float(), mask, kw
+    return preset_case(name, B, T, V, dtype, seed)
 
 
 def _run(config, logits, targets, adv, mask, kw, incoming=1.0, softcap=9.0, **opts):

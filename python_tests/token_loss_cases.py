@@ -736,3 +736,12 @@ def boundary_inputs(case: Boundary, dtype: torch.dtype):
     assert torch.equal(logp - old, torch.tensor(r, dtype=dtype)[:, None].expand_as(old)), "ℓ − ℓ_old not exact"
     adv = torch.tensor(_BOUNDARY_ADV, dtype=dtype).expand_as(old).clone()
     return config, logp, old, adv, torch.ones_like(old, dtype=torch.bool)
+
+
+def with_edge_rows(logits):
+    """A copy of (N, V) `logits` whose row 0 holds −inf entries, row 1 is all −inf and row 2 holds a NaN."""
+    z = logits.clone()
+    z[0, ::3] = -math.inf
+    z[1] = -math.inf
+    z[2, 5] = math.nan
+    return z
