@@ -78,6 +78,11 @@ def test_hangs():
 '''
 
 
+def _sigint_at_default():
+    # As gpu_check.sh's in_group does: a test run started in the background inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_a_cut_test_run_still_names_its_failures(tmp_path, how):
     """As the tests stage runs pytest: SIGINT at the limit writes the XML; a SIGKILL leaves the -v log."""
@@ -87,7 +92,7 @@ def test_a_cut_test_run_still_names_its_failures(tmp_path, how):
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
                                  f"--junitxml={xml}", "test_cut.py"], cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
+                                env=env, preexec_fn=_sigint_at_default)
         deadline = time.time() + 120
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)

@@ -159,3 +159,51 @@ def test_a_bad_estimator_answers_before_torch_is_imported():
                          env={**os.environ, "WORLD_SIZE": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("2 False rlkernels.train: error: --adv-estimator: expected one of gae, grpo"), out.stdout
+
+
+def test_the_table_holds_every_estimator_the_flag_names():
+    from rlkernels.trainer import estimators
+
+    assert set(run_config.ADV_ESTIMATORS) | {"snis", "tree_grpo", "trl_gdpo"} == set(estimators.ESTIMATORS)
+
+
+ESTIMATOR_PLUGIN = '''
+import torch
+from rlkernels.trainer import estimators
+
+CALLS = []
+
+
+def minus_group_min(part, batch, weights, values, beta):
+    """Each reward minus its group's least, as a user would write it."""
+    r, g = batch["rewards"], batch["group_ids"]
+    least = torch.stack([r[g == i].min() for i in g.tolist()])
+    CALLS.append((r.clone(), g.clone()))
+    return r - least, None
+
+
+estimators.register("minus_group_min", minus_group_min)
+'''
+
+
+def test_a_plugin_estimator_forms_the_advantages(tmp_path, monkeypatch):
+    from rlkernels.trainer import estimators, plugins
+
+    path = tmp_path / "my_estimator.py"
+    path.write_text(ESTIMATOR_PLUGIN)
+    seen, real_update = {}, loop.update
+    monkeypatch.setattr(loop, "update", lambda run, batch, step: seen.update(batch) or real_update(run, batch, step))
+    try:
+        cfg, _ = from_args(["--plugin", str(path), "--adv-estimator", "minus_group_min"])
+        train(dataclasses.replace(cfg, **TINY, out=str(tmp_path / "run")), reward_fn=digit_overlap)
+        module = plugins._LOADED[os.path.realpath(path)]
+        (r, g), = module.CALLS
+        assert r.std() > 0
+        want = torch.stack([r[i] - r[g == g[i]].min() for i in range(len(r))])
+        torch.testing.assert_close(seen["advantages"], want)
+        with pytest.raises(ValueError, match="an estimator 'minus_group_min' exists already"):
+            estimators.register("minus_group_min", module.minus_group_min)
+    finally:
+        estimators.ESTIMATORS.pop("minus_group_min", None)
+    with pytest.raises(ValueError, match="registers"):
+        from_args(["--adv-estimator", "minus_group_min"])

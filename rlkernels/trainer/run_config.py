@@ -518,6 +518,11 @@ def validate(cfg: Config) -> None:
     _validate_preset_and_device(cfg)
 
 
+def _unknown_estimator(name: str) -> ValueError:
+    return ValueError(f"--adv-estimator: expected one of {', '.join(ADV_ESTIMATORS)}, one that a --plugin registers "
+                      f"(rlkernels.trainer.estimators.register) or none, got {name!r}")
+
+
 def _validate_adv_estimator(cfg: Config) -> None:
     """--adv-estimator against the other settings that form advantages (the preset's ratio is checked later)."""
     name = cfg.adv_estimator
@@ -525,8 +530,8 @@ def _validate_adv_estimator(cfg: Config) -> None:
         return
     if name in ADV_REFUSED:
         raise ValueError(f"--adv-estimator {name}: {ADV_REFUSED[name]}; choose one of {', '.join(ADV_ESTIMATORS)}")
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"--adv-estimator: expected one of {', '.join(ADV_ESTIMATORS)} or none, got {name!r}")
+    if name not in ADV_ESTIMATORS and not cfg.plugin:  # a --plugin's is checked once it is loaded
+        raise _unknown_estimator(name)
     if name == "gae" and cfg.algo != "ppo":
         raise ValueError(f"--adv-estimator gae: GAE needs a critic's values, and only --algo ppo trains a critic; "
                          f"got --algo {cfg.algo}")
@@ -568,9 +573,11 @@ def _validate_preset_and_device(cfg: Config) -> None:
     """The checks that import torch: the preset (presets.register adds names at run time) and the device."""
     from ..losses import presets
     from ..losses.config import SEQUENCE_RATIOS
-    from . import device, plugins
+    from . import device, estimators, plugins
 
-    plugins.load(cfg.plugin)  # what they register is a valid --algo
+    plugins.load(cfg.plugin)  # what they register is a valid --algo or --adv-estimator
+    if cfg.adv_estimator is not None and cfg.adv_estimator not in estimators.ESTIMATORS:
+        raise _unknown_estimator(cfg.adv_estimator)
     if cfg.algo not in presets.NAMES:
         raise ValueError(f"--algo: expected one of {', '.join(presets.NAMES)}, got {cfg.algo!r} (a preset of your own: "
                          f"presets.register it in a --plugin file)")
