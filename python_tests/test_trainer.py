@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, checkpoint, from_args, generation, run_folder, task, train
+from rlkernels.trainer import Config, checkpoint, from_args, generation, rewards, run_folder, task, train
 from rlkernels.trainer import model as trainer_model
 from rlkernels.trainer import run_config
 
@@ -301,7 +301,7 @@ def test_recorded_logprobs_match_the_sampler():
     cfg = Config(**{**TINY, "temperature": 0.7})
     tok = task.CharTokenizer()
     model = task.tiny_model(tok, 6, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, max_new_tokens=cfg.max_new_tokens).eval()
-    ids, attn = task.left_pad([tok.encode("1+2="), tok.encode("13+4=")], tok.pad_id)  # left padding
+    ids, attn = generation.left_pad([tok.encode("1+2="), tok.encode("13+4=")], tok.pad_id)  # left padding
     out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=0.7, top_k=None, top_p=1.0,
                          max_new_tokens=3, min_new_tokens=3, pad_token_id=tok.pad_id, eos_token_id=-1,
                          return_dict_in_generate=True, output_logits=True)
@@ -393,7 +393,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="--resume: cannot read checkpoint"):
         train(Config(resume=str(tmp_path / "r")))
     with pytest.raises(ValueError, match="--reward: cannot load"):
-        task.make_reward("module:no_such_module_xyz:f")
+        rewards.make_reward("module:no_such_module_xyz:f")
     bad.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "\xff", "answer": "3"}\n')
     with pytest.raises(ValueError, match="--dataset: cannot read .*p.jsonl"):
         train(Config(**{**TINY, "dataset": str(bad), "out": str(tmp_path / "o")}))

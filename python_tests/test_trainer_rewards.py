@@ -40,7 +40,7 @@ def examples(prompts, answers, **columns):
 
 
 def test_weighted_sum_skips_none_as_trl_does():
-    exact = rewards.task.make_reward("exact")
+    exact = rewards.make_reward("exact")
     r = combined(Config(reward_weights=[2.0, -0.5, 3.0]), [length_reward, first_digit_reward, exact])
     prompts, completions, answers = ["1+2=", "2+2=", "4+4=", "3+5="], ["3", "5", "8", "44"], ["3", "4", "8", "8"]
     totals, parts = r.score(examples(prompts, answers), completions)
@@ -137,7 +137,7 @@ def test_config_file_takes_a_list(tmp_path):
 
 def test_run_with_two_weighted_functions_logs_each(tmp_path):
     cfg = Config(**{**TINY, "out": str(tmp_path), "steps": 2, "reward_weights": [2.0, -0.5]})
-    summary = train(cfg, reward_fn=[rewards.task.make_reward("exact"), length_reward])
+    summary = train(cfg, reward_fn=[rewards.make_reward("exact"), length_reward])
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
     assert math.isfinite(summary["eval_reward_after"])  # greedy completions' weighted rewards
@@ -345,11 +345,11 @@ def test_reward_forms(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for spec, name in [("myrewards:per_sample", "per_sample"), ("sub/file_rewards.py:batch", "batch"),
                        ("myrewards.per_sample", "per_sample"), ("module:myrewards:per_sample", "per_sample")]:
-        assert rewards.task.make_reward(spec).__name__ == name, spec
+        assert rewards.make_reward(spec).__name__ == name, spec
     for spec in ("myrewards:nope", "nowhere.py:f", "no_such_module_xyz:f"):
         with pytest.raises(ValueError, match=r"^--reward: cannot load .*; expected exact \| regex:PATTERN \| "
                                              r"package.module:function \| path/to/file.py:function"):
-            rewards.task.make_reward(spec)
+            rewards.make_reward(spec)
 
 
 def test_every_column_reaches_trl_style_rewards_as_keywords():
@@ -500,7 +500,7 @@ def test_resume_runs_only_the_code_the_command_line_names(tmp_path, capsys):
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkeypatch):
     """Issue 40 item 3: TRL's `mask_truncated_completions` (set by DAPO recipes) was refused. A completion without
     eos trains no token; one with eos keeps its tokens up to it; both keep their reward in the group's advantages."""
-    from rlkernels.trainer import task
+    from rlkernels.trainer import generation
 
     trained = []
     real_head = trainer_model.loss_head
@@ -516,7 +516,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path, monkey
     ended = (targets == 2).any(-1)  # the demo tokenizer's eos is 2
     assert (~ended).any() and ended.any(), "the case needs both kinds of completion"
     assert not mask[~ended].any()
-    assert torch.equal(mask[ended], task.first_eos_mask(targets[ended], 2))
+    assert torch.equal(mask[ended], generation.first_eos_mask(targets[ended], 2))
     assert advantages[~ended].abs().sum() > 0  # their rewards (the longest) still counted in their groups
 
     recipe = tmp_path / "dapo.yaml"

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from test_trainer import _local_checkpoint
 
-from rlkernels.trainer import data, from_args, task
+from rlkernels.trainer import data, from_args, rewards, task
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -70,9 +70,9 @@ def test_a_hub_dataset_is_loaded_as_trl_grpo_loads_it(monkeypatch):
 
 
 def test_trl_grpo_reward_functions_by_name():
-    from trl import rewards
+    from trl import rewards as trl_rewards
 
-    assert task.make_reward("think_format_reward") is rewards.think_format_reward
-    overlong = task.make_reward("get_soft_overlong_punishment")  # trl grpo's: max 1280, cache 256
+    assert rewards.make_reward("think_format_reward") is trl_rewards.think_format_reward
+    overlong = rewards.make_reward("get_soft_overlong_punishment")  # trl grpo's: max 1280, cache 256
     assert overlong(completion_ids=[[0] * 1024, [0] * 1152, [0] * 1281]) == [0.0, -0.5, -1.0]
     from_args(["--reward", "accuracy_reward", "--reward", "get_soft_overlong_punishment"])

@@ -3,12 +3,11 @@ and the greedy evaluation on held-out prompts."""
 from __future__ import annotations
 
 import math
+from typing import List, Tuple
 
 import torch
 
 from rlkernels import sampling
-
-from . import task
 
 
 @torch.no_grad()
@@ -37,7 +36,7 @@ def evaluate(model, tok, examples, reward_fn, part, place, batch=256, context=No
     total, samples = 0.0, []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
-        ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in chunk], tok.pad_id)
+        ids, attn = left_pad([tok.encode(ex["prompt"]) for ex in chunk], tok.pad_id)
         with place.autocast():
             seq, _ = generate(model, tok, ids, attn, part, greedy=True)
         targets = seq[:, ids.shape[1]:]
@@ -58,7 +57,7 @@ def rollout(model, tok, prompts, part, rng):
     trees: `tree_roots` sampled roots per prompt, each cut at a random depth and branched into
     `num_generations / tree_roots` continuations that share that prefix.
     Returns (seq, attn, P, tree_ids or None)."""
-    ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
+    ids, attn = left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
     P, G = ids.shape[1], part.num_generations
     if not part.tree:
         seq, full_attn = generate(model, tok, ids.repeat_interleave(G, 0), attn.repeat_interleave(G, 0), part)
@@ -83,7 +82,7 @@ def _trl_kwargs(context, targets, tok):
     """TRL's extra reward arguments for these completions: their token ids up to and including the first eos."""
     if context is None:
         return None
-    mask = task.first_eos_mask(targets, tok.eos_id)
+    mask = first_eos_mask(targets, tok.eos_id)
     return context.kwargs([row[m].tolist() for row, m in zip(targets, mask)])
 
 
@@ -98,7 +97,7 @@ def sample_groups(policy, tok, prompts, part, rng, reward_fn, first_group, place
     with place.autocast():
         seq, attn, P, tree_ids = rollout(policy, tok, prompts, part, rng)
     targets = seq[:, P:]
-    mask = task.first_eos_mask(targets, tok.eos_id)
+    mask = first_eos_mask(targets, tok.eos_id)
     lengths = mask.sum(-1)
     if part.mask_truncated_completions:  # TRL's: no eos, no loss (the reward still counts in the group's advantages)
         mask = mask & (targets == tok.eos_id).any(-1, keepdim=True)
@@ -130,7 +129,7 @@ def sample_groups(policy, tok, prompts, part, rng, reward_fn, first_group, place
 def greedy_rewards(policy, tok, prompts, part, reward_fn, place, context=None) -> torch.Tensor:
     """ReMax's baselines (prompts,): the reward of each prompt's greedy completion, shaped as the sampled ones
     (DAPO's overlong penalty included). Greedy decoding draws no random numbers."""
-    ids, attn = task.left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
+    ids, attn = left_pad([tok.encode(ex["prompt"]) for ex in prompts], tok.pad_id)
     with place.autocast():
         seq, _ = generate(policy, tok, ids, attn, part, greedy=True)
     targets = seq[:, ids.shape[1]:]
@@ -140,7 +139,7 @@ def greedy_rewards(policy, tok, prompts, part, reward_fn, place, context=None) -
         context.log.take_extra()
     out = torch.tensor(totals, dtype=torch.float32, device=seq.device)
     if part.overlong_buffer:
-        lengths = task.first_eos_mask(targets, tok.eos_id).sum(-1)
+        lengths = first_eos_mask(targets, tok.eos_id).sum(-1)
         out = out + sampling.overlong_penalty(lengths, part.max_new_tokens, part.overlong_buffer)
     return out
 
@@ -160,3 +159,21 @@ def concat_rows(parts, pad_id):
     out["seq"] = torch.cat([pad(p["seq"], P - p["P"], pad_id) for p in parts])
     out["attn"] = torch.cat([pad(p["attn"], P - p["P"], 0) for p in parts])
     return dict(out, P=P)
+
+
+def left_pad(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask), both (B, P), prompts right-aligned so completions start at column P."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+        attn[i, P - len(s):] = 1
+    return ids, attn
+
+
+def first_eos_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) bool: the completion tokens up to and including the first eos."""
+    is_eos = completions == eos_id
+    after = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
+    return ~after

@@ -19,14 +19,15 @@ import inspect
 import math
 import numbers
 import os
+import re
 import reprlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from .._groups import group_gather, group_index, group_sum
-from . import task
-from .run_config import FLOAT32_MAX
+from . import plugins, trl_names
+from .run_config import FLOAT32_MAX, REWARD_FORMS
 
 DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
 GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum
@@ -315,7 +316,7 @@ def reward_functions(specs, reward_model: str, weights, reward_fn=None) -> tuple
         specs = specs or (() if reward_model else (DEFAULT_REWARD,))
         fns = []
         for spec in specs:
-            f = task.make_reward(spec)
+            f = make_reward(spec)
             fns.append((f, _spec_name(spec, f), "--reward", spec))
     n = len(fns) + bool(reward_model)
     weights = list(weights) or [1.0] * n
@@ -362,3 +363,44 @@ def normalize_then_sum(parts: torch.Tensor, weights: List[float], group_ids: tor
     summed = ((x - mean) / (std + eps) * x.new_tensor(weights)).nansum(-1)
     mean_s, std_s = batch_mean_std(summed)
     return summed if mean_s is None else (summed - mean_s) / (std_s + eps)
+
+
+def make_reward(spec: str) -> Callable:
+    """The reward function of one `--reward` (REWARD_FORMS): exact match and regex take
+    (prompt, completion, answer) -> float; a function from a module or a file is taken as it is."""
+    if spec == "exact":
+        return lambda prompt, completion, answer: float(completion.strip() == str(answer).strip())
+    if spec.startswith("regex:"):
+        try:
+            pattern = re.compile(spec[len("regex:"):])
+        except re.error as e:
+            raise ValueError(f"--reward: bad regex {spec[len('regex:'):]!r} ({e})") from None
+
+        def regex_reward(prompt, completion, answer):
+            m = pattern.search(completion)
+            got = (m.group(1) if m.groups() else m.group(0)) if m else None
+            return float(got is not None and got.strip() == str(answer).strip())
+
+        return regex_reward
+    if spec in trl_names.TRL_REWARD_FUNCS:  # `trl grpo`'s registry
+        from trl import rewards
+
+        f = getattr(rewards, spec)
+        return f(**trl_names.TRL_SOFT_OVERLONG) if spec == "get_soft_overlong_punishment" else f
+    return _load_function(spec.removeprefix("module:"))  # module:... was this flag's form before
+
+
+def _load_function(spec: str) -> Callable:
+    """`path/to/file.py:function`, `package.module:function`, or TRL's dotted `package.module.function`."""
+    where, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        f = getattr(plugins.import_source(where), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
+    except SyntaxError as e:
+        raise ValueError(f"--reward {spec}: {e.filename}, line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the module raised while it was imported
+        raise ValueError(f"--reward {spec}: importing {where} raised {type(e).__name__} ({e})") from None
+    if not callable(f):
+        raise ValueError(f"--reward: {spec!r} is not callable")
+    return f

@@ -15,7 +15,6 @@ import fnmatch
 import os
 import shutil
 import tempfile
-from typing import Optional
 
 try:
     import fcntl

@@ -59,28 +59,19 @@ def load_task(run: Run, reward_fns) -> None:
     cfg, source = run.cfg, run.data
     if source.dataset:
         run.train_set, run.eval_set, run.held_out = data.load(source)
-        if cfg.train_epochs is not None:  # TRL's num_train_epochs: the steps that pass over the prompts that often
-            per_step = run.sampling.prompts_per_step * run.world
-            steps = max(1, math.ceil(cfg.train_epochs * len(run.train_set) / per_step))
-            config_parts.attach(run, dataclasses.replace(cfg, steps=steps, train_epochs=None))
-            run.log(f"--steps {steps}: num_train_epochs over {len(run.train_set)} prompts, {per_step} a step")
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, source.eval_size, source.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
-    if run.cfg.save_strategy != "steps":  # TRL's epoch / no, as the steps between checkpoints
-        per_step = run.sampling.prompts_per_step * run.world
-        every = math.ceil(len(run.train_set) / per_step) if run.cfg.save_strategy == "epoch" else run.logs.steps
-        config_parts.attach(run, dataclasses.replace(run.cfg, ckpt_every=every))
-        run.log(f"--save-strategy {run.cfg.save_strategy}: a checkpoint every {every} steps"
-                + (f" ({len(run.train_set)} prompts, {per_step} a step)" if run.cfg.save_strategy == "epoch" else
-                   " (the last)"))
+    answers, schedule = has_answers(run), _schedule(run)
+    if schedule:
+        config_parts.attach(run, dataclasses.replace(cfg, **schedule))
     fns, weights = reward_fns
     columns = [k for k in run.train_set[0] if k != "prompt"]
     for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
         rewards_lib.check_signature(f, what, columns, flag)
     run.reward_context = rewards_lib.RewardContext(run.logs.steps)
     for _, name, _, spec in fns:
-        if name in ("exact", "regex") and spec.startswith(name) and not has_answers(run):
+        if name in ("exact", "regex") and spec.startswith(name) and not answers:
             raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
                              f"{source.dataset} lack; give --reward a function, or --reward-model")
     # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
@@ -89,6 +80,21 @@ def load_task(run: Run, reward_fns) -> None:
     random.seed(source.seed)
     torch.manual_seed(source.seed)
     run.rng = random.Random(source.seed)
+
+
+def _schedule(run: Run) -> dict:
+    """The settings that TRL states in the prompts' count: --train-epochs (TRL's num_train_epochs) as --steps, and
+    --save-strategy epoch / no as --ckpt-every; said in the log."""
+    cfg, per_step, n = run.cfg, run.sampling.prompts_per_step * run.world, len(run.train_set)
+    out = {}
+    if cfg.train_epochs is not None:  # the steps that pass over the prompts that often
+        out.update(steps=max(1, math.ceil(cfg.train_epochs * n / per_step)), train_epochs=None)
+        run.log(f"--steps {out['steps']}: num_train_epochs over {n} prompts, {per_step} a step")
+    if cfg.save_strategy != "steps":
+        out["ckpt_every"] = math.ceil(n / per_step) if cfg.save_strategy == "epoch" else out.get("steps", cfg.steps)
+        run.log(f"--save-strategy {cfg.save_strategy}: a checkpoint every {out['ckpt_every']} steps"
+                + (f" ({n} prompts, {per_step} a step)" if cfg.save_strategy == "epoch" else " (the last)"))
+    return out
 
 
 def has_answers(run: Run) -> bool:
@@ -122,17 +128,10 @@ def check_prompt_lengths(run: Run) -> None:
 
 
 def load_policy(run: Run) -> None:
-    """The tokenizer and the policy, on the run's device, its output head checked."""
+    """The tokenizer and the policy, on the run's device, its output head checked; the checks of the prompts'
+    count come first, before a model loads."""
     cfg, source = run.cfg, f" in {run.data.dataset}" if run.data.dataset else ""
     per_step = run.sampling.prompts_per_step
-    if cfg.model:
-        run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
-        check_prompt_lengths(run)
-    else:
-        run.tok = task.CharTokenizer()
-        for ex in run.train_set[:1] + run.eval_set[:1]:
-            run.tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
-        prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
     if per_step * run.world > len(run.train_set):
         ranks = f" × {run.world} ranks" if run.world > 1 else ""
         raise ValueError(f"--prompts-per-step: {per_step}{ranks} is more than the {len(run.train_set)} "
@@ -148,9 +147,17 @@ def load_policy(run: Run) -> None:
         if run.warmup.warmup_batch > len(run.train_set):
             raise ValueError(f"--warmup-batch: {run.warmup.warmup_batch} is more than the {len(run.train_set)} training "
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")
-    if not cfg.model:
+    if cfg.model:
+        run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
+    else:
+        run.tok = task.CharTokenizer()
+        for ex in run.train_set[:1] + run.eval_set[:1]:
+            run.tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
+        prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
         run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                      max_new_tokens=run.sampling.max_new_tokens)
+    if cfg.model:
+        check_prompt_lengths(run)
     run.policy.to(run.place.device)  # built on the CPU, so a seed gives the same weights on every device
     run.head_args = output_head_of(run.policy, run.sampling.temperature, run.place)
     if cfg.gradient_checkpointing:

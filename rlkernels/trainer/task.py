@@ -8,13 +8,10 @@ rewards given as `exact`, `regex:PATTERN`, `package.module:function` or `path/to
 from __future__ import annotations
 
 import random
-import re
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from . import plugins, trl_names
-from .run_config import REWARD_FORMS
 
 
 class CharTokenizer:
@@ -114,47 +111,6 @@ def addition_task(digits: int, eval_size: int, seed: int) -> Tuple[list, list]:
     return [fmt(*p) for p in pairs[eval_size:]], [fmt(*p) for p in pairs[:eval_size]]
 
 
-def make_reward(spec: str) -> Callable:
-    """The reward function of one `--reward` (REWARD_FORMS): exact match and regex take
-    (prompt, completion, answer) -> float; a function from a module or a file is taken as it is."""
-    if spec == "exact":
-        return lambda prompt, completion, answer: float(completion.strip() == str(answer).strip())
-    if spec.startswith("regex:"):
-        try:
-            pattern = re.compile(spec[len("regex:"):])
-        except re.error as e:
-            raise ValueError(f"--reward: bad regex {spec[len('regex:'):]!r} ({e})") from None
-
-        def regex_reward(prompt, completion, answer):
-            m = pattern.search(completion)
-            got = (m.group(1) if m.groups() else m.group(0)) if m else None
-            return float(got is not None and got.strip() == str(answer).strip())
-
-        return regex_reward
-    if spec in trl_names.TRL_REWARD_FUNCS:  # `trl grpo`'s registry
-        from trl import rewards
-
-        f = getattr(rewards, spec)
-        return f(**trl_names.TRL_SOFT_OVERLONG) if spec == "get_soft_overlong_punishment" else f
-    return _load_function(spec.removeprefix("module:"))  # module:... was this flag's form before
-
-
-def _load_function(spec: str) -> Callable:
-    """`path/to/file.py:function`, `package.module:function`, or TRL's dotted `package.module.function`."""
-    where, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    try:
-        f = getattr(plugins.import_source(where), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"--reward: cannot load {spec!r} ({type(e).__name__}: {e}); expected {REWARD_FORMS}") from None
-    except SyntaxError as e:
-        raise ValueError(f"--reward {spec}: {e.filename}, line {e.lineno}: {e.msg}") from None
-    except Exception as e:  # the module raised while it was imported
-        raise ValueError(f"--reward {spec}: importing {where} raised {type(e).__name__} ({e})") from None
-    if not callable(f):
-        raise ValueError(f"--reward: {spec!r} is not callable")
-    return f
-
-
 def tiny_model(tok: CharTokenizer, prompt_len: int, *, n_layer: int, n_embd: int, n_head: int, max_new_tokens: int):
     """A Llama of a few hundred thousand parameters, from a config (no download), with room for prompts of
     `prompt_len` tokens and their completions."""
@@ -202,17 +158,6 @@ def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **optio
         raise ValueError(f"--lora-target: {e}") from None
 
 
-def left_pad(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention_mask), both (B, P), prompts right-aligned so completions start at column P."""
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-        attn[i, P - len(s):] = 1
-    return ids, attn
-
-
 def answer_ids(tok, answer: str) -> List[int]:
     """Token ids of a supervised target: the answer then eos."""
     if isinstance(tok, CharTokenizer):
@@ -236,10 +181,3 @@ def supervised_batch(tok, examples) -> Tuple[torch.Tensor, torch.Tensor, torch.T
         attn[i, : len(s)] = 1
         labels[i, : len(l)] = torch.tensor(l)
     return ids, attn, labels
-
-
-def first_eos_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """(B, T) bool: the completion tokens up to and including the first eos."""
-    is_eos = completions == eos_id
-    after = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
-    return ~after
