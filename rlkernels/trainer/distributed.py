@@ -21,6 +21,19 @@ def all_sum(x: float) -> float:
     return float(t)
 
 
+def all_sums(values: dict) -> dict:
+    """Each of `values` (numbers or 0-d tensors) summed over all ranks: one host sync and one all-reduce for them
+    all (float64, as all_sum)."""
+    if not values:
+        return {}
+    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values.values()])
+    if dist_info()[1] > 1:
+        stacked = stacked.to(_comm_device())
+        dist.all_reduce(stacked)
+    return dict(zip(values, stacked.tolist()))
+
+
 def _comm_device():
     """Where collective buffers live: NCCL reduces only CUDA tensors."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -27,7 +27,7 @@ from rlkernels import presets
 from . import estimators, generation, outputs, run_folder, sharding, startup, stop as stop_lib
 from .checkpoint import save
 from .run_config import Config, validate
-from .distributed import all_sum, dist_info, nan_mean_std
+from .distributed import all_sum, all_sums, dist_info, nan_mean_std
 from .generation import concat_rows, sample_groups
 from .model import token_logp
 from .run_folder import CHECKPOINT, write_file
@@ -101,10 +101,13 @@ def _train(run: Run, reward_fns, stop) -> dict:
             t_rollout = time.time()
             batch = behaviour_logp(run, rollout_batch)
             t_logp = time.time()
-            batch["advantages"], batch["values"], batch["returns"] = advantages(run, batch)
+            # the estimator's (estimators.py): GAE on the critic's values (PPO), or one of the rewards alone
+            batch["advantages"], batch["returns"] = estimators.advantages(run.adv, batch, run.reward_fn.weights,
+                                                                          batch["values"], run.beta)
             updates = update(run, batch, step)
-            kl_obs = adapt_kl(run, batch)
-            row = metrics_row(run, step, rollout_batch, batch, updates, kl_obs)
+            sums = step_sums(run, rollout_batch, batch, updates)
+            kl_obs = adapt_kl(run, sums)
+            row = metrics_row(run, step, rollout_batch, updates, sums, kl_obs)
             samples = []
             if run.eval_set and (step % logs.eval_every == 0 or step == logs.steps):
                 row["eval_reward"], samples, metrics = evaluate_policy(run, step)
@@ -112,7 +115,7 @@ def _train(run: Run, reward_fns, stop) -> dict:
             # where the step's time goes: rollouts (generate and rewards), ℓ_old and the reference's forward
             row["time/rollout_s"], row["time/logp_s"] = round(t_rollout - t0, 4), round(t_logp - t_rollout, 4)
             row["time_s"] = round(time.time() - t0, 4)  # wall-clock fields differ between identical runs
-            row["tokens_per_s"] = round(all_sum(rollout_batch["all_lengths"].sum()) / row["time_s"], 1)
+            row["tokens_per_s"] = round(sums["tokens"] / row["time_s"], 1)
             run.last = row
             stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
             log_step(run, row, samples, stopping)
@@ -183,19 +186,10 @@ def behaviour_logp(run: Run, b: dict) -> dict:
                                                                run.head_args)
         batch["ref_logp"] = (sharding.gathered(run.ref, token_logp, run.ref, seq, attn, P, run.head_args)[0]
                              if run.ref is not None else None)
+        with torch.no_grad():  # PPO's critic, on the policy's hidden states: the values that GAE takes
+            batch["values"] = (sharding.gathered(run.engine, run.critic, batch["hidden"], seq, attn, P)
+                               if run.critic is not None else None)
     return dict(batch, P=P)
-
-
-def advantages(run: Run, batch: dict) -> tuple:
-    """(advantages, values, returns) of the estimator (estimators.py): GAE on the critic's values (PPO), or one of
-    the rewards alone."""
-    values = None
-    if run.adv.estimator == "gae":
-        with torch.no_grad(), run.place.autocast():
-            values = sharding.gathered(run.engine, run.critic, batch["hidden"], batch["seq"], batch["attn"],
-                                       batch["P"])
-    adv, returns = estimators.advantages(run.adv, batch, run.reward_fn.weights, values, run.beta)
-    return adv, values, returns
 
 
 def update(run: Run, batch: dict, step: int) -> dict:
@@ -235,28 +229,41 @@ def update(run: Run, batch: dict, step: int) -> dict:
     return out
 
 
-def adapt_kl(run: Run, batch: dict) -> float:
+def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:
+    """What the step's metrics and the adaptive β sum over all ranks, in one all-reduce: the rollout's rewards,
+    lengths and rows, the trained rows, the KL(π_old ‖ π_ref) of the rollout, and each update metric's mean over
+    this rank's optimizer steps."""
+    score, lengths, collected = b["score"], b["all_lengths"], updates["collected"]
+    local = {"rows": len(score), "score": score.sum(), "tokens": lengths.sum(), "completions": len(lengths),
+             "rows_trained": len(batch["rewards"])}
+    if run.ref is not None:
+        mask = batch["mask"]
+        local.update(kl=((batch["old_logp"] - batch["ref_logp"]) * mask).sum(), kl_tokens=mask.sum())
+    for k in sorted({k for m in collected for k in m}):
+        local[f"update/{k}"] = sum(m[k] for m in collected if k in m) / len(collected)
+    return all_sums(local)
+
+
+def adapt_kl(run: Run, sums: dict) -> float:
     """The rollout's KL(π_old ‖ π_ref) per token over all ranks; with --kl-target, PPO's adaptive β (Ziegler et
     al. 2019) moves it towards the target."""
     if run.ref is None:
         return 0.0
-    old_logp, ref_logp, mask = batch["old_logp"], batch["ref_logp"], batch["mask"]
-    kl_obs = all_sum(((old_logp - ref_logp) * mask).sum()) / max(all_sum(mask.sum()), 1)
+    kl_obs = sums["kl"] / max(sums["kl_tokens"], 1)
     if run.optim.kl_target is not None:
         err = max(-0.2, min(0.2, kl_obs / run.optim.kl_target - 1))
-        run.beta *= 1 + err * len(batch["rewards"]) * run.world / 10000
+        run.beta *= 1 + err * sums["rows_trained"] / 10000
     return kl_obs
 
 
-def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs: float) -> dict:
+def metrics_row(run: Run, step: int, b: dict, updates: dict, sums: dict, kl_obs: float) -> dict:
     """The step's metrics row, over all ranks (the eval and wall-clock fields are added by train())."""
-    score, all_lengths, collected = b["score"], b["all_lengths"], updates["collected"]
+    score = b["score"]
     run.skipped_total += updates["skipped"]
-    n_rows = all_sum(len(score))
-    row = {"step": step, "reward_mean": all_sum(score.sum()) / max(n_rows, 1),
+    row = {"step": step, "reward_mean": sums["score"] / max(sums["rows"], 1),
            "reward_std": float(score.std()) if len(score) > 1 else 0.0,
-           "response_len": all_sum(all_lengths.float().sum()) / max(all_sum(len(all_lengths)), 1),
-           "rows_trained": int(all_sum(len(batch["rewards"]))), "groups": updates["groups"],
+           "response_len": sums["tokens"] / max(sums["completions"], 1),
+           "rows_trained": int(sums["rows_trained"]), "groups": updates["groups"],
            "updates": updates["updates"], "skipped": updates["skipped"], "kl_coef": run.beta, "rollout_kl": kl_obs}
     if run.sampling.dynamic_sampling:
         row["gen_batches"] = b["gen_batches"]
@@ -264,9 +271,10 @@ def metrics_row(run: Run, step: int, b: dict, batch: dict, updates: dict, kl_obs
         row[name if name not in row else f"reward_fn/{name}"] = value
     for j, name in enumerate(run.reward_fn.names):  # over the rows each function scored (TRL's nanmean, nanstd)
         row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = nan_mean_std(b["reward_parts"][:, j])
-    for k in sorted({k for m in collected for k in m}):
-        mean = sum(m[k] for m in collected if k in m) / len(collected)
-        row[k] = all_sum(mean) / (1 if k in SUMMED_METRICS else run.world)
+    for key, total in sums.items():
+        if key.startswith("update/"):
+            k = key.removeprefix("update/")
+            row[k] = total / (1 if k in SUMMED_METRICS else run.world)
     for k in ("loss", "kl", "entropy", "clip_frac"):
         row.setdefault(k, None)
     if "time/update_s" in row:  # the ratio of the means over optimizer steps (and ranks)

@@ -132,6 +132,9 @@ def load_policy(run: Run) -> None:
     count come first, before a model loads."""
     cfg, source = run.cfg, f" in {run.data.dataset}" if run.data.dataset else ""
     per_step = run.sampling.prompts_per_step
+    if not cfg.model:  # a clear error for characters outside the demo vocabulary, first
+        run.tok = task.CharTokenizer()
+        prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
     if per_step * run.world > len(run.train_set):
         ranks = f" × {run.world} ranks" if run.world > 1 else ""
         raise ValueError(f"--prompts-per-step: {per_step}{ranks} is more than the {len(run.train_set)} "
@@ -150,10 +153,6 @@ def load_policy(run: Run) -> None:
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
     else:
-        run.tok = task.CharTokenizer()
-        for ex in run.train_set[:1] + run.eval_set[:1]:
-            run.tok.encode(ex["prompt"])  # a clear error for characters outside the demo vocabulary
-        prompt_len = max(len(run.tok.encode(ex["prompt"])) for ex in run.train_set + run.eval_set)
         run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                      max_new_tokens=run.sampling.max_new_tokens)
     if cfg.model:
