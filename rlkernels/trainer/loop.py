@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Optional
 
@@ -24,13 +23,13 @@ import torch
 
 from rlkernels import presets
 
-from . import estimators, generation, outputs, run_folder, sharding, startup, stop as stop_lib
+from . import estimators, generation, outputs, sharding, startup, stop as stop_lib
 from .checkpoint import save
 from .run_config import Config, validate
 from .distributed import all_sum, all_sums, dist_info, nan_mean_std
 from .generation import concat_rows, sample_groups
 from .model import token_logp
-from .run_folder import CHECKPOINT, write_file
+from .run_folder import CHECKPOINT
 from .state import Run, quiet
 from .update import SUMMED_METRICS, lr_factor, minibatch_update
 
@@ -84,7 +83,7 @@ def _train(run: Run, reward_fns, stop) -> dict:
               "no evaluation (--eval-size 0)")
     run.log(f"{before}; loss {_loss_text(run.logs.algo, run.loss_cfg)}")
     startup.open_logs(run)
-    log_completions(run, 0, samples)
+    run.outputs.write_completions(0, samples)
     logs = run.logs
     run.policy.train()
     stop.until = "this step"
@@ -118,15 +117,14 @@ def _train(run: Run, reward_fns, stop) -> dict:
             row["tokens_per_s"] = round(sums["tokens"] / row["time_s"], 1)
             run.last = row
             stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
-            log_step(run, row, samples, stopping)
+            run.outputs.write_step(row, samples, stopping)
             if step % logs.ckpt_every == 0 or step == logs.steps or stopping:
                 save(run, step)
             if stopping:
                 run.log(f"stopped at step {step}; continue with: {resume_command(run)}")
                 break
     finally:
-        run.bar.close()
-        run.tracking.close()
+        run.outputs.close()
     run.stopped = stopping
     return summarize(run)
 
@@ -166,9 +164,8 @@ def collect(run: Run, step: int) -> dict:
         train_rows = train_rows[torch.isin(b["group_ids"], first_groups)]
         if all_sum(float(len(train_rows) == 0)) > 0:
             train_rows = train_rows[:0]
-            if run.master:
-                run.bar.write(f"step {step}: no group with unequal rewards{' on some rank' if world > 1 else ''} "
-                              f"in {len(parts)} rollout batches (--dynamic-sampling); update skipped")
+            run.outputs.say(f"step {step}: no group with unequal rewards{' on some rank' if world > 1 else ''} "
+                            f"in {len(parts)} rollout batches (--dynamic-sampling); update skipped")
     return dict(b, train_rows=train_rows, gen_batches=len(parts))
 
 
@@ -222,7 +219,7 @@ def update(run: Run, batch: dict, step: int) -> dict:
                                       num_items=num_items, num_seqs=num_seqs)
             if bad:
                 out["skipped"] += 1
-                run.bar.write(f"step {step}: non-finite loss/gradient ({m['loss']}); update skipped")
+                run.outputs.say(f"step {step}: non-finite loss/gradient ({m['loss']}); update skipped")
                 continue
             out["updates"] += 1
             out["collected"].append(m)
@@ -294,27 +291,6 @@ def evaluate_policy(run: Run, step: int) -> tuple:
     return reward, samples, run.reward_context.log.take_metrics()
 
 
-def log_completions(run: Run, step: int, samples: list) -> None:
-    """One eval's sample completions: completions.jsonl, and --report-to's backends."""
-    rows = [{"step": step, **s} for s in samples]
-    if run.master and rows:
-        write_file(run.completions_path, "".join(outputs.dumps(r) + "\n" for r in rows), "a")
-        run.tracking.completions(step, rows)
-
-
-def log_step(run: Run, row: dict, samples: list, stopping: bool) -> None:
-    """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
-    step, logs = row["step"], run.logs
-    if run.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping):
-        write_file(run.metrics_path, outputs.dumps(row) + "\n", "a")
-        run.tracking.metrics(row)
-    log_completions(run, step, samples)
-    run.bar.update(1)
-    run.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
-                        ent=f"{row['entropy'] or 0:.3f}",
-                        **({"eval": f"{row['eval_reward']:.3f}"} if "eval_reward" in row else {}))
-
-
 def summarize(run: Run) -> dict:
     """The summary after RL (an eval unless the last step made one): summary.json, the table, the plot."""
     logs, last = run.logs, run.last
@@ -327,12 +303,9 @@ def summarize(run: Run) -> dict:
                "stopped_by": run.stop.signal if run.stopped else None,
                "config": dataclasses.asdict(run.cfg)}
     if run.master:
-        write_file(os.path.join(logs.out, "summary.json"), outputs.dumps(summary, indent=2), "w")
+        plotted = run.outputs.write_summary(summary, run.reward_fn.label)
         if run.folder is not None:
             run.folder.settle()  # a run of no checkpoints (--save-strategy no) replaces the old one here
-        with run_folder.writing(logs.out):
-            plotted = outputs.plot(outputs.read_metrics(run.metrics_path), os.path.join(logs.out, "metrics.png"),
-                                  f"rlkernels.train --algo {logs.algo}", run.reward_fn.label, run.eval_before)
         run.log(outputs.summary_table(summary))
         run.log(f"files in {logs.out}/: metrics.jsonl, completions.jsonl, summary.json, {CHECKPOINT}, the model and "
                 f"its tokenizer (from_pretrained)" + "".join(f", {name} logs" for name in logs.report_to

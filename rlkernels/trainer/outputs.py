@@ -8,8 +8,10 @@ import os
 import warnings
 from typing import List, Optional
 
+from tqdm.auto import tqdm
+
 from .._pyplot import pyplot
-from . import run_folder
+from . import run_folder, trackers
 
 PLOTTED = (("reward_mean", "reward"), ("kl", "KL to reference"), ("entropy", "entropy"),
            ("clip_frac", "clip fraction"))
@@ -101,7 +103,6 @@ def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: Opti
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    run_folder.record(path)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
@@ -117,3 +118,69 @@ def summary_table(summary: dict) -> str:
         lines.append(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     lines.append("-" * (width + 16))
     return "\n".join(lines)
+
+
+class RunLog:
+    """What a run writes as it trains, on rank 0: metrics.jsonl and completions.jsonl (a resumed run keeps their
+    rows up to its checkpoint, read from `resumed_from`, its old folder), the --report-to trackers, the progress
+    bar, and at the end summary.json and the plot."""
+
+    def __init__(self, logs, master: bool, settings: dict, start: int, resumed_from: Optional[str]):
+        self.logs, self.master = logs, master
+        self.metrics_path = os.path.join(logs.out, "metrics.jsonl")
+        self.completions_path = os.path.join(logs.out, "completions.jsonl")
+        self.history = []  # the rows up to the checkpoint of a resumed run
+        if master:
+            if resumed_from is not None:
+                self.history = truncate_metrics(os.path.join(resumed_from, "metrics.jsonl"), self.metrics_path, start)
+                truncate_metrics(os.path.join(resumed_from, "completions.jsonl"), self.completions_path, start)
+            else:
+                run_folder.write_file(self.metrics_path, "", "w")
+                run_folder.write_file(self.completions_path, "", "w")
+        self.tracking = trackers.Trackers(logs.report_to if master else [], logs.out, settings, start + 1)
+        self.bar = tqdm(range(start, logs.steps), initial=start, total=logs.steps,
+                        disable=not (logs.progress and master), dynamic_ncols=True, desc=logs.algo)
+
+    def say(self, text: str) -> None:
+        """A line above the progress bar (rank 0's)."""
+        if self.master:
+            self.bar.write(text)
+
+    def write_completions(self, step: int, samples: list) -> None:
+        """One eval's sample completions: completions.jsonl, and --report-to's backends."""
+        rows = [{"step": step, **s} for s in samples]
+        if self.master and rows:
+            run_folder.write_file(self.completions_path, "".join(dumps(r) + "\n" for r in rows), "a")
+            self.tracking.completions(step, rows)
+
+    def write_step(self, row: dict, samples: list, stopping: bool) -> None:
+        """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
+        step, logs = row["step"], self.logs
+        due = self.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping)
+        completions = [{"step": step, **s} for s in samples] if self.master else []
+        texts = (dumps(row) + "\n" if due else "", "".join(dumps(r) + "\n" for r in completions))
+        for path, text in zip((self.metrics_path, self.completions_path), texts):
+            if text:
+                run_folder.write_file(path, text, "a")
+        if due:
+            self.tracking.metrics(row)
+        if completions:
+            self.tracking.completions(step, completions)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
+                             ent=f"{row['entropy'] or 0:.3f}",
+                             **({"eval": f"{row['eval_reward']:.3f}"} if "eval_reward" in row else {}))
+
+    def close(self) -> None:
+        self.bar.close()
+        self.tracking.close()
+
+    def write_summary(self, summary: dict, reward_label: str) -> bool:
+        """summary.json and the plot of metrics.jsonl (rank 0); whether there is a plot (matplotlib installed)."""
+        out, rows, text = self.logs.out, read_metrics(self.metrics_path), dumps(summary, indent=2)
+        png = os.path.join(out, "metrics.png")
+        run_folder.write_file(os.path.join(out, "summary.json"), text, "w")
+        run_folder.record(png)  # listed before it is written, as every file of a run
+        with run_folder.writing(out):
+            return plot(rows, png, f"rlkernels.train --algo {self.logs.algo}", reward_label,
+                        summary["eval_reward_before"])

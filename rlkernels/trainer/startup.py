@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task, trackers
+from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task
 from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
 from .run_config import Config, describe, loss_config, merge_resume, run_dir
 from .distributed import all_sum, dist_info
 from .model import Critic, enable_checkpointing, output_head_of, parts
-from .run_folder import CHECKPOINT, prepare_out_dir, write_file
+from .run_folder import CHECKPOINT, prepare_out_dir
 from .state import Run
 from .update import UpdateForward, update_engine
 
@@ -268,22 +268,8 @@ def restore(run: Run) -> None:
 
 
 def open_logs(run: Run) -> None:
-    """metrics.jsonl and completions.jsonl (a resumed run keeps the rows up to its checkpoint, read from the
-    run's folder, also when --out moves it), the --report-to trackers and the progress bar."""
-    logs, history = run.logs, []
-    if run.master:
-        if run.saved:
-            before = run_dir(run.cfg.resume)
-            history = outputs.truncate_metrics(os.path.join(before, "metrics.jsonl"), run.metrics_path,
-                                              run.start)
-            outputs.truncate_metrics(os.path.join(before, "completions.jsonl"), run.completions_path,
-                                    run.start)
-        else:
-            write_file(run.metrics_path, "", "w")
-            write_file(run.completions_path, "", "w")
-    # a resumed run's summary counts the steps before its checkpoint too
+    """The run's logs (outputs.RunLog); a resumed run's summary counts the steps before its checkpoint too."""
+    run.outputs = outputs.RunLog(run.logs, run.master, dataclasses.asdict(run.cfg), run.start,
+                                 run_dir(run.cfg.resume) if run.saved else None)
+    history = run.outputs.history
     run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
-    run.tracking = trackers.Trackers(logs.report_to if run.master else [], logs.out, dataclasses.asdict(run.cfg),
-                                     run.start + 1)
-    run.bar = tqdm(range(run.start, logs.steps), initial=run.start, total=logs.steps,
-                   disable=not (logs.progress and run.master), dynamic_ncols=True, desc=logs.algo)

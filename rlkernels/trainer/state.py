@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Optional
 
 from .run_config import Config
@@ -54,8 +53,7 @@ class Run:
     stopped: bool = False  # by a signal, at a checkpoint (stop.py)
     folder: Any = None  # run_folder.Claim of --out, on rank 0
     last: dict = dataclasses.field(default_factory=dict)  # the last metrics row
-    tracking: Any = None
-    bar: Any = None
+    outputs: Any = None  # outputs.RunLog: metrics, completions, trackers, the progress bar
 
     @property
     def master(self) -> bool:
@@ -64,14 +62,6 @@ class Run:
     @property
     def out_dir(self) -> str:
         return self.logs.out
-
-    @property
-    def metrics_path(self) -> str:
-        return os.path.join(self.logs.out, "metrics.jsonl")
-
-    @property
-    def completions_path(self) -> str:
-        return os.path.join(self.logs.out, "completions.jsonl")
 
     def log(self, *args, **kwargs) -> None:
         (print if self.master else quiet)(*args, **kwargs)
