@@ -39,7 +39,7 @@ def saved_figures(monkeypatch):
 def test_metrics_plot_starts_at_the_step_0_evaluation_and_names_the_reward(tmp_path, saved_figures):
     rows = [{"step": 1, "reward_mean": 0.2, "kl": 0.0, "entropy": 1.0, "clip_frac": 0.0},
             {"step": 2, "reward_mean": 0.3, "kl": 0.01, "entropy": 0.9, "clip_frac": 0.1, "eval_reward": 0.5}]
-    assert outputs.plot(rows, str(tmp_path / "m.png"), "title", "0.5·exact + 1·rm", 0.25)
+    assert outputs.plot(rows, "title", "0.5·exact + 1·rm", 0.25).startswith(b"\x89PNG")
     reward_axes = saved_figures[0].axes[0]
     assert reward_axes.get_title() == "reward: 0.5·exact + 1·rm"
     held_out = [line for line in reward_axes.get_lines() if line.get_label() == "held-out (greedy)"][0]

@@ -14,9 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from rlkernels.trainer import Config, device, distributed, task, train
+from rlkernels.trainer import Config, config_parts, device, distributed, sharding, task, train
 from rlkernels.trainer import model as trainer_model
-from rlkernels.trainer import run_config
 from rlkernels.trainer import update as trainer_update
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
@@ -46,9 +45,9 @@ def _setup(algo, path="linear", critic=None, lora=False):
                  advantages=torch.randn(B, T) if critic else torch.randn(B), values=torch.randn(B, T),
                  returns=torch.randn(B, T))
     if lora:
-        model = task.add_lora(model, 4, 16.0)
+        model = trainer_model.add_lora(model, 4, 16.0)
     value_model = trainer_model.Critic(trainer_model.parts(model)[0], 32, critic == "separate") if critic else None
-    forward = trainer_update.UpdateForward(model, value_model, run_config.loss_config(cfg, 4), HEAD_ARGS, path)
+    forward = trainer_update.UpdateForward(model, value_model, config_parts.loss_config(cfg, 4), HEAD_ARGS, path)
     params = [p for p in forward.parameters() if p.requires_grad]
     return forward, params, batch, cfg
 
@@ -72,7 +71,7 @@ def _whole(t):
 def _steps(forward, params, batch, cfg, rows_per_step, find_unused=False, poison=False, fsdp=False):
     """Optimizer steps on `rows_per_step` (this rank's rows of each step's mini-batch); per step the
     (globally reduced) metrics, gradients, and parameters after it."""
-    engine = trainer_update.update_engine(forward, CPU32, find_unused, fsdp)
+    engine = sharding.update_engine(forward, CPU32, find_unused, fsdp)
     params = [p for p in engine.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     optimizer = torch.optim.SGD(params, lr=0.1)
     out = []
@@ -219,7 +218,7 @@ def test_two_process_runs_through_ddp_and_fsdp(tmp_path):
     for k, v in exported.state_dict().items():
         assert torch.equal(v, ckpt["fsdp"]["model"][k]), k
     # the demo's LoRA run exports the merged weights: the adapters of its checkpoint merged into its base
-    from rlkernels.trainer.task import add_lora
+    from rlkernels.trainer.model import add_lora
 
     merged = AutoModelForCausalLM.from_pretrained(out["lora"])
     expected = add_lora(AutoModelForCausalLM.from_config(merged.config), 4, 16.0)

@@ -111,7 +111,7 @@ def test_null_is_trls_default_and_other_values_are_refused_by_name(tmp_path):
 def test_trls_loss_settings_reach_the_loss(tmp_path):
     """delta, top_entropy_quantile, use_bias_correction_kl, sapo_temperature_* and vespo_* are PolicyLossConfig's
     fields, as rlkernels.integrations.trl maps them for TRL's own trainer."""
-    from rlkernels.trainer.run_config import loss_config
+    from rlkernels.trainer.config_parts import loss_config
 
     _local_checkpoint(tmp_path / "m")
     (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')

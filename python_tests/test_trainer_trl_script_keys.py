@@ -6,6 +6,7 @@ import yaml
 from test_trainer import _local_checkpoint
 
 from rlkernels.trainer import data, from_args, rewards, task
+from rlkernels.trainer import model as trainer_model
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -27,7 +28,7 @@ def test_model_config_keys_reach_the_model_and_its_adapters(tmp_path):
     assert (cfg.prompt_column, cfg.lora_rank, cfg.lora_alpha) == ("problem", 4, 32.0)  # ModelConfig's lora_alpha
     model, tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
     assert model.config._attn_implementation == "eager" and tok.hf().chat_template == cfg.chat_template
-    wrapped = task.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target, lora_dropout=cfg.lora_dropout,
+    wrapped = trainer_model.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target, lora_dropout=cfg.lora_dropout,
                             target_parameters=cfg.lora_target_parameters, modules_to_save=cfg.lora_modules_to_save,
                             use_rslora=cfg.use_rslora, use_dora=cfg.use_dora)
     lora = wrapped.peft_config["default"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .settings import LOSS_FIELDS
+
 
 def take(part, cfg, **derived):
     """`part` with the Config fields of its field names, and `derived` for the others."""
@@ -111,9 +113,40 @@ def estimator(cfg, ratio: str) -> str:
     return cfg.adv_estimator or "grpo"
 
 
+def loss_config(cfg, group_size: int):
+    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
+    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
+    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
+    from ..losses import presets
+    from ..losses.objectives import GROUPED_RATIOS
+
+    constant = presets.fields(cfg.algo).get("agg") == "constant"
+    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
+    over = {"entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:
+        over["kl_coef"] = cfg.kl_coef
+        if cfg.kl_coef > 0 and base.kl_estimator is None:
+            over["kl_estimator"] = "k3"
+    if base.ratio in GROUPED_RATIOS:
+        over["group_size"] = group_size
+    over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
+    if cfg.top_entropy_quantile < 1.0:
+        over["top_entropy_quantile"] = cfg.top_entropy_quantile
+    if cfg.kl_bias_correction:
+        over["kl_bias_correction"] = True
+    return base.replace(**over)
+
+
 def attach(run, cfg) -> None:
-    """The parts of `cfg` on `run` (again after the set-up changes the config: --train-epochs sets --steps)."""
+    """The parts of `cfg` on `run` (again after the set-up changes the config: --train-epochs sets --steps), the
+    loss's config of --algo among them."""
     run.cfg = cfg
+    run.loss_cfg = loss_config(cfg, cfg.pods_keep or cfg.num_generations)
+    run.adv = advantages(cfg, run.loss_cfg.ratio)
     run.data, run.warmup, run.sampling = take(Data, cfg), take(Warmup, cfg), sampling(cfg)
     run.optim = take(Optimization, cfg, kl_target=cfg.kl_target if cfg.algo == "ppo" else None)
     run.logs = take(Logging, cfg, report_to=tuple(cfg.report_to))

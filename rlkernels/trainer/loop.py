@@ -26,7 +26,7 @@ from rlkernels import presets
 from . import estimators, generation, outputs, sharding, startup, stop as stop_lib
 from .checkpoint import save
 from .run_config import Config, validate
-from .distributed import all_sum, all_sums, dist_info, nan_mean_std
+from .distributed import all_sum, all_sums, dist_info
 from .generation import concat_rows, sample_groups
 from .model import token_logp
 from .run_folder import CHECKPOINT
@@ -229,7 +229,7 @@ def update(run: Run, batch: dict, step: int) -> dict:
 def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:
     """What the step's metrics and the adaptive β sum over all ranks, in one all-reduce: the rollout's rewards,
     lengths and rows, the trained rows, the KL(π_old ‖ π_ref) of the rollout, and each update metric's mean over
-    this rank's optimizer steps."""
+    this rank's optimizer steps; then each reward function's mean and std over all ranks."""
     score, lengths, collected = b["score"], b["all_lengths"], updates["collected"]
     local = {"rows": len(score), "score": score.sum(), "tokens": lengths.sum(), "completions": len(lengths),
              "rows_trained": len(batch["rewards"])}
@@ -238,7 +238,20 @@ def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:
         local.update(kl=((batch["old_logp"] - batch["ref_logp"]) * mask).sum(), kl_tokens=mask.sum())
     for k in sorted({k for m in collected for k in m}):
         local[f"update/{k}"] = sum(m[k] for m in collected if k in m) / len(collected)
-    return all_sums(local)
+    # each reward function's mean and unbiased std over the rows it scored (TRL's nanmean, nanstd): their counts
+    # and sums in the first all-reduce, the squares about the mean in a second (no cancellation of Σx² − n·mean²)
+    scored = {name: b["reward_parts"][:, j] for j, name in enumerate(run.reward_fn.names)}
+    scored = {name: x[~x.isnan()] for name, x in scored.items()}
+    for name, x in scored.items():
+        local[f"n/{name}"], local[f"sum/{name}"] = len(x), x.sum()
+    sums = all_sums(local)
+    means = {name: sums[f"sum/{name}"] / sums[f"n/{name}"] if sums[f"n/{name}"] else None for name in scored}
+    squares = all_sums({name: ((x - means[name]) ** 2).sum() for name, x in scored.items() if means[name] is not None})
+    for name, mean in means.items():
+        n = sums[f"n/{name}"]
+        sums[f"rewards/{name}/mean"] = mean
+        sums[f"rewards/{name}/std"] = None if mean is None else math.sqrt(squares[name] / (n - 1)) if n > 1 else 0.0
+    return sums
 
 
 def adapt_kl(run: Run, sums: dict) -> float:
@@ -266,10 +279,10 @@ def metrics_row(run: Run, step: int, b: dict, updates: dict, sums: dict, kl_obs:
         row["gen_batches"] = b["gen_batches"]
     for name, value in run.reward_context.log.take_metrics().items():  # log_metric: this rank's mean
         row[name if name not in row else f"reward_fn/{name}"] = value
-    for j, name in enumerate(run.reward_fn.names):  # over the rows each function scored (TRL's nanmean, nanstd)
-        row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = nan_mean_std(b["reward_parts"][:, j])
     for key, total in sums.items():
-        if key.startswith("update/"):
+        if key.startswith("rewards/"):
+            row[key] = total
+        elif key.startswith("update/"):
             k = key.removeprefix("update/")
             row[k] = total / (1 if k in SUMMED_METRICS else run.world)
     for k in ("loss", "kl", "entropy", "clip_frac"):

@@ -1,5 +1,5 @@
 """The policy as the trainer reads it: the loss head (the one place the policy loss is called), the trunk's
-hidden states, log-probs at the sampling temperature, and PPO's critic."""
+hidden states, log-probs at the sampling temperature, PPO's critic, and LoRA adapters on the policy."""
 from __future__ import annotations
 
 import copy
@@ -123,3 +123,16 @@ def token_logp(model, seq, attn, P, head_args):
     logits = head(h)  # as loss_head computes them, at the autocast dtype if any
     with _no_autocast(h):
         return rlkernels.token_logprobs(logits, seq[:, P:], **head_args), h
+
+
+def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **options):
+    """Wrap `model` in peft LoRA adapters on `target`: "all-linear" (every linear layer but the head, for
+    any architecture) or comma-separated module names; `options`: more of LoraConfig's (lora_dropout,
+    target_parameters, modules_to_save, use_rslora, use_dora)."""
+    from peft import LoraConfig, get_peft_model  # run_config.validate has checked that it is installed
+    targets = target if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
+    options = {k: v for k, v in options.items() if v not in ([], None)}
+    try:
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, **options))
+    except ValueError as e:  # e.g. no module of that name in this model
+        raise ValueError(f"--lora-target: {e}") from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -80,12 +81,12 @@ def dumps(obj, **kw) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
-def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: Optional[float]) -> bool:
+def plot(rows: List[dict], title: str, reward: str, eval_before: Optional[float]) -> Optional[bytes]:
     """Reward (`reward` names it), KL, entropy and clip fraction against step, the held-out reward from its
-    step-0 evaluation (`eval_before`, before RL) on; False when matplotlib is missing."""
+    step-0 evaluation (`eval_before`, before RL) on, as a PNG; None when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
-        return False
+        return None
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, label) in zip(axes.flat, PLOTTED):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
@@ -103,9 +104,10 @@ def plot(rows: List[dict], path: str, title: str, reward: str, eval_before: Opti
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
-    return True
+    return png.getvalue()
 
 
 def summary_table(summary: dict) -> str:
@@ -177,10 +179,10 @@ class RunLog:
 
     def write_summary(self, summary: dict, reward_label: str) -> bool:
         """summary.json and the plot of metrics.jsonl (rank 0); whether there is a plot (matplotlib installed)."""
-        out, rows, text = self.logs.out, read_metrics(self.metrics_path), dumps(summary, indent=2)
-        png = os.path.join(out, "metrics.png")
+        out, text = self.logs.out, dumps(summary, indent=2)
+        png = plot(read_metrics(self.metrics_path), f"rlkernels.train --algo {self.logs.algo}", reward_label,
+                   summary["eval_reward_before"])
         run_folder.write_file(os.path.join(out, "summary.json"), text, "w")
-        run_folder.record(png)  # listed before it is written, as every file of a run
-        with run_folder.writing(out):
-            return plot(rows, png, f"rlkernels.train --algo {self.logs.algo}", reward_label,
-                        summary["eval_reward_before"])
+        if png is not None:
+            run_folder.write_file(os.path.join(out, "metrics.png"), png, "wb")
+        return png is not None

@@ -20,7 +20,7 @@ import typing
 from typing import List, Optional
 
 from . import nesting, trackers, trl_names
-from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, LOSS_FIELDS, MAX_DIGITS, MULTI,
+from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, MAX_DIGITS, MULTI,
                        RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, expected, help_line)
 from .settings import MODE_DEFAULTS  # noqa: F401  (read here by the docstring's readers and the tests)
 
@@ -574,6 +574,7 @@ def _validate_preset_and_device(cfg: Config) -> None:
     from ..losses import presets
     from ..losses.config import SEQUENCE_RATIOS
     from . import device, estimators, plugins
+    from .config_parts import loss_config
 
     plugins.load(cfg.plugin)  # what they register is a valid --algo or --adv-estimator
     if cfg.adv_estimator is not None and cfg.adv_estimator not in estimators.ESTIMATORS:
@@ -600,34 +601,6 @@ def _validate_preset_and_device(cfg: Config) -> None:
         if own:
             raise ValueError(f"--multi-objective-aggregation normalize_then_sum: GDPO's advantages replace the group "
                              f"normalisation of the GRPO family; {own} forms its advantages otherwise")
-
-
-def loss_config(cfg: Config, group_size: int):
-    """The preset of `--algo` with the trainer's overrides. PPO's KL goes into the reward (docs/math.md §6), so
-    its loss config carries none; the GRPO family's KL is in the loss (k3 unless the preset says). Dr. GRPO's
-    constant (`agg="constant"`) is the maximum completion length, `--max-new-tokens`."""
-    from ..losses import presets
-    from ..losses.objectives import GROUPED_RATIOS
-
-    constant = presets.fields(cfg.algo).get("agg") == "constant"
-    base = presets.get(cfg.algo, **({"norm_length": cfg.max_new_tokens} if constant else {}))
-    over = {"entropy_coef": cfg.entropy_coef}
-    if cfg.clip_low is not None:
-        over["clip_low"] = cfg.clip_low
-    if cfg.clip_high is not None:
-        over["clip_high"] = cfg.clip_high
-    if cfg.algo != "ppo" and cfg.kl_coef is not None:
-        over["kl_coef"] = cfg.kl_coef
-        if cfg.kl_coef > 0 and base.kl_estimator is None:
-            over["kl_estimator"] = "k3"
-    if base.ratio in GROUPED_RATIOS:
-        over["group_size"] = group_size
-    over.update({name: getattr(cfg, name) for name in LOSS_FIELDS if getattr(cfg, name) is not None})
-    if cfg.top_entropy_quantile < 1.0:
-        over["top_entropy_quantile"] = cfg.top_entropy_quantile
-    if cfg.kl_bias_correction:
-        over["kl_bias_correction"] = True
-    return base.replace(**over)
 
 
 def describe(cfg: Config) -> str:

@@ -56,7 +56,7 @@ def written(folder: str) -> list:
 @contextlib.contextmanager
 def writing(out_dir: str):
     """Turn an OSError inside the block (the writes that are not `write_file`'s or checkpoint.py's: TensorBoard's
-    and W&B's writers, the model export, the plot) into a ValueError naming --out, `out_dir` and the file."""
+    and W&B's writers, the model export) into a ValueError naming --out, `out_dir` and the file."""
     try:
         yield
     except OSError as e:
@@ -68,8 +68,8 @@ def writing(out_dir: str):
         raise ValueError(f"--out: cannot write in {out_dir!r} (safetensors: {' '.join(str(e).split())[:200]})") from None
 
 
-def write_file(path: str, text: str, mode: str) -> None:
-    """Write or append `text`; a full disk (or a folder gone read-only) is a one-line error naming --out."""
+def write_file(path: str, text, mode: str) -> None:
+    """Write or append `text` (bytes with mode "wb"); a full disk (or a folder gone read-only) is a one-line error naming --out."""
     try:
         if mode != "a" or not os.path.exists(path):  # an append to a file it made: listed then (not every step)
             record(path)

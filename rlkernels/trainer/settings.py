@@ -20,7 +20,7 @@ MAX_LR = 1.0  # --lr and --warmup-lr at most (AdamW moves each weight by about l
 # *_vectorized ones are verl's second implementations of the same estimator
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo")
-# who reads a setting: the parts of config_parts.py, the loss (run_config.loss_config), the set-up from the whole
+# who reads a setting: the parts of config_parts.py, the loss (config_parts.loss_config), the set-up from the whole
 # Config (startup.py: the model, rewards, devices), the checkpoint, or only the config's own code (run_config.py)
 READERS = ("data", "warmup", "sampling", "optimization", "logging", "advantages", "loss", "setup", "checkpoint",
            "config")

@@ -1,5 +1,6 @@
-"""FSDP2 (`fully_shard`) for `--fsdp` under torchrun: each rank holds 1/N of the weights, gradients and
-optimizer state (docs/design.md §10).
+"""The update's forward over the ranks of torchrun (`update_engine`): DistributedDataParallel, or FSDP2
+(`fully_shard`) for `--fsdp`, where each rank holds 1/N of the weights, gradients and optimizer state
+(docs/design.md §10).
 
 Units: every decoder layer (the classes a Hugging Face model names in `_no_split_modules`, also those
 of PPO's separate critic trunk), then a root that holds the rest: the update's `UpdateForward` (the
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+from .distributed import dist_info
 
 # whole tensors, on rank 0's CPU only (the other ranks get {}): a checkpoint never needs a whole copy on a device
 WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -141,3 +144,26 @@ def with_weights(meta: nn.Module, state: dict) -> nn.Module:
     model = copy.deepcopy(meta)
     model.load_state_dict(state, assign=True)
     return model
+
+
+def _summed(group, bucket):
+    """DDP communication hook: gradients summed over ranks (DDP's own hook averages them, which would
+    shrink every update by the world size, as the loss is already Σ_rank / N_global)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def update_engine(forward, place, find_unused: bool, fsdp: bool = False):
+    """`forward` as it runs the update: itself in one process, wrapped in DistributedDataParallel under
+    torchrun, or with `fsdp` sharded by FSDP2 (in place; `shard`). `find_unused`: some rank may train
+    on an empty mini-batch (dynamic sampling keeps unequal numbers of groups per rank)."""
+    if dist_info()[1] == 1:
+        return forward
+    if fsdp:
+        return shard(forward, place.device)
+    ids = [place.device.index] if place.device.type == "cuda" else None
+    # no buffer broadcast per forward: the models' buffers (rotary tables) are constants
+    ddp = nn.parallel.DistributedDataParallel(forward, device_ids=ids, forward_sync_buffers=False,
+                                              find_unused_parameters=find_unused)
+    ddp.register_comm_hook(None, _summed)
+    return ddp

@@ -16,12 +16,12 @@ from tqdm.auto import tqdm
 
 from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task
 from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
-from .run_config import Config, describe, loss_config, merge_resume, run_dir
+from .run_config import Config, describe, merge_resume, run_dir
 from .distributed import all_sum, dist_info
-from .model import Critic, enable_checkpointing, output_head_of, parts
+from .model import Critic, add_lora, enable_checkpointing, output_head_of, parts
 from .run_folder import CHECKPOINT, prepare_out_dir
 from .state import Run
-from .update import UpdateForward, update_engine
+from .update import UpdateForward
 
 
 def configure(config: Config, explicit: Optional[set], reward_fn, stop):
@@ -155,13 +155,13 @@ def load_policy(run: Run) -> None:
     else:
         run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                      max_new_tokens=run.sampling.max_new_tokens)
-    if cfg.model:
-        check_prompt_lengths(run)
     run.policy.to(run.place.device)  # built on the CPU, so a seed gives the same weights on every device
     run.head_args = output_head_of(run.policy, run.sampling.temperature, run.place)
     if cfg.gradient_checkpointing:
         enable_checkpointing(run.policy)
     run.policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
+    if cfg.model:
+        check_prompt_lengths(run)
     n_params = sum(p.numel() for p in run.policy.parameters())
     run.log(f"policy: {type(run.policy).__name__}, {n_params / 1e6:.2f}M parameters; {len(run.train_set)} training "
             f"prompts, {run.held_out}")
@@ -203,8 +203,6 @@ def build_update(run: Run) -> None:
     update engine (DDP / FSDP) and the optimizer."""
     cfg, saved, place = run.cfg, run.saved, run.place
     algo_ppo = cfg.algo == "ppo"
-    run.loss_cfg = loss_config(cfg, cfg.pods_keep or cfg.num_generations)
-    run.adv = config_parts.advantages(cfg, run.loss_cfg.ratio)
     # PPO: β in the reward
     run.beta = (0.05 if cfg.kl_coef is None else cfg.kl_coef) if algo_ppo else run.loss_cfg.kl_coef
     if run.beta > 0:
@@ -218,7 +216,7 @@ def build_update(run: Run) -> None:
             except RuntimeError as e:
                 raise unfit(cfg.resume, e) from None
     if cfg.lora_rank:
-        run.policy = task.add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target,
+        run.policy = add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target,
                                    lora_dropout=cfg.lora_dropout, target_parameters=cfg.lora_target_parameters,
                                    modules_to_save=cfg.lora_modules_to_save, use_rslora=cfg.use_rslora,
                                    use_dora=cfg.use_dora).to(place.device)
@@ -226,10 +224,10 @@ def build_update(run: Run) -> None:
         trunk = parts(run.policy)[0]
         run.critic = Critic(trunk, run.policy.config.hidden_size, cfg.critic == "separate").to(place.device)
     # under FSDP the export writes a plain copy of the policy, taken here (sharded modules cannot be copied)
+    forward = UpdateForward(run.policy, run.critic, run.loss_cfg, run.head_args, cfg.loss_path)
     run.meta_policy = sharding.meta_copy(run.policy) if cfg.fsdp and run.master else None
     # the engine before the optimizer: under FSDP it shards the parameters the optimizer and a checkpoint load into
-    run.engine = update_engine(UpdateForward(run.policy, run.critic, run.loss_cfg, run.head_args, cfg.loss_path),
-                               place, find_unused=run.sampling.dynamic_sampling, fsdp=cfg.fsdp)
+    run.engine = sharding.update_engine(forward, place, find_unused=run.sampling.dynamic_sampling, fsdp=cfg.fsdp)
     if run.ref is not None and sharding.is_sharded(run.policy):
         sharding.shard(run.ref, place.device)  # else every rank holds a whole copy of it
     run.params = [p for p in run.engine.parameters() if p.requires_grad]

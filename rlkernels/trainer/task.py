@@ -145,19 +145,6 @@ def load_model(path: str, attn_implementation: Optional[str] = None, chat_templa
     return model, HFTokenizer(tok)
 
 
-def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **options):
-    """Wrap `model` in peft LoRA adapters on `target`: "all-linear" (every linear layer but the head, for
-    any architecture) or comma-separated module names; `options`: more of LoraConfig's (lora_dropout,
-    target_parameters, modules_to_save, use_rslora, use_dora)."""
-    from peft import LoraConfig, get_peft_model  # run_config.validate has checked that it is installed
-    targets = target if target == "all-linear" else [t.strip() for t in target.split(",") if t.strip()]
-    options = {k: v for k, v in options.items() if v not in ([], None)}
-    try:
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, **options))
-    except ValueError as e:  # e.g. no module of that name in this model
-        raise ValueError(f"--lora-target: {e}") from None
-
-
 def answer_ids(tok, answer: str) -> List[int]:
     """Token ids of a supervised target: the answer then eos."""
     if isinstance(tok, CharTokenizer):

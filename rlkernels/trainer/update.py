@@ -8,13 +8,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import rlkernels
 
-from . import model, sharding, timing
-from .distributed import all_sum, dist_info
+from . import model, timing
+from .distributed import all_sum
 
 
 class UpdateForward(nn.Module):
@@ -38,29 +37,6 @@ class UpdateForward(nn.Module):
                                                              head_args=self.head_args, path=self.path), hid)
         values = self.critic(hid, mbatch["seq"], mbatch["attn"], P) if self.critic is not None else None
         return out.loss, out.metrics, values
-
-
-def _summed(group, bucket):
-    """DDP communication hook: gradients summed over ranks (DDP's own hook averages them, which would
-    shrink every update by the world size, as the loss is already Σ_rank / N_global)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def update_engine(forward: UpdateForward, place, find_unused: bool, fsdp: bool = False):
-    """`forward` as it runs the update: itself in one process, wrapped in DistributedDataParallel under
-    torchrun, or with `fsdp` sharded by FSDP2 (in place; sharding.py). `find_unused`: some rank may train
-    on an empty mini-batch (dynamic sampling keeps unequal numbers of groups per rank)."""
-    if dist_info()[1] == 1:
-        return forward
-    if fsdp:
-        return sharding.shard(forward, place.device)
-    ids = [place.device.index] if place.device.type == "cuda" else None
-    # no buffer broadcast per forward: the models' buffers (rotary tables) are constants
-    ddp = nn.parallel.DistributedDataParallel(forward, device_ids=ids, forward_sync_buffers=False,
-                                              find_unused_parameters=find_unused)
-    ddp.register_comm_hook(None, _summed)
-    return ddp
 
 
 def minibatch_update(engine, optimizer, params, mbatch, P, opt, place, *, num_items, num_seqs):
