@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, checkpoint, from_args, generation, rewards, run_folder, task, train
+from rlkernels.trainer import Config, checkpoint, config_parts, from_args, generation, rewards, run_folder, task, train
 from rlkernels.trainer import model as trainer_model
-from rlkernels.trainer import run_config
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
             prompts_per_step=4, num_generations=4, max_new_tokens=3, steps=3, eval_every=2, ckpt_every=2,
@@ -93,9 +92,9 @@ def test_warmup_stops_at_its_target_reached_twice_in_a_row(tmp_path, monkeypatch
 
 
 def test_dr_grpo_divides_by_the_max_completion_length():
-    cfg = run_config.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
+    cfg = config_parts.loss_config(Config(**{**TINY, "algo": "dr_grpo", "max_new_tokens": 7}), 4)
     assert (cfg.agg, cfg.norm_length) == ("constant", 7)
-    assert run_config.loss_config(Config(**{**TINY, "algo": "grpo"}), 4).norm_length is None
+    assert config_parts.loss_config(Config(**{**TINY, "algo": "grpo"}), 4).norm_length is None
 
 
 @pytest.mark.parametrize("extra", [

@@ -3,13 +3,14 @@
 Every RL step (the functions below, in the order train() calls them):
   1. collect         sample `num_generations` completions per prompt with HF `generate` at `temperature`, and
                      score them: Σ weight·reward over the reward functions and a reward model (rewards.py)
-  2. behaviour_logp  one no-grad forward of the policy (and of the reference) over the sampled rows: the
-                     behaviour log-probs ℓ_old under the same temperature
-  3. advantages      --adv-estimator's (verl's names: estimators.py), or --algo's: group-normalised (GRPO
-                     family), GDPO, Tree-GRPO, or GAE on a critic (PPO)
+  2. behaviour_logp  one no-grad forward of the policy (and of the reference, and PPO's critic) over the
+                     sampled rows: the behaviour log-probs ℓ_old under the same temperature
+  3. advantages      estimators.ESTIMATORS[--adv-estimator] (verl's names), or --algo's: group-normalised
+                     (GRPO family), GDPO, Tree-GRPO, or GAE on the critic's values (PPO)
   4. update          μ = `epochs` passes over `minibatches` mini-batches of whole prompt groups, the loss
                      through `loss_head` (model.py: the fused rlkernels ops), one optimizer step each
-  5. metrics_row, evaluate_policy, log_step, save: the step's metrics, evals, logs and checkpoints
+  5. step_sums, metrics_row, evaluate_policy, save: the step's sums over the ranks (two all-reduces), its
+                     metrics row, evals, logs (`run.outputs`, outputs.RunLog) and checkpoints
 The run's state is one `Run` (state.py).
 """
 from __future__ import annotations
