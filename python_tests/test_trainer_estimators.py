@@ -63,7 +63,7 @@ def expected(name, b, greedy):
 @pytest.mark.parametrize("name", [n for n in run_config.ADV_ESTIMATORS if n != "gae"])
 def test_each_estimator_trains_with_its_function_of_rlkernels_advantages(tmp_path, monkeypatch, name):
     seen, greedy = {}, []
-    real_update, real_greedy = loop.update, generation.greedy_rewards
+    real_update, real_greedy = loop.optimizer_steps, generation.greedy_rewards
 
     def update(run, batch, step):
         seen.update(batch)
@@ -78,7 +78,7 @@ def test_each_estimator_trains_with_its_function_of_rlkernels_advantages(tmp_pat
         greedy.append(out)
         return out
 
-    monkeypatch.setattr(loop, "update", update)
+    monkeypatch.setattr(loop, "optimizer_steps", update)
     monkeypatch.setattr(generation, "greedy_rewards", greedy_rewards)
     fns = [digit_overlap, shortness] if name == "gdpo" else digit_overlap
     summary = train(Config(**TINY, out=str(tmp_path), adv_estimator=name,
@@ -191,8 +191,8 @@ def test_a_plugin_estimator_forms_the_advantages(tmp_path, monkeypatch):
 
     path = tmp_path / "my_estimator.py"
     path.write_text(ESTIMATOR_PLUGIN)
-    seen, real_update = {}, loop.update
-    monkeypatch.setattr(loop, "update", lambda run, batch, step: seen.update(batch) or real_update(run, batch, step))
+    seen, real_update = {}, loop.optimizer_steps
+    monkeypatch.setattr(loop, "optimizer_steps", lambda run, batch, step: seen.update(batch) or real_update(run, batch, step))
     try:
         cfg, _ = from_args(["--plugin", str(path), "--adv-estimator", "minus_group_min"])
         train(dataclasses.replace(cfg, **TINY, out=str(tmp_path / "run")), reward_fn=digit_overlap)

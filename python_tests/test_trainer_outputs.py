@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 from rlkernels import demo  # noqa: E402
-from rlkernels.trainer import Config, loop, outputs, task  # noqa: E402
+from rlkernels.trainer import Config, outputs, task  # noqa: E402
 from rlkernels.trainer import update as trainer_update  # noqa: E402
 
 
@@ -84,13 +84,13 @@ def test_lr_schedule():
 
 def test_scale_rewards_batch_divides_by_every_reward_std(tmp_path, monkeypatch):
     seen = []
-    real = loop.minibatch_update
+    real = trainer_update.minibatch_update
 
     def update(engine, optimizer, params, mbatch, *args, **kw):
         seen.append((mbatch["rewards"].clone(), mbatch["group_ids"].clone(), mbatch["advantages"].clone()))
         return real(engine, optimizer, params, mbatch, *args, **kw)
 
-    monkeypatch.setattr(loop, "minibatch_update", update)
+    monkeypatch.setattr(trainer_update, "minibatch_update", update)
     run(tmp_path, steps=1, minibatches=1, scale_rewards="batch", warmup_steps=40)
     rewards, groups, adv = seen[0]
     centered = rewards - torch.stack([rewards[groups == g].mean() for g in groups.tolist()])

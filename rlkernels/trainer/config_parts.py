@@ -6,6 +6,7 @@ several of them (the estimator that --algo implies, Dr. GRPO's scale, ReMax's gr
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from .settings import LOSS_FIELDS
@@ -139,6 +140,20 @@ def loss_config(cfg, group_size: int):
     if cfg.kl_bias_correction:
         over["kl_bias_correction"] = True
     return base.replace(**over)
+
+
+def schedule(cfg, prompts: int, per_step: int) -> tuple:
+    """The settings that TRL states in the count of training prompts (`per_step` of them a step): --train-epochs
+    (num_train_epochs) as --steps, --save-strategy epoch / no as --ckpt-every; (those settings, the log's line)."""
+    out, said = {}, []
+    if cfg.train_epochs is not None:  # the steps that pass over the prompts that often
+        out.update(steps=max(1, math.ceil(cfg.train_epochs * prompts / per_step)), train_epochs=None)
+        said.append(f"--steps {out['steps']}: num_train_epochs over {prompts} prompts, {per_step} a step")
+    if cfg.save_strategy != "steps":
+        out["ckpt_every"] = math.ceil(prompts / per_step) if cfg.save_strategy == "epoch" else out.get("steps", cfg.steps)
+        said.append(f"--save-strategy {cfg.save_strategy}: a checkpoint every {out['ckpt_every']} steps"
+                    + (f" ({prompts} prompts, {per_step} a step)" if cfg.save_strategy == "epoch" else " (the last)"))
+    return out, "\n".join(said)
 
 
 def attach(run, cfg) -> None:

@@ -144,23 +144,6 @@ def greedy_rewards(policy, tok, prompts, part, reward_fn, place, context=None) -
     return out
 
 
-def concat_rows(parts, pad_id):
-    """One batch of `sample_groups` results; prompts left-padded to the longest, so that every
-    completion starts at column P."""
-    if len(parts) == 1:
-        return parts[0]
-    P = max(p["P"] for p in parts)
-
-    def pad(x, width, value):
-        return torch.cat([x.new_full((x.shape[0], width), value), x], 1)
-
-    out = {k: torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
-           for k in parts[0] if k not in ("P", "seq", "attn")}
-    out["seq"] = torch.cat([pad(p["seq"], P - p["P"], pad_id) for p in parts])
-    out["attn"] = torch.cat([pad(p["attn"], P - p["P"], 0) for p in parts])
-    return dict(out, P=P)
-
-
 def left_pad(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention_mask), both (B, P), prompts right-aligned so completions start at column P."""
     P = max(len(s) for s in seqs)

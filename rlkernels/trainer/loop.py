@@ -1,14 +1,15 @@
 """`train(config)`: set-up, then rollout → reward → advantages → update, one loop read top to bottom.
 
-Every RL step (the functions below, in the order train() calls them):
+Every RL step (the functions below and three of other files, in the order train() calls them):
   1. collect         sample `num_generations` completions per prompt with HF `generate` at `temperature`, and
                      score them: Σ weight·reward over the reward functions and a reward model (rewards.py)
   2. behaviour_logp  one no-grad forward of the policy (and of the reference, and PPO's critic) over the
                      sampled rows: the behaviour log-probs ℓ_old under the same temperature
-  3. advantages      estimators.ESTIMATORS[--adv-estimator] (verl's names), or --algo's: group-normalised
-                     (GRPO family), GDPO, Tree-GRPO, or GAE on the critic's values (PPO)
-  4. update          μ = `epochs` passes over `minibatches` mini-batches of whole prompt groups, the loss
-                     through `loss_head` (model.py: the fused rlkernels ops), one optimizer step each
+  3. advantages      estimators.advantages: the table's estimator of --adv-estimator (verl's names), or
+                     --algo's: group-normalised (GRPO family), GDPO, Tree-GRPO, or GAE on the critic's values
+  4. update          update.optimizer_steps: μ = `epochs` passes over `minibatches` mini-batches of whole
+                     prompt groups, the loss through `loss_head` (model.py: the fused rlkernels ops), one
+                     optimizer step each
   5. step_sums, metrics_row, evaluate_policy, save: the step's sums over the ranks (two all-reduces), its
                      metrics row, evals, logs (`run.outputs`, outputs.RunLog) and checkpoints
 The run's state is one `Run` (state.py).
@@ -26,13 +27,13 @@ from rlkernels import presets
 
 from . import estimators, generation, outputs, sharding, startup, stop as stop_lib
 from .checkpoint import save
+from .generation import sample_groups
 from .run_config import Config, validate
 from .distributed import all_sum, all_sums, dist_info
-from .generation import concat_rows, sample_groups
 from .model import token_logp
 from .run_folder import CHECKPOINT
 from .state import Run, quiet
-from .update import SUMMED_METRICS, lr_factor, minibatch_update
+from .update import SUMMED_METRICS, optimizer_steps
 
 
 def _loss_text(algo: str, loss_cfg) -> str:
@@ -60,21 +61,21 @@ def train_validated(config: Config, reward_fn=None, explicit: Optional[set] = No
     flags there, once, before it starts the process group."""
     with stop_lib.StopRequest(print if dist_info()[0] == 0 else quiet) as stop:
         run, reward_fns = startup.configure(config, explicit, reward_fn, stop)
-        try:
-            return _train(run, reward_fns, stop)
+        try:  # the set-up (startup.py): the task, the policy, the warm-up, the update, a resumed run's state
+            startup.load_task(run, reward_fns)
+            startup.load_policy(run)
+            if startup.warms_up(run):
+                startup.warm_up(run)
+            startup.build_update(run)
+            startup.restore(run)
+            return _train(run, stop)
         finally:
             if run.folder is not None:
                 run.folder.release()  # unlocks --out; removes it if this run made it and wrote nothing
 
 
-def _train(run: Run, reward_fns, stop) -> dict:
-    """The run after its set-up: the task, the policy, the warm-up, RL, the summary."""
-    startup.load_task(run, reward_fns)
-    startup.load_policy(run)
-    if startup.warms_up(run):
-        startup.warm_up(run)
-    startup.build_update(run)
-    startup.restore(run)
+def _train(run: Run, stop) -> dict:
+    """The run after its set-up: the evaluation before RL, the logs, RL, the summary."""
     samples = []  # a resumed run's are in its completions.jsonl
     if run.eval_before is None and run.eval_set:
         run.eval_before, samples, metrics = evaluate_policy(run, run.start)
@@ -104,7 +105,7 @@ def _train(run: Run, reward_fns, stop) -> dict:
             # the estimator's (estimators.py): GAE on the critic's values (PPO), or one of the rewards alone
             batch["advantages"], batch["returns"] = estimators.advantages(run.adv, batch, run.reward_fn.weights,
                                                                           batch["values"], run.beta)
-            updates = update(run, batch, step)
+            updates = optimizer_steps(run, batch, step)
             sums = step_sums(run, rollout_batch, batch, updates)
             kl_obs = adapt_kl(run, sums)
             row = metrics_row(run, step, rollout_batch, updates, sums, kl_obs)
@@ -170,6 +171,23 @@ def collect(run: Run, step: int) -> dict:
     return dict(b, train_rows=train_rows, gen_batches=len(parts))
 
 
+def concat_rows(parts, pad_id):
+    """One batch of `sample_groups` results; prompts left-padded to the longest, so that every
+    completion starts at column P."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p["P"] for p in parts)
+
+    def pad(x, width, value):
+        return torch.cat([x.new_full((x.shape[0], width), value), x], 1)
+
+    out = {k: torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
+           for k in parts[0] if k not in ("P", "seq", "attn")}
+    out["seq"] = torch.cat([pad(p["seq"], P - p["P"], pad_id) for p in parts])
+    out["attn"] = torch.cat([pad(p["attn"], P - p["P"], 0) for p in parts])
+    return dict(out, P=P)
+
+
 def behaviour_logp(run: Run, b: dict) -> dict:
     """The training rows with ℓ_old, the policy's log-probs at the sampling temperature (a forward pass, not
     generate's scores: the same forward as the update, so the first ratio is 1 up to rounding; test_trainer
@@ -188,43 +206,6 @@ def behaviour_logp(run: Run, b: dict) -> dict:
             batch["values"] = (sharding.gathered(run.engine, run.critic, batch["hidden"], seq, attn, P)
                                if run.critic is not None else None)
     return dict(batch, P=P)
-
-
-def update(run: Run, batch: dict, step: int) -> dict:
-    """μ = --epochs passes over --minibatches mini-batches of whole prompt groups, one optimizer step each;
-    {"collected": each step's metrics, "skipped", "updates", "groups": over all ranks}. The learning rate ramps
-    up linearly over the first --lr-warmup-steps steps: a fresh AdamW state after the supervised warm-up
-    otherwise takes too large first steps."""
-    opt, group_ids = run.optim, batch["group_ids"]
-    for g in run.optimizer.param_groups:
-        g["lr"] = opt.lr * lr_factor(opt, step)
-    run.policy.train()
-    trained = {k: batch[k] for k in ("seq", "attn", "targets", "mask", "old_logp", "ref_logp", "group_ids",
-                                     "rewards", "advantages", "values", "returns")}
-    groups = sorted(set(group_ids.tolist()))
-    out = dict(collected=[], skipped=0, updates=0, groups=int(all_sum(len(groups))))
-    for epoch in range(opt.epochs):
-        order = groups[:]
-        run.rng.shuffle(order)
-        per = max(1, math.ceil(len(order) / opt.minibatches)) if order else 1
-        for mb in range(opt.minibatches):
-            gsel = torch.tensor(order[mb * per:(mb + 1) * per], dtype=group_ids.dtype, device=group_ids.device)
-            rows = torch.isin(group_ids, gsel).nonzero().squeeze(-1)
-            mbatch = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in trained.items()}
-            # global normalisers: the loss is Σ_local / N_global, so summed gradients are exact
-            num_items = all_sum(mbatch["mask"].sum())
-            num_seqs = all_sum((mbatch["mask"].sum(-1) > 0).sum())
-            if num_items == 0:
-                continue
-            m, bad = minibatch_update(run.engine, run.optimizer, run.params, mbatch, batch["P"], opt, run.place,
-                                      num_items=num_items, num_seqs=num_seqs)
-            if bad:
-                out["skipped"] += 1
-                run.outputs.say(f"step {step}: non-finite loss/gradient ({m['loss']}); update skipped")
-                continue
-            out["updates"] += 1
-            out["collected"].append(m)
-    return out
 
 
 def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 import random
 import time
@@ -62,16 +61,17 @@ def load_task(run: Run, reward_fns) -> None:
     else:
         run.train_set, run.eval_set = task.addition_task(cfg.digits, source.eval_size, source.seed)
         run.held_out = f"{len(run.eval_set)} held-out sums"
-    answers, schedule = has_answers(run), _schedule(run)
+    schedule, said = config_parts.schedule(cfg, len(run.train_set), run.sampling.prompts_per_step * run.world)
     if schedule:
         config_parts.attach(run, dataclasses.replace(cfg, **schedule))
+        run.log(said)
     fns, weights = reward_fns
     columns = [k for k in run.train_set[0] if k != "prompt"]
     for f, _, flag, what in fns:  # a reward that cannot be called as it will be: now, not after the model loads
         rewards_lib.check_signature(f, what, columns, flag)
     run.reward_context = rewards_lib.RewardContext(run.logs.steps)
     for _, name, _, spec in fns:
-        if name in ("exact", "regex") and spec.startswith(name) and not answers:
+        if name in ("exact", "regex") and spec.startswith(name) and not run.has_answers:
             raise ValueError(f"--reward {spec}: compares completions with the answer column, which the prompts of "
                              f"{source.dataset} lack; give --reward a function, or --reward-model")
     # before the seeds: a reward model whose head is initialised on loading leaves the policy's weights as they were
@@ -80,26 +80,6 @@ def load_task(run: Run, reward_fns) -> None:
     random.seed(source.seed)
     torch.manual_seed(source.seed)
     run.rng = random.Random(source.seed)
-
-
-def _schedule(run: Run) -> dict:
-    """The settings that TRL states in the prompts' count: --train-epochs (TRL's num_train_epochs) as --steps, and
-    --save-strategy epoch / no as --ckpt-every; said in the log."""
-    cfg, per_step, n = run.cfg, run.sampling.prompts_per_step * run.world, len(run.train_set)
-    out = {}
-    if cfg.train_epochs is not None:  # the steps that pass over the prompts that often
-        out.update(steps=max(1, math.ceil(cfg.train_epochs * n / per_step)), train_epochs=None)
-        run.log(f"--steps {out['steps']}: num_train_epochs over {n} prompts, {per_step} a step")
-    if cfg.save_strategy != "steps":
-        out["ckpt_every"] = math.ceil(n / per_step) if cfg.save_strategy == "epoch" else out.get("steps", cfg.steps)
-        run.log(f"--save-strategy {cfg.save_strategy}: a checkpoint every {out['ckpt_every']} steps"
-                + (f" ({n} prompts, {per_step} a step)" if cfg.save_strategy == "epoch" else " (the last)"))
-    return out
-
-
-def has_answers(run: Run) -> bool:
-    """Whether the prompts carry the answer column that exact, regex and the warm-up read."""
-    return all("answer" in examples[0] for examples in (run.train_set, run.eval_set) if examples)
 
 
 def warms_up(run: Run) -> bool:
@@ -141,7 +121,7 @@ def load_policy(run: Run) -> None:
                          f"training prompts{source} (after {len(run.eval_set)} held out for eval)")
     if warms_up(run):
         run.stop.until = "the warm-up and the evaluation before RL"
-        if not has_answers(run):
+        if not run.has_answers:
             raise ValueError(f"--warmup-steps: the demo's supervised warm-up trains on the answer column, which "
                              f"--dataset {run.data.dataset} lacks; give --warmup-steps 0")
         if run.warmup.warmup_target is not None and not run.eval_set:
@@ -199,8 +179,8 @@ def warm_up(run: Run) -> None:
 
 
 def build_update(run: Run) -> None:
-    """The loss, the frozen reference (the policy as RL starts: any KL term needs it), LoRA, PPO's critic, the
-    update engine (DDP / FSDP) and the optimizer."""
+    """The frozen reference (the policy as RL starts: any KL term needs it), LoRA, PPO's critic, the update engine
+    (DDP / FSDP) and the optimizer; on --resume, with the weights and optimizer state of the checkpoint."""
     cfg, saved, place = run.cfg, run.saved, run.place
     algo_ppo = cfg.algo == "ppo"
     # PPO: β in the reward
@@ -235,20 +215,24 @@ def build_update(run: Run) -> None:
     # the peak of a step falls by 141 MB, benchmarks/RESULTS.md)
     run.optimizer = torch.optim.AdamW(run.params, lr=run.optim.lr, weight_decay=cfg.weight_decay,
                                       betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
+    if saved:  # into the engine's layout: sharded under FSDP
+        try:
+            sharding.load_state_dict(run.policy, saved["model"])
+            if run.critic is not None:
+                sharding.load_state_dict(run.critic, saved["critic"])
+            sharding.load_optimizer_state_dict(run.engine, run.optimizer, saved["optimizer"])
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise unfit(cfg.resume, e) from None
 
 
 def restore(run: Run) -> None:
-    """A resumed run: the weights, optimizer, step, β and every random state of its checkpoint. A new run: one
-    sampling stream per rank."""
+    """A resumed run: the step, β and every random state of its checkpoint (build_update has loaded its weights and
+    optimizer state). A new run: one sampling stream per rank."""
     saved, resume, out = run.saved, run.cfg.resume, run.logs.out
     if not saved:
         torch.manual_seed(run.data.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
         return
     try:
-        sharding.load_state_dict(run.policy, saved["model"])
-        if run.critic is not None:
-            sharding.load_state_dict(run.critic, saved["critic"])
-        sharding.load_optimizer_state_dict(run.engine, run.optimizer, saved["optimizer"])
         run.start, run.beta, run.eval_before = saved["step"], saved["kl_coef"], saved["eval_reward_before"]
         run.rng.setstate(saved["rng"]["python"])
         random.setstate(saved["rng"]["python_global"])

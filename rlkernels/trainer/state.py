@@ -60,6 +60,11 @@ class Run:
         return self.rank == 0
 
     @property
+    def has_answers(self) -> bool:
+        """Whether the prompts carry the answer column that exact, regex and the warm-up read."""
+        return all("answer" in examples[0] for examples in (self.train_set, self.eval_set) if examples)
+
+    @property
     def out_dir(self) -> str:
         return self.logs.out
 

@@ -84,3 +84,41 @@ def lr_factor(opt, step: int) -> float:
         return 1.0
     progress = max(0, step - 1 - opt.lr_warmup_steps) / max(1, opt.steps - opt.lr_warmup_steps)
     return 1.0 - progress if opt.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_steps(run, batch: dict, step: int) -> dict:
+    """The step's update (loop.py's step 4), `run` a state.Run: μ = --epochs passes over --minibatches mini-batches
+    of whole prompt groups, one optimizer step each;
+    {"collected": each step's metrics, "skipped", "updates", "groups": over all ranks}. The learning rate ramps
+    up linearly over the first --lr-warmup-steps steps: a fresh AdamW state after the supervised warm-up
+    otherwise takes too large first steps."""
+    opt, group_ids = run.optim, batch["group_ids"]
+    for g in run.optimizer.param_groups:
+        g["lr"] = opt.lr * lr_factor(opt, step)
+    run.policy.train()
+    trained = {k: batch[k] for k in ("seq", "attn", "targets", "mask", "old_logp", "ref_logp", "group_ids",
+                                     "rewards", "advantages", "values", "returns")}
+    groups = sorted(set(group_ids.tolist()))
+    out = dict(collected=[], skipped=0, updates=0, groups=int(all_sum(len(groups))))
+    for epoch in range(opt.epochs):
+        order = groups[:]
+        run.rng.shuffle(order)
+        per = max(1, math.ceil(len(order) / opt.minibatches)) if order else 1
+        for mb in range(opt.minibatches):
+            gsel = torch.tensor(order[mb * per:(mb + 1) * per], dtype=group_ids.dtype, device=group_ids.device)
+            rows = torch.isin(group_ids, gsel).nonzero().squeeze(-1)
+            mbatch = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in trained.items()}
+            # global normalisers: the loss is Σ_local / N_global, so summed gradients are exact
+            num_items = all_sum(mbatch["mask"].sum())
+            num_seqs = all_sum((mbatch["mask"].sum(-1) > 0).sum())
+            if num_items == 0:
+                continue
+            m, bad = minibatch_update(run.engine, run.optimizer, run.params, mbatch, batch["P"], opt, run.place,
+                                      num_items=num_items, num_seqs=num_seqs)
+            if bad:
+                out["skipped"] += 1
+                run.outputs.say(f"step {step}: non-finite loss/gradient ({m['loss']}); update skipped")
+                continue
+            out["updates"] += 1
+            out["collected"].append(m)
+    return out
