@@ -27,7 +27,7 @@ import torch
 
 from .._groups import group_gather, group_index, group_sum
 from . import plugins, trl_names
-from .run_config import FLOAT32_MAX, REWARD_FORMS
+from .settings import FLOAT32_MAX, REWARD_FORMS
 
 DEFAULT_REWARD = "exact"  # when neither --reward nor --reward-model is given
 GDPO_EPS = 1e-4  # TRL's ε in (r − μ)/(σ + ε), at both steps of normalize_then_sum

@@ -21,13 +21,13 @@ from typing import List, Optional
 
 from . import nesting, trackers, trl_names
 from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, MAX_DIGITS, MULTI,
-                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, expected, help_line)
+                       RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, FLOAT32_MAX, expected,
+                       help_line)
 from .settings import MODE_DEFAULTS  # noqa: F401  (read here by the docstring's readers and the tests)
 
 # `--help` and every error of the flags themselves answer without importing torch or transformers (seconds on a
 # busy machine): the presets and the device checks are imported by `validate`, after the checks that need neither.
 
-FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 # the verl estimators the trainer cannot form, with why
 ADV_REFUSED = {name: "needs Σ_v π_v² of each sampled token under the behaviour policy, which the trainer's fused "
                      "loss head never forms (it does not materialise the distribution)"

@@ -12,6 +12,7 @@ import dataclasses
 import typing
 from typing import List, NamedTuple, Optional
 
+FLOAT32_MAX = 3.4028234663852886e38  # the policy's logits, log-probs and rewards are float32
 REWARD_FORMS = ("exact | regex:PATTERN | package.module:function | path/to/file.py:function | trl grpo's "
                 "accuracy_reward, reasoning_accuracy_reward, think_format_reward or get_soft_overlong_punishment")
 MAX_DIGITS = 3  # the demo task lists all 10^(2·digits) operand pairs: 4 digits would take tens of GB

@@ -239,8 +239,9 @@ def policy_token_fwd_grad(logits, targets, mask, weight, adv, old_logp, ref_logp
                  BIAS_CORRECTION=bool(p.kl_bias_correction), NUM_STATS=P.NUM_STATS, HAS_CAP=has_cap,
                  HAS_H=has_bonus or p.entropy_coef != 0, HAS_BONUS=has_bonus,
                  CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK_V=block, num_warps=warps)
-    if register_cap(has_cap) is not None:
-        flags["maxnreg"] = register_cap(has_cap)
+    maxnreg = register_cap(has_cap)
+    if maxnreg is not None:
+        flags["maxnreg"] = maxnreg
     with on_device(dev):
         for phases in ((True, True),) if one_launch else ((True, False), (False, True)):
             wrap(_split_row_kernel)[(n * chunks,)](*args, STATS=phases[0], GRAD=phases[1], **flags)
