@@ -39,14 +39,21 @@ def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-
 def nan_mean_std(x: torch.Tensor) -> tuple:
     """(mean, unbiased std) over all ranks of the non-NaN entries of `x`; (None, None) when there are none,
     std 0 when there is one."""
-    seen = x[~x.isnan()]
-    n = all_sum(len(seen))
-    if n == 0:
-        return None, None
-    mean = all_sum(seen.sum()) / n
-    sq = all_sum(((seen - mean) ** 2).sum())  # two passes: no cancellation of Σx² − n·mean²
-    return mean, math.sqrt(sq / (n - 1)) if n > 1 else 0.0
+    return nan_mean_stds({0: x})[0]
+
+
+def nan_mean_stds(columns: dict) -> dict:
+    """`nan_mean_std` of each of `columns` (1-d tensors), in two all-reduces for them all: the counts and sums,
+    then the squares about the means (two passes: no cancellation of Σx² − n·mean²)."""
+    seen = {k: x[~x.isnan()] for k, x in columns.items()}
+    sums = all_sums({**{("n", k): len(x) for k, x in seen.items()}, **{("sum", k): x.sum() for k, x in seen.items()}})
+    means = {k: sums["sum", k] / sums["n", k] for k in seen if sums["n", k]}
+    squares = all_sums({k: ((seen[k] - mean) ** 2).sum() for k, mean in means.items()})
+    out = {k: (None, None) for k in seen}
+    for k, mean in means.items():
+        n = sums["n", k]
+        out[k] = mean, math.sqrt(squares[k] / (n - 1)) if n > 1 else 0.0
+    return out

@@ -10,14 +10,13 @@ Every RL step (the functions below and three of other files, in the order train(
   4. update          update.optimizer_steps: μ = `epochs` passes over `minibatches` mini-batches of whole
                      prompt groups, the loss through `loss_head` (model.py: the fused rlkernels ops), one
                      optimizer step each
-  5. step_sums, metrics_row, evaluate_policy, save: the step's sums over the ranks (two all-reduces), its
+  5. step_sums, metrics_row, evaluate_policy, save: the step's sums over the ranks (three all-reduces), its
                      metrics row, evals, logs (`run.outputs`, outputs.RunLog) and checkpoints
 The run's state is one `Run` (state.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Optional
 
@@ -29,7 +28,7 @@ from . import estimators, generation, outputs, sharding, startup, stop as stop_l
 from .checkpoint import save
 from .generation import sample_groups
 from .run_config import Config, validate
-from .distributed import all_sum, all_sums, dist_info
+from .distributed import all_sum, all_sums, dist_info, nan_mean_stds
 from .model import token_logp
 from .run_folder import CHECKPOINT
 from .state import Run, quiet
@@ -211,7 +210,7 @@ def behaviour_logp(run: Run, b: dict) -> dict:
 def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:
     """What the step's metrics and the adaptive β sum over all ranks, in one all-reduce: the rollout's rewards,
     lengths and rows, the trained rows, the KL(π_old ‖ π_ref) of the rollout, and each update metric's mean over
-    this rank's optimizer steps; then each reward function's mean and std over all ranks."""
+    this rank's optimizer steps; then each reward function's mean and std over all ranks (two more)."""
     score, lengths, collected = b["score"], b["all_lengths"], updates["collected"]
     local = {"rows": len(score), "score": score.sum(), "tokens": lengths.sum(), "completions": len(lengths),
              "rows_trained": len(batch["rewards"])}
@@ -220,19 +219,11 @@ def step_sums(run: Run, b: dict, batch: dict, updates: dict) -> dict:
         local.update(kl=((batch["old_logp"] - batch["ref_logp"]) * mask).sum(), kl_tokens=mask.sum())
     for k in sorted({k for m in collected for k in m}):
         local[f"update/{k}"] = sum(m[k] for m in collected if k in m) / len(collected)
-    # each reward function's mean and unbiased std over the rows it scored (TRL's nanmean, nanstd): their counts
-    # and sums in the first all-reduce, the squares about the mean in a second (no cancellation of Σx² − n·mean²)
-    scored = {name: b["reward_parts"][:, j] for j, name in enumerate(run.reward_fn.names)}
-    scored = {name: x[~x.isnan()] for name, x in scored.items()}
-    for name, x in scored.items():
-        local[f"n/{name}"], local[f"sum/{name}"] = len(x), x.sum()
     sums = all_sums(local)
-    means = {name: sums[f"sum/{name}"] / sums[f"n/{name}"] if sums[f"n/{name}"] else None for name in scored}
-    squares = all_sums({name: ((x - means[name]) ** 2).sum() for name, x in scored.items() if means[name] is not None})
-    for name, mean in means.items():
-        n = sums[f"n/{name}"]
-        sums[f"rewards/{name}/mean"] = mean
-        sums[f"rewards/{name}/std"] = None if mean is None else math.sqrt(squares[name] / (n - 1)) if n > 1 else 0.0
+    # over the rows each function scored (TRL's nanmean, nanstd)
+    parts = {name: b["reward_parts"][:, j] for j, name in enumerate(run.reward_fn.names)}
+    for name, (mean, std) in nan_mean_stds(parts).items():
+        sums[f"rewards/{name}/mean"], sums[f"rewards/{name}/std"] = mean, std
     return sums
 
 

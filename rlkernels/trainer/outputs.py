@@ -158,16 +158,10 @@ class RunLog:
     def write_step(self, row: dict, samples: list, stopping: bool) -> None:
         """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
         step, logs = row["step"], self.logs
-        due = self.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping)
-        completions = [{"step": step, **s} for s in samples] if self.master else []
-        texts = (dumps(row) + "\n" if due else "", "".join(dumps(r) + "\n" for r in completions))
-        for path, text in zip((self.metrics_path, self.completions_path), texts):
-            if text:
-                run_folder.write_file(path, text, "a")
-        if due:
+        if self.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping):
+            run_folder.write_file(self.metrics_path, dumps(row) + "\n", "a")
             self.tracking.metrics(row)
-        if completions:
-            self.tracking.completions(step, completions)
+        self.write_completions(step, samples)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                              ent=f"{row['entropy'] or 0:.3f}",

@@ -20,6 +20,7 @@ import typing
 from typing import List, Optional
 
 from . import nesting, trackers, trl_names
+from .config_parts import loss_config
 from .settings import (ADV_ESTIMATORS, BOUNDS, CHOICES, DEMO_ONLY, FIELDS, MAX_DIGITS, MULTI,
                        RESUME_FIXED, RESUME_FRESH, REWARD_FORMS, Config, FLOAT32_MAX, expected,
                        help_line)
@@ -574,7 +575,6 @@ def _validate_preset_and_device(cfg: Config) -> None:
     from ..losses import presets
     from ..losses.config import SEQUENCE_RATIOS
     from . import device, estimators, plugins
-    from .config_parts import loss_config
 
     plugins.load(cfg.plugin)  # what they register is a valid --algo or --adv-estimator
     if cfg.adv_estimator is not None and cfg.adv_estimator not in estimators.ESTIMATORS:

@@ -132,6 +132,7 @@ def load_policy(run: Run) -> None:
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
+        check_prompt_lengths(run)
     else:
         run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                      max_new_tokens=run.sampling.max_new_tokens)
@@ -140,8 +141,6 @@ def load_policy(run: Run) -> None:
     if cfg.gradient_checkpointing:
         enable_checkpointing(run.policy)
     run.policy.generation_config.top_k = None  # pure temperature sampling (see `generate`)
-    if cfg.model:
-        check_prompt_lengths(run)
     n_params = sum(p.numel() for p in run.policy.parameters())
     run.log(f"policy: {type(run.policy).__name__}, {n_params / 1e6:.2f}M parameters; {len(run.train_set)} training "
             f"prompts, {run.held_out}")
