@@ -77,8 +77,8 @@ class Module:
             if isinstance(node, ast.Import):
                 self.external |= {a.asname or a.name.split(".")[0] for a in node.names}
             if isinstance(node, ast.ImportFrom):
-                base = (package[:len(package) - node.level + 1] if node.level else []) + \
-                       (node.module.split(".") if node.module else [])
+                base = ((package[:len(package) - node.level + 1] if node.level else [])
+                        + (node.module.split(".") if node.module else []))
                 if not node.level:
                     if base[:1] != ["rlkernels"]:
                         self.external |= {a.asname or a.name for a in node.names}
@@ -295,8 +295,8 @@ def walk_scope(program: Program, scope, given=(), enclosing=frozenset()) -> Scop
     while changed:  # names assigned from config expressions, to a fixed point (assignments in any order)
         changed = False
         for node in nodes:
-            if program.values and isinstance(node, ast.For) and isinstance(node.target, ast.Name) and \
-                    node.target.id not in names and is_config(node.iter):
+            if (program.values and isinstance(node, ast.For) and isinstance(node.target, ast.Name)
+                    and node.target.id not in names and is_config(node.iter)):
                 names.add(node.target.id)
                 changed = True
             if isinstance(node, ast.Assign):

@@ -613,8 +613,8 @@ def triton_rows(jobs, cuobjdump, workers, attempts=2):
     for _ in range(attempts):
         if not pending:
             break
-        with tempfile.TemporaryDirectory(prefix="gpu_static_triton_") as cache, \
-                ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(cache,)) as pool:
+        with (tempfile.TemporaryDirectory(prefix="gpu_static_triton_") as cache,
+              ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(cache,)) as pool):
             futures = [(i, job, pool.submit(_compile_job, (job, cuobjdump))) for i, job in pending]
             pending = []
             for i, job, future in futures:

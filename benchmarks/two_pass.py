@@ -187,8 +187,8 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         for preset in names:
-            liger = _liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo" \
-                else None
+            liger = (_liger_step(n, args.vocab, dtype, args.device) if args.device == "cuda" and preset == "grpo"
+                     else None)
             for layout, sliced, inplace in layouts:
                 med, times = compare(n, args.vocab, dtype, preset, args.rounds, args.device, sliced,
                                      None if inplace else liger, inplace)

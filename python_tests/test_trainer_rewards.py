@@ -532,15 +532,15 @@ def length_reward(prompts, completions, **columns):
 def test_save_strategy_no_and_epoch(tmp_path, monkeypatch, strategy):
     """Issue 40 item 2: TRL's save_strategy "no" and "epoch" were refused. "no" checkpoints only at the end (the
     final model is still written); "epoch" after each pass over the training prompts."""
-    from rlkernels.trainer import loop
+    from rlkernels.trainer import checkpoint
 
-    saved, real_save = [], loop.save
+    saved, real_save = [], checkpoint.save
 
     def save(run, step):
         saved.append((step, run.logs.ckpt_every, len(run.train_set)))
         return real_save(run, step)
 
-    monkeypatch.setattr(loop, "save", save)
+    monkeypatch.setattr(checkpoint, "save", save)
     summary, rows = run(tmp_path, steps=3, ckpt_every=1, save_strategy=strategy)
     check_run(tmp_path, summary, rows, 3)
     epoch = math.ceil(saved[0][2] / TINY["prompts_per_step"])

@@ -164,7 +164,7 @@ def test_an_overwrite_cut_short_before_its_first_checkpoint_gives_the_old_run_ba
     """Issue 37 item 8: an --overwrite run killed before its first checkpoint left the old checkpoint beside the new
     run's metrics; --resume then continued the old run over the new rows. Now the old run comes back whole (at
     the failed run's end, or at the next start after a kill) and --resume continues it."""
-    from rlkernels.trainer import loop, run_folder
+    from rlkernels.trainer import checkpoint, run_folder
 
     run(tmp_path, steps=2)
     (tmp_path / "notes.txt").write_text("keep me")
@@ -173,7 +173,7 @@ def test_an_overwrite_cut_short_before_its_first_checkpoint_gives_the_old_run_ba
     def cut_short(run, step):
         raise RuntimeError("cut short")  # where the new run's first checkpoint would be written
 
-    monkeypatch.setattr(loop, "save", cut_short)
+    monkeypatch.setattr(checkpoint, "save", cut_short)
     if how == "killed":  # a kill runs no clean-up; the process's end releases the lock
         monkeypatch.setattr(run_folder.Claim, "release", lambda self: self._lock_file.close())
     with pytest.raises(RuntimeError, match="cut short"):

@@ -100,8 +100,8 @@ def check_head(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Te
     finally:
         model.train(training)
     # fp32 agrees to rounding; a half-precision model's logits are rounded to 2^-8 of their size first
-    half = model.get_output_embeddings().weight.dtype in (torch.float16, torch.bfloat16) or \
-        torch.is_autocast_enabled(ids.device.type)
+    half = (model.get_output_embeddings().weight.dtype in (torch.float16, torch.bfloat16)
+            or torch.is_autocast_enabled(ids.device.type))
     tolerance = 0.25 if half else 1e-3
     gap = float((got - expected).abs().max())
     if not gap <= tolerance:
@@ -143,8 +143,8 @@ def _backbone(model):
     with their output layer (ModernBERT's decoder), neither of which is the backbone."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for decoder in (model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)):
-        if decoder is not None and decoder is not model and decoder is not head and \
-                not isinstance(decoder, torch.nn.Linear):
+        if (decoder is not None and decoder is not model and decoder is not head
+                and not isinstance(decoder, torch.nn.Linear)):
             return decoder
     raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (get_decoder() / .model)")
 

@@ -26,8 +26,8 @@ def available() -> Tuple[bool, str]:
     if reason:
         return False, reason
     if not getattr(_C, "with_cuda", 0):
-        why = "this torch is a CPU build" if not torch.version.cuda else \
-            "nvcc was not found when it was built, or RLKERNELS_NO_CUDA=1"
+        why = ("this torch is a CPU build" if not torch.version.cuda else
+               "nvcc was not found when it was built, or RLKERNELS_NO_CUDA=1")
         return False, f"rlkernels._C was built without CUDA ({why})"
     if not torch.cuda.is_available():
         return False, "no CUDA device"

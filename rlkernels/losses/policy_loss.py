@@ -116,8 +116,8 @@ def surrogate_weights(b: Batch, inputs: LossInputs, config: PolicyLossConfig, hi
     """ω of §7, (B, T) and 0 where masked, or None: the importance weights times the off-policy and the entropy
     masks (`high_entropy`: `high_entropy_tokens`'s). The fused paths count a row's clip flags on its ω > 0."""
     # VESPO takes the weights into its sequence ratio instead (as TRL does; `surrogates.vespo`)
-    w = None if inputs.is_weights is None or objectives.get(config.objective).weights_in_ratio else \
-        torch.where(b.mask, inputs.is_weights, 0.0)  # padding: anything
+    w = (None if inputs.is_weights is None or objectives.get(config.objective).weights_in_ratio else
+         torch.where(b.mask, inputs.is_weights, 0.0))  # padding: anything
     if high_entropy is not None:
         w = high_entropy.to(b.logp.dtype) if w is None else w * high_entropy
     if config.off_policy_mask is None:

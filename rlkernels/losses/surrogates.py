@@ -239,8 +239,8 @@ def snis(b: Batch, cfg) -> Surrogate:
     """
     log_rho = masked_sum_rows(b.logp - b.old_logp, b.mask).detach()
     i = b.inputs
-    row_loss = -snis_advantage(log_rho, i.rewards, i.group, i.num_groups, b.lengths > 0, i.group_size) * \
-        masked_sum_rows(b.logp, b.mask)
+    row_loss = (-snis_advantage(log_rho, i.rewards, i.group, i.num_groups, b.lengths > 0, i.group_size)
+                * masked_sum_rows(b.logp, b.mask))
     none = torch.zeros_like(b.mask)
     rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
     return Surrogate(b.per_token(row_loss), b.per_token(rho), none, none)

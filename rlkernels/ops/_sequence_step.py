@@ -62,8 +62,8 @@ def sequence_step(kernels, logp: Tensor, entropy: Tensor, inputs: LossInputs, co
         torch.where(mask, snis_ratio[:, None], zero, out=tok_stats[:, Stat.RATIO].view(B, T))
         return loss_from_stats(tok_stats, inputs), tok_grad, grad_h
 
-    surrogate = _weighted_token if config.ratio == "token" else \
-        EVALUATORS[objectives.get(config.objective).sequence_steps[config.ratio]]
+    surrogate = (_weighted_token if config.ratio == "token" else
+                 EVALUATORS[objectives.get(config.objective).sequence_steps[config.ratio]])
     sur_grad, sums, ratio_max = surrogate(kernels, logp, rows, weights, omega, inputs, config)
 
     tok_sums = tok_stats.sum(0)

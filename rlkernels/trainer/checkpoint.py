@@ -1,5 +1,5 @@
 """checkpoint.pt: the model(s), optimizer, RNG states and step of a run, with its config; written atomically,
-read back without running anything in the file."""
+read back without running anything in the file, and restored into a resumed run."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from . import device, export, run_folder, sharding
+from . import export, run_folder, sharding
+from .distributed import all_sum
 from .run_folder import CHECKPOINT
 from .state import Run
 
@@ -33,9 +34,9 @@ def save_checkpoint(path, state):
     except (OSError, RuntimeError) as e:  # a full disk: torch says "basic_ios::clear" or "unexpected pos"
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else \
-            "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else \
-            " ".join(str(e).split())[:200]
+        why = (e.strerror if isinstance(e, OSError) and e.strerror else
+               "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else
+               " ".join(str(e).split())[:200])
         raise ValueError(f"--out: cannot write {path} ({why})") from None
 
 
@@ -43,10 +44,10 @@ def save(run: Run, step: int) -> None:
     """checkpoint.pt (whole tensors and every rank's random state: under FSDP gathered onto rank 0, so every rank
     takes part) and the model as from_pretrained loads it."""
     cfg, place = run.cfg, run.place
-    rngs = [device.rng_state(place.device)]
+    rngs = [rng_state(place.device)]
     if run.world > 1:
         rngs = [None] * run.world
-        dist.all_gather_object(rngs, device.rng_state(place.device))
+        dist.all_gather_object(rngs, rng_state(place.device))
     cpu_rngs, cuda_rngs = zip(*rngs)
     model_state = sharding.full_state_dict(run.policy)
     optimizer_state = sharding.optimizer_state_dict(run.engine, run.optimizer)
@@ -64,6 +65,43 @@ def save(run: Run, step: int) -> None:
     if run.folder is not None:
         run.folder.settle()  # an --overwrite's old run: gone now that this one resumes
     export_model(run, model_state)
+
+
+def restore(run: Run) -> None:
+    """A resumed run: the step, β and every random state of its checkpoint (build_update has loaded its weights and
+    optimizer state). A new run: one sampling stream per rank."""
+    saved, resume, out = run.saved, run.cfg.resume, run.logs.out
+    if not saved:
+        torch.manual_seed(run.data.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
+        return
+    try:
+        run.start, run.beta, run.eval_before = saved["step"], saved["kl_coef"], saved["eval_reward_before"]
+        run.rng.setstate(saved["rng"]["python"])
+        random.setstate(saved["rng"]["python_global"])
+        cuda_rngs = saved["rng"].get("cuda")  # absent from checkpoints of CPU runs
+        set_rng_state(saved["rng"]["torch"][run.rank], cuda_rngs[run.rank] if cuda_rngs else None,
+                      run.place.device)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise unfit(resume, e) from None
+    run.log(f"resumed at step {run.start} from {resume}")
+    checkpoint = resume if os.path.isfile(resume) else os.path.join(resume, CHECKPOINT)
+    stale = run.master and export_is_stale(out, checkpoint)
+    if all_sum(float(stale)) > 0:  # killed after its checkpoint, before the model export: the export catches up
+        export_model(run)
+        run.log(f"exported the model of step {run.start} to {out} (the run stopped before writing it)")
+
+
+def rng_state(device: torch.device):
+    """(CPU, CUDA or None) generator states: sampling on a GPU draws from the CUDA generator."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(cpu, cuda, device: torch.device) -> None:
+    """Restore what `rng_state` saved. A checkpoint from a CPU run resumed on a GPU has no CUDA
+    state: the CUDA generator keeps its seed (the run goes on, not bit-exactly)."""
+    torch.set_rng_state(cpu)
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def export_model(run: Run, model_state=None) -> None:

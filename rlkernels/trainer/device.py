@@ -116,15 +116,3 @@ def placement(device_spec: str, dtype_spec: str, world: int = 1) -> Placement:
     device = process_device(device_spec, world)
     return Placement(device, resolve_dtype(dtype_spec, device))
 
-
-def rng_state(device: torch.device):
-    """(CPU, CUDA or None) generator states: sampling on a GPU draws from the CUDA generator."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def set_rng_state(cpu, cuda, device: torch.device) -> None:
-    """Restore what `rng_state` saved. A checkpoint from a CPU run resumed on a GPU has no CUDA
-    state: the CUDA generator keeps its seed (the run goes on, not bit-exactly)."""
-    torch.set_rng_state(cpu)
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)

@@ -24,8 +24,7 @@ import torch
 
 from rlkernels import presets
 
-from . import estimators, generation, outputs, sharding, startup, stop as stop_lib
-from .checkpoint import save
+from . import checkpoint, estimators, generation, outputs, sharding, startup, stop as stop_lib
 from .generation import sample_groups
 from .run_config import Config, validate
 from .distributed import all_sum, all_sums, dist_info, nan_mean_stds
@@ -66,7 +65,7 @@ def train_validated(config: Config, reward_fn=None, explicit: Optional[set] = No
             if startup.warms_up(run):
                 startup.warm_up(run)
             startup.build_update(run)
-            startup.restore(run)
+            checkpoint.restore(run)
             return _train(run, stop)
         finally:
             if run.folder is not None:
@@ -91,7 +90,7 @@ def _train(run: Run, stop) -> dict:
     stopping = all_sum(float(stop.requested)) > 0  # a signal before RL: a checkpoint where RL starts
     try:
         if stopping:
-            save(run, run.start)
+            checkpoint.save(run, run.start)
             run.log(f"stopped before step {run.start + 1}; continue with: {resume_command(run)}")
         for step in range(run.start + 1, logs.steps + 1):
             if stopping:
@@ -120,7 +119,7 @@ def _train(run: Run, stop) -> dict:
             stopping = all_sum(float(stop.requested)) > 0  # a signal that reached only some ranks stops them all
             run.outputs.write_step(row, samples, stopping)
             if step % logs.ckpt_every == 0 or step == logs.steps or stopping:
-                save(run, step)
+                checkpoint.save(run, step)
             if stopping:
                 run.log(f"stopped at step {step}; continue with: {resume_command(run)}")
                 break

@@ -112,8 +112,8 @@ def _unknown(names: List[str], where: str) -> ValueError:
     close = difflib.get_close_matches(names[0], KNOWN, n=1) if len(names) == 1 else []
     hint = f"; did you mean {_flag(close[0]) if where == 'flag' else repr(close[0])}?" if close else ""
     shown = ", ".join(_flag(n) if where == "flag" else repr(n) for n in names)
-    what = f"unknown flag{'s' * (len(names) > 1)} {shown}" if where == "flag" else \
-        f"{where}: unknown key{'s' * (len(names) > 1)} {shown}"
+    what = (f"unknown flag{'s' * (len(names) > 1)} {shown}" if where == "flag" else
+            f"{where}: unknown key{'s' * (len(names) > 1)} {shown}")
     return ValueError(what + hint + (" (not a setting of this trainer, nor a TRL setting it follows: "
                                      "docs/trainer.md#trls-names)" if not close else ""))
 
@@ -171,8 +171,8 @@ def build_parser(suppress_defaults: bool = False, prog: str = "rlkernels train")
     parser._negative_number_matcher = re.compile(r"^-(?!-)")  # `-x` is a value (see above); argparse's own attribute
     for name, field in FIELDS.items():
         spellings = [_flag(name)] + (["--" + name] if "_" in name else [])
-        default = argparse.SUPPRESS if suppress_defaults else \
-            (field.default_factory() if field.default is dataclasses.MISSING else field.default)
+        default = (argparse.SUPPRESS if suppress_defaults else
+                   field.default_factory() if field.default is dataclasses.MISSING else field.default)
         kwargs = dict(dest=name, type=_converter(name), default=default, help=help_line(name))
         if name in MULTI:
             metavar = name.upper()[:-1] if name.endswith("s") else name.upper()
@@ -323,8 +323,8 @@ def load_config_file(path: str) -> dict:
     if unknown:  # with the TRL settings this trainer cannot follow: all that a recipe asks in vain, in one error
         message = str(_unknown(unknown, f"--config {path}"))
         raise ValueError("; ".join([message, *trl_names.refused(out)]))
-    return out, any(trl_names.is_trl_name(str(k)) for k in data), \
-        {n: f"{k} in --config {path}, flag {_flag(n)}" for n, k in keys.items()}
+    return (out, any(trl_names.is_trl_name(str(k)) for k in data),
+            {n: f"{k} in --config {path}, flag {_flag(n)}" for n, k in keys.items()})
 
 
 class _DuplicateKey(Exception):
@@ -372,8 +372,8 @@ def from_args(argv: List[str], notes: Optional[list] = None) -> tuple:
                              "which is given too; give one of them")
         values["lr_warmup_steps"] = values.pop("warmup_steps")
     base = Config(model=values.get("model", ""))
-    defaults = (lambda name: trl_names.TRL_DEFAULTS.get(name, getattr(base, name))) if trl_recipe else \
-        (lambda name: getattr(base, name))
+    defaults = ((lambda name: trl_names.TRL_DEFAULTS.get(name, getattr(base, name))) if trl_recipe else
+                (lambda name: getattr(base, name)))
     values = trl_names.resolve(values, defaults, set(flags), int(os.environ.get("WORLD_SIZE", 1)), trl_recipe, notes)
     if values.get("model"):
         for name in DEMO_ONLY:

@@ -40,8 +40,8 @@ class Bounds(NamedTuple):
 
     def text(self, integer: bool = False) -> str:
         """As the errors say it: `>= 1`, `> 0`, `in [0, 1)`, `in (0, 1]`, `from 0 to 9` (an int's closed range)."""
-        low, high = self.at_least if self.at_least is not None else self.above, \
-            self.at_most if self.at_most is not None else self.below
+        low = self.at_least if self.at_least is not None else self.above
+        high = self.at_most if self.at_most is not None else self.below
         if high is None:
             return f"{'>=' if self.at_least is not None else '>'} {_number(low)}"
         if low is None:
@@ -393,8 +393,8 @@ def shown(value) -> str:
     """A value as --help and the docs write it: true, none, "", a list's items."""
     if isinstance(value, list):
         return " ".join(map(str, value)) or "none"
-    return '""' if value == "" else "none" if value is None else str(value).lower() if isinstance(value, bool) \
-        else str(value)
+    return ('""' if value == "" else "none" if value is None else str(value).lower() if isinstance(value, bool)
+            else str(value))
 
 
 def help_line(name: str) -> str:

@@ -1,6 +1,6 @@
 """A run's set-up, in the order train() calls it: the config (merged over the checkpoint's on --resume), the task
-and reward, the policy, the demo's supervised warm-up, the update's models and optimizer, a resumed run's state,
-and the run's logs."""
+and reward, the policy, the demo's supervised warm-up, the update's models and optimizer (a resumed run's state
+is checkpoint.restore's), and the run's logs."""
 from __future__ import annotations
 
 import copy
@@ -14,11 +14,11 @@ import torch
 from tqdm.auto import tqdm
 
 from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task
-from .checkpoint import export_is_stale, export_model, load_checkpoint, unfit
+from .checkpoint import load_checkpoint, unfit
 from .run_config import Config, describe, merge_resume, run_dir
-from .distributed import all_sum, dist_info
+from .distributed import dist_info
 from .model import Critic, add_lora, enable_checkpointing, output_head_of, parts
-from .run_folder import CHECKPOINT, prepare_out_dir
+from .run_folder import prepare_out_dir
 from .state import Run
 from .update import UpdateForward
 
@@ -87,26 +87,6 @@ def warms_up(run: Run) -> bool:
     return bool(not run.saved and not run.cfg.model and run.warmup.warmup_steps)
 
 
-def check_prompt_lengths(run: Run) -> None:
-    """Prompts and completions within the model's context: a longer prompt is cut to its last
-    --max-prompt-length tokens (TRL's), said in the log; without that flag, a prompt too long is an error."""
-    tok, limit, new_tokens = run.tok, run.cfg.max_prompt_length, run.sampling.max_new_tokens
-    tok.max_prompt_length = limit
-    lengths = [len(tok._encode(ex["prompt"])) for ex in run.train_set + run.eval_set]
-    if limit:
-        cut = sum(n > limit for n in lengths)
-        if cut:
-            run.log(f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {limit} "
-                    f"tokens: they keep their last {limit} (as TRL's max_prompt_length)")
-    longest = min(max(lengths), limit or max(lengths))
-    context = getattr(run.policy.config, "max_position_embeddings", None)
-    if context and longest + new_tokens > context:
-        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(limit)}"
-                         f" is {longest} tokens, and {longest} + {new_tokens} is more than the "
-                         f"{context} positions of the model (max_position_embeddings); give --max-prompt-length "
-                         f"(a longer prompt keeps its last tokens) or a smaller --max-new-tokens")
-
-
 def load_policy(run: Run) -> None:
     """The tokenizer and the policy, on the run's device, its output head checked; the checks of the prompts'
     count come first, before a model loads."""
@@ -132,7 +112,10 @@ def load_policy(run: Run) -> None:
                              f"prompts{source} (after {len(run.eval_set)} held out for eval)")
     if cfg.model:
         run.policy, run.tok = task.load_model(cfg.model, cfg.attn_implementation, cfg.chat_template)
-        check_prompt_lengths(run)
+        cut = task.check_prompt_lengths(run.tok, run.train_set + run.eval_set, cfg.max_prompt_length,
+                                        run.sampling.max_new_tokens, run.policy.config)
+        if cut:
+            run.log(cut)
     else:
         run.policy = task.tiny_model(run.tok, prompt_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                      max_new_tokens=run.sampling.max_new_tokens)
@@ -222,30 +205,6 @@ def build_update(run: Run) -> None:
             sharding.load_optimizer_state_dict(run.engine, run.optimizer, saved["optimizer"])
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise unfit(cfg.resume, e) from None
-
-
-def restore(run: Run) -> None:
-    """A resumed run: the step, β and every random state of its checkpoint (build_update has loaded its weights and
-    optimizer state). A new run: one sampling stream per rank."""
-    saved, resume, out = run.saved, run.cfg.resume, run.logs.out
-    if not saved:
-        torch.manual_seed(run.data.seed * 1000 + run.rank + 1)  # CPU and CUDA generators
-        return
-    try:
-        run.start, run.beta, run.eval_before = saved["step"], saved["kl_coef"], saved["eval_reward_before"]
-        run.rng.setstate(saved["rng"]["python"])
-        random.setstate(saved["rng"]["python_global"])
-        cuda_rngs = saved["rng"].get("cuda")  # absent from checkpoints of CPU runs
-        device.set_rng_state(saved["rng"]["torch"][run.rank], cuda_rngs[run.rank] if cuda_rngs else None,
-                             run.place.device)
-    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise unfit(resume, e) from None
-    run.log(f"resumed at step {run.start} from {resume}")
-    checkpoint = resume if os.path.isfile(resume) else os.path.join(resume, CHECKPOINT)
-    stale = run.master and export_is_stale(out, checkpoint)
-    if all_sum(float(stale)) > 0:  # killed after its checkpoint, before the model export: the export catches up
-        export_model(run)
-        run.log(f"exported the model of step {run.start} to {out} (the run stopped before writing it)")
 
 
 def open_logs(run: Run) -> None:

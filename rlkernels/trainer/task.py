@@ -145,6 +145,25 @@ def load_model(path: str, attn_implementation: Optional[str] = None, chat_templa
     return model, HFTokenizer(tok)
 
 
+def check_prompt_lengths(tok: HFTokenizer, prompts: list, limit: Optional[int], new_tokens: int,
+                         model_config) -> Optional[str]:
+    """Prompts and completions within the model's context: a prompt longer than `limit` (--max-prompt-length) is
+    cut to its last `limit` tokens (TRL's), and the line saying how many is returned; without a limit, a prompt
+    too long for the model is an error."""
+    tok.max_prompt_length = limit
+    lengths = [len(tok._encode(ex["prompt"])) for ex in prompts]
+    cut = sum(n > limit for n in lengths) if limit else 0
+    longest = min(max(lengths), limit or max(lengths))
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context and longest + new_tokens > context:
+        raise ValueError(f"--max-new-tokens: the longest prompt{' (after --max-prompt-length)' * bool(limit)}"
+                         f" is {longest} tokens, and {longest} + {new_tokens} is more than the "
+                         f"{context} positions of the model (max_position_embeddings); give --max-prompt-length "
+                         f"(a longer prompt keeps its last tokens) or a smaller --max-new-tokens")
+    return (f"{cut} of {len(lengths)} prompts are longer than --max-prompt-length {limit} tokens: they keep their "
+            f"last {limit} (as TRL's max_prompt_length)") if cut else None
+
+
 def answer_ids(tok, answer: str) -> List[int]:
     """Token ids of a supervised target: the answer then eos."""
     if isinstance(tok, CharTokenizer):
