@@ -2,10 +2,11 @@
 (issue 40 item 9): wall time, time per step and peak memory of each process.
 
     python -m benchmarks.trl_recipe_race [--vocab 32768] [--hidden 256] [--layers 4] [--rounds 3] [--steps 6]
-                                         [--threads 2] [--out DIR]
+                                         [--completion-length 24] [--threads 2] [--out DIR]
 
 Both read the same recipe file (TRL's keys only) over the same offline small Qwen2 built from a config (`--hidden`,
-`--layers`, a byte-level tokenizer, the embedding and head of `--vocab` rows) and the same prompts and reward. Runs alternate (trl, ours,
+`--layers`, a byte-level tokenizer, the embedding and head of `--vocab` rows) and the same prompts and reward;
+`--completion-length` is the recipe's max_completion_length (the tokens per step that the loss head sees). Runs alternate (trl, ours,
 trl, ours, ...) so that a change in the machine's load falls on both. Per process: the wall time from start to
 exit (imports and model loading included), the mean of each tool's own step times after the first step (TRL's
 `step_time` metric; ours, `time_s` of metrics.jsonl), and the peak resident memory (`wait4`'s ru_maxrss). The
@@ -32,7 +33,7 @@ reward_funcs: [race_rewards.shorter]
 max_steps: {steps}
 per_device_train_batch_size: 8
 num_generations: 4
-max_completion_length: 24
+max_completion_length: {completion_length}
 learning_rate: 1.0e-5
 bf16: false
 use_cpu: true
@@ -44,7 +45,7 @@ seed: 0
 REWARD = "def shorter(completions, **kwargs):\n    return [-len(c) / 50 for c in completions]\n"
 
 
-def build_inputs(root: str, vocab: int, hidden: int, layers: int) -> dict:
+def build_inputs(root: str, vocab: int, hidden: int, layers: int, completion_length: int) -> dict:
     """The model folder, the prompts and the reward module (offline, from configs)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -60,7 +61,7 @@ def build_inputs(root: str, vocab: int, hidden: int, layers: int) -> dict:
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=2 * hidden,
                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                                 max_position_embeddings=max(256, completion_length + 64), pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id, bos_token_id=None)).save_pretrained(model)
     data = os.path.join(root, "prompts")  # a folder of data files: what both read as dataset_name
     os.makedirs(data, exist_ok=True)
@@ -71,12 +72,12 @@ def build_inputs(root: str, vocab: int, hidden: int, layers: int) -> dict:
     return {"model": model, "data": data}
 
 
-def run_one(tool: str, root: str, inputs: dict, steps: int, n: int, threads: int) -> dict:
+def run_one(tool: str, root: str, inputs: dict, steps: int, n: int, threads: int, completion_length: int) -> dict:
     """One process of `tool` (trl | rlkernels) on the recipe; its times and peak memory."""
     out = os.path.join(root, f"{tool}-{n}")
     recipe = os.path.join(root, f"{tool}-{n}.yaml")
     with open(recipe, "w") as f:
-        f.write(RECIPE.format(out=out, steps=steps, **inputs))
+        f.write(RECIPE.format(out=out, steps=steps, completion_length=completion_length, **inputs))
     bindir = os.path.dirname(sys.executable)
     argv = ([os.path.join(bindir, "trl"), "grpo", "--config", recipe] if tool == "trl" else
             [os.path.join(bindir, "rlkernels"), "train", "--config", recipe, "--progress", "false"])
@@ -112,19 +113,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--completion-length", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="", help="keep the runs here (default: a temporary folder, removed)")
     args = parser.parse_args()
     root = args.out or tempfile.mkdtemp(prefix="trl-race-")
     os.makedirs(root, exist_ok=True)
-    inputs = build_inputs(root, args.vocab, args.hidden, args.layers)
-    print(f"V = {args.vocab}, H = {args.hidden}, {args.layers} layers, {args.steps} steps, {args.threads} threads; load average "
+    inputs = build_inputs(root, args.vocab, args.hidden, args.layers, args.completion_length)
+    print(f"V = {args.vocab}, H = {args.hidden}, {args.layers} layers, completions of {args.completion_length} tokens, "
+          f"{args.steps} steps, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'run':<14}{'wall s':>9}{'s/step':>9}{'peak MB':>10}", flush=True)
     rows = []
     for n in range(args.rounds):
         for tool in ("trl", "rlkernels"):
-            row = run_one(tool, root, inputs, args.steps, n, args.threads)
+            row = run_one(tool, root, inputs, args.steps, n, args.threads, args.completion_length)
             rows.append(row)
             print(f"{tool + ' #' + str(n):<14}{row['wall_s']:>9.1f}{row['step_s']:>9.2f}{row['peak_mb']:>10.0f}",
                   flush=True)

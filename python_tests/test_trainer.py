@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlkernels.train import main
-from rlkernels.trainer import Config, checkpoint, config_parts, from_args, generation, rewards, run_folder, task, train
+from rlkernels.trainer import Config, config_parts, from_args, generation, rewards, run_folder, task, train
 from rlkernels.trainer import model as trainer_model
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, digits=1, eval_size=16, warmup_steps=5, warmup_batch=16,
@@ -258,7 +258,7 @@ def test_checkpoints_are_fsynced_and_stale_temp_files_removed(tmp_path, monkeypa
                                                  real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
     tmp = str(tmp_path / "checkpoint.pt.tmp")
-    checkpoint.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+    run_folder.write_atomically(str(tmp_path / "checkpoint.pt"), lambda f: torch.save({"step": 1}, f))
     assert events == [("fsync", tmp), ("replace", tmp)]
     # a kill during a save leaves the temp file: the resumed run removes it
     open(tmp, "wb").write(b"half a checkpoint")
@@ -276,7 +276,7 @@ def test_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch, torch_says):
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(ValueError, match=r"^--out: cannot write .*checkpoint.pt \(the disk is full or the file cannot "
                                          r"grow\)$"):
-        checkpoint.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 1})
+        run_folder.write_atomically(str(tmp_path / "checkpoint.pt"), lambda f: torch.save({"step": 1}, f))
     assert os.listdir(tmp_path) == []  # no half-written temp file left behind
 
 

@@ -10,7 +10,7 @@ import pytest
 from test_trainer import run
 
 from rlkernels.train import main
-from rlkernels.trainer import export, outputs
+from rlkernels.trainer import outputs
 
 ROWS = [{"step": s, "reward_mean": s / 10} for s in range(1, 9)]
 
@@ -50,7 +50,9 @@ def test_a_run_folder_that_turns_unwritable_is_a_one_line_error(tmp_path, monkey
         monkeypatch.setattr(SummaryWriter, "add_scalar", _denied)
         extra = {"report_to": ["tensorboard"]}
     else:
-        monkeypatch.setattr(export, "save_pretrained", _denied)
+        from transformers import PreTrainedModel
+
+        monkeypatch.setattr(PreTrainedModel, "save_pretrained", _denied)  # the model export's own writer
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=rf"^--out: cannot write in '{out}' \(the file: Permission denied\)$"):
         run(out, steps=2, **extra)

@@ -2,7 +2,6 @@
 read back without running anything in the file, and restored into a resumed run."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
@@ -20,26 +19,6 @@ from .state import Run
 CHECKPOINT_KEYS = ("config", "step", "kl_coef", "model", "critic", "ref", "optimizer", "eval_reward_before", "rng")
 
 
-def save_checkpoint(path, state):
-    """Write `path` atomically: a kill leaves the previous checkpoint or this one, never a torn file."""
-    tmp = path + ".tmp"
-    try:
-        run_folder.record(tmp)
-        run_folder.record(path)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint (else a crash can leave it empty)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: torch says "basic_ios::clear" or "unexpected pos"
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        why = (e.strerror if isinstance(e, OSError) and e.strerror else
-               "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else
-               " ".join(str(e).split())[:200])
-        raise ValueError(f"--out: cannot write {path} ({why})") from None
-
-
 def save(run: Run, step: int) -> None:
     """checkpoint.pt (whole tensors and every rank's random state: under FSDP gathered onto rank 0, so every rank
     takes part) and the model as from_pretrained loads it."""
@@ -55,13 +34,14 @@ def save(run: Run, step: int) -> None:
     ref_state = sharding.full_state_dict(run.ref) if run.ref is not None and not cfg.model else None
     if not run.master:
         return
-    save_checkpoint(os.path.join(run.logs.out, CHECKPOINT), {
+    state = {
         "config": dataclasses.asdict(cfg), "step": step, "kl_coef": run.beta,
         "model": model_state, "critic": critic_state, "ref": ref_state,
         "optimizer": optimizer_state, "eval_reward_before": run.eval_before,
         "rng": {"torch": list(cpu_rngs), "cuda": list(cuda_rngs) if cuda_rngs[0] is not None else None,
                 "python": run.rng.getstate(), "python_global": random.getstate()},
-    })
+    }
+    run_folder.write_atomically(os.path.join(run.logs.out, CHECKPOINT), lambda f: torch.save(state, f))
     if run.folder is not None:
         run.folder.settle()  # an --overwrite's old run: gone now that this one resumes
     export_model(run, model_state)
@@ -112,9 +92,7 @@ def export_model(run: Run, model_state=None) -> None:
     if not run.master:
         return
     plain = run.policy if run.meta_policy is None else sharding.with_weights(run.meta_policy, model_state)
-    out = run.logs.out
-    with run_folder.writing(out):
-        export.save_pretrained(plain, run.tok, out, merge_lora=run.cfg.merge_lora)
+    export.save_pretrained(plain, run.tok, run.logs.out, merge_lora=run.cfg.merge_lora)
 
 
 def export_is_stale(out: str, checkpoint: str) -> bool:

@@ -26,7 +26,7 @@ from rlkernels import presets
 
 from . import checkpoint, estimators, generation, outputs, sharding, startup, stop as stop_lib
 from .generation import sample_groups
-from .run_config import Config, validate
+from .run_config import Config, run_dir, validate
 from .distributed import all_sum, all_sums, dist_info, nan_mean_stds
 from .model import token_logp
 from .run_folder import CHECKPOINT
@@ -82,7 +82,10 @@ def _train(run: Run, stop) -> dict:
     before = (f"held-out greedy reward ({run.reward_fn.label}) before RL: {run.eval_before:.3f}" if run.eval_set else
               "no evaluation (--eval-size 0)")
     run.log(f"{before}; loss {_loss_text(run.logs.algo, run.loss_cfg)}")
-    startup.open_logs(run)
+    run.outputs = outputs.RunLog(run.logs, run.master, dataclasses.asdict(run.cfg), run.start,
+                                 run_dir(run.cfg.resume) if run.saved else None)
+    history = run.outputs.history  # a resumed run's summary counts the steps before its checkpoint too
+    run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
     run.outputs.write_completions(0, samples)
     logs = run.logs
     run.policy.train()
@@ -189,15 +192,20 @@ def concat_rows(parts, pad_id):
 def behaviour_logp(run: Run, b: dict) -> dict:
     """The training rows with ℓ_old, the policy's log-probs at the sampling temperature (a forward pass, not
     generate's scores: the same forward as the update, so the first ratio is 1 up to rounding; test_trainer
-    checks it equals generate's own τ-softmax of the logits), the reference's, and the policy's hidden states."""
+    checks it equals generate's own τ-softmax of the logits; None when the update is on-policy), the reference's,
+    and the policy's hidden states."""
     rows = b["train_rows"]
     batch = {k: b[k][rows] for k in ("seq", "attn", "targets", "mask", "rewards", "group_ids", "lengths", "parts")}
     for k in ("tree_ids", "baselines"):
         batch[k] = b[k][rows] if b[k] is not None else None
     P, seq, attn = b["P"], batch["seq"], batch["attn"]
+    opt = run.optim
+    # one optimizer step on all the rows, and nothing else reading ℓ_old (no reference, no critic): ℓ_old is the
+    # update's own log-probs, detached (the loss's old_logp=None, as TRL does), and the policy's forward here is skipped
+    on_policy = opt.epochs == 1 and opt.minibatches == 1 and run.ref is None and run.critic is None
     with run.place.autocast():
-        batch["old_logp"], batch["hidden"] = sharding.gathered(run.engine, token_logp, run.policy, seq, attn, P,
-                                                               run.head_args)
+        batch["old_logp"], batch["hidden"] = (None, None) if on_policy else sharding.gathered(
+            run.engine, token_logp, run.policy, seq, attn, P, run.head_args)
         batch["ref_logp"] = (sharding.gathered(run.ref, token_logp, run.ref, seq, attn, P, run.head_args)[0]
                              if run.ref is not None else None)
         with torch.no_grad():  # PPO's critic, on the policy's hidden states: the values that GAE takes

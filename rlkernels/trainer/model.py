@@ -117,12 +117,15 @@ def output_head_of(model, temperature: float, place) -> dict:
 @torch.no_grad()
 def token_logp(model, seq, attn, P, head_args):
     """log π(y_t | y_<t) / τ-softmax of the completion tokens seq[:, P:], and the hidden states (`head_args`:
-    `output_head_of`'s)."""
+    `output_head_of`'s). From the hidden states, as the update's default path: the (B, T, V) logits never exist
+    (at V = 152k they were the behaviour pass's peak)."""
     trunk, head = parts(model)
     h = hidden_states(trunk, seq, attn)[:, P - 1:-1]
-    logits = head(h)  # as loss_head computes them, at the autocast dtype if any
+    dtype = _compute_dtype(h)  # the head's matmul at the autocast dtype if any, as loss_head's
+    bias = head.bias.to(dtype) if head.bias is not None else None
     with _no_autocast(h):
-        return rlkernels.token_logprobs(logits, seq[:, P:], **head_args), h
+        return rlkernels.linear_token_logprobs(h.to(dtype), head.weight.to(dtype), seq[:, P:], bias=bias,
+                                               **head_args), h
 
 
 def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **options):

@@ -1,7 +1,6 @@
 """What the person running the trainer sees and keeps: JSONL metrics, a PNG plot, a summary table."""
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -48,20 +47,10 @@ def truncate_metrics(src: str, dst: str, last_step: int) -> List[dict]:
         raise ValueError(f"--resume: {e}") from None
     except (KeyError, TypeError):
         raise ValueError(f"--resume: {src} holds rows without a step number") from None
-    # into a new file, then renamed over dst (often src itself): a write cut short (a full disk) loses no row
-    tmp = dst + ".tmp"
-    try:
-        run_folder.record(tmp)
-        run_folder.record(dst)
-        with open(tmp, "w") as f:
-            f.write("".join(dumps(r) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise ValueError(f"--out: cannot write {dst} ({e.strerror or e}); {src} is as it was") from None
+    try:  # whole or not at all: `src` (often `dst` itself) stays whole if the write fails
+        run_folder.write_atomically(dst, lambda f: f.write("".join(dumps(r) + "\n" for r in rows).encode()))
+    except ValueError as e:
+        raise ValueError(f"{e}; {src} is as it was") from None
     return rows
 
 
@@ -150,22 +139,31 @@ class RunLog:
 
     def write_completions(self, step: int, samples: list) -> None:
         """One eval's sample completions: completions.jsonl, and --report-to's backends."""
-        rows = [{"step": step, **s} for s in samples]
-        if self.master and rows:
-            run_folder.write_file(self.completions_path, "".join(dumps(r) + "\n" for r in rows), "a")
-            self.tracking.completions(step, rows)
+        self._append(step, None, samples)
 
     def write_step(self, row: dict, samples: list, stopping: bool) -> None:
         """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
         step, logs = row["step"], self.logs
-        if self.master and (step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping):
-            run_folder.write_file(self.metrics_path, dumps(row) + "\n", "a")
-            self.tracking.metrics(row)
-        self.write_completions(step, samples)
+        logged = step % logs.logging_steps == 0 or "eval_reward" in row or step == logs.steps or stopping
+        self._append(step, row if logged else None, samples)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl'] or 0:.4f}",
                              ent=f"{row['entropy'] or 0:.3f}",
                              **({"eval": f"{row['eval_reward']:.3f}"} if "eval_reward" in row else {}))
+
+    def _append(self, step: int, row: Optional[dict], samples: list) -> None:
+        """A metrics row (None: not this step) and sample completions, as lines of their JSONL files and to the
+        trackers (rank 0)."""
+        if not self.master:
+            return
+        completions = [{"step": step, **s} for s in samples]
+        lines = {self.metrics_path: [row] if row is not None else [], self.completions_path: completions}
+        for path, text in {p: "".join(dumps(r) + "\n" for r in rs) for p, rs in lines.items() if rs}.items():
+            run_folder.write_file(path, text, "a")
+        if row is not None:
+            self.tracking.metrics(row)
+        if completions:
+            self.tracking.completions(step, completions)
 
     def close(self) -> None:
         self.bar.close()

@@ -68,6 +68,28 @@ def writing(out_dir: str):
         raise ValueError(f"--out: cannot write in {out_dir!r} (safetensors: {' '.join(str(e).split())[:200]})") from None
 
 
+def write_atomically(path: str, write) -> None:
+    """`write(f)` (a binary file) into `path` whole or not at all: into a temporary file, synced, then renamed over
+    `path`, so that a kill or a full disk leaves the old file or the new one, never a torn one. A failure is a
+    one-line error naming --out, with the temporary file removed."""
+    tmp = path + ".tmp"
+    try:
+        record(tmp)
+        record(path)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the file (else a crash can leave it empty)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save on a full disk says "basic_ios::clear" or "unexpected pos"
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        why = (e.strerror if isinstance(e, OSError) and e.strerror else
+               "the disk is full or the file cannot grow" if "unexpected pos" in str(e) or "basic_ios" in str(e) else
+               " ".join(str(e).split())[:200])
+        raise ValueError(f"--out: cannot write {path} ({why})") from None
+
+
 def write_file(path: str, text, mode: str) -> None:
     """Write or append `text` (bytes with mode "wb"); a full disk (or a folder gone read-only) is a one-line error naming --out."""
     try:

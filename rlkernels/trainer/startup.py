@@ -1,6 +1,6 @@
 """A run's set-up, in the order train() calls it: the config (merged over the checkpoint's on --resume), the task
-and reward, the policy, the demo's supervised warm-up, the update's models and optimizer (a resumed run's state
-is checkpoint.restore's), and the run's logs."""
+and reward, the policy, the demo's supervised warm-up, the update's models and optimizer (with a resumed run's
+weights and optimizer state; its step and random states are checkpoint.restore's, the logs loop._train's)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from . import config_parts, data, device, generation, outputs, rewards as rewards_lib, sharding, task
+from . import config_parts, data, device, generation, rewards as rewards_lib, sharding, task
 from .checkpoint import load_checkpoint, unfit
 from .run_config import Config, describe, merge_resume, run_dir
 from .distributed import dist_info
@@ -172,11 +172,6 @@ def build_update(run: Run) -> None:
             raise ValueError(f"--kl-coef: the run in {cfg.resume!r} trained without a KL term, so its checkpoint "
                              f"has no reference model; resume it with --kl-coef 0")
         run.ref = copy.deepcopy(run.policy).eval().requires_grad_(False)
-        if saved and saved["ref"] is not None:
-            try:
-                run.ref.load_state_dict(saved["ref"])
-            except RuntimeError as e:
-                raise unfit(cfg.resume, e) from None
     if cfg.lora_rank:
         run.policy = add_lora(run.policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target,
                                    lora_dropout=cfg.lora_dropout, target_parameters=cfg.lora_target_parameters,
@@ -202,14 +197,9 @@ def build_update(run: Run) -> None:
             sharding.load_state_dict(run.policy, saved["model"])
             if run.critic is not None:
                 sharding.load_state_dict(run.critic, saved["critic"])
+            if run.ref is not None and saved["ref"] is not None:  # the demo's (a --model's is the model itself)
+                sharding.load_state_dict(run.ref, saved["ref"])
             sharding.load_optimizer_state_dict(run.engine, run.optimizer, saved["optimizer"])
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise unfit(cfg.resume, e) from None
 
-
-def open_logs(run: Run) -> None:
-    """The run's logs (outputs.RunLog); a resumed run's summary counts the steps before its checkpoint too."""
-    run.outputs = outputs.RunLog(run.logs, run.master, dataclasses.asdict(run.cfg), run.start,
-                                 run_dir(run.cfg.resume) if run.saved else None)
-    history = run.outputs.history
-    run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
