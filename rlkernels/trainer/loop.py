@@ -4,7 +4,8 @@ Every RL step (the functions below and three of other files, in the order train(
   1. collect         sample `num_generations` completions per prompt with HF `generate` at `temperature`, and
                      score them: Σ weight·reward over the reward functions and a reward model (rewards.py)
   2. behaviour_logp  one no-grad forward of the policy (and of the reference, and PPO's critic) over the
-                     sampled rows: the behaviour log-probs ℓ_old under the same temperature
+                     sampled rows: the behaviour log-probs ℓ_old under the same temperature (none when the
+                     update is on-policy: one optimizer step, no reference, no critic)
   3. advantages      estimators.advantages: the table's estimator of --adv-estimator (verl's names), or
                      --algo's: group-normalised (GRPO family), GDPO, Tree-GRPO, or GAE on the critic's values
   4. update          update.optimizer_steps: μ = `epochs` passes over `minibatches` mini-batches of whole
@@ -83,10 +84,9 @@ def _train(run: Run, stop) -> dict:
               "no evaluation (--eval-size 0)")
     run.log(f"{before}; loss {_loss_text(run.logs.algo, run.loss_cfg)}")
     run.outputs = outputs.RunLog(run.logs, run.master, dataclasses.asdict(run.cfg), run.start,
-                                 run_dir(run.cfg.resume) if run.saved else None)
+                                 run_dir(run.cfg.resume) if run.saved else None, samples)
     history = run.outputs.history  # a resumed run's summary counts the steps before its checkpoint too
     run.skipped_total, run.last = sum(r.get("skipped", 0) for r in history), (history[-1] if history else {})
-    run.outputs.write_completions(0, samples)
     logs = run.logs
     run.policy.train()
     stop.until = "this step"

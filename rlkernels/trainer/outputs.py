@@ -113,10 +113,11 @@ def summary_table(summary: dict) -> str:
 
 class RunLog:
     """What a run writes as it trains, on rank 0: metrics.jsonl and completions.jsonl (a resumed run keeps their
-    rows up to its checkpoint, read from `resumed_from`, its old folder), the --report-to trackers, the progress
-    bar, and at the end summary.json and the plot."""
+    rows up to its checkpoint, read from `resumed_from`, its old folder; a new one starts with the completions of
+    the evaluation before RL, `samples`, as step 0), the --report-to trackers, the progress bar, and at the end
+    summary.json and the plot."""
 
-    def __init__(self, logs, master: bool, settings: dict, start: int, resumed_from: Optional[str]):
+    def __init__(self, logs, master: bool, settings: dict, start: int, resumed_from: Optional[str], samples: list):
         self.logs, self.master = logs, master
         self.metrics_path = os.path.join(logs.out, "metrics.jsonl")
         self.completions_path = os.path.join(logs.out, "completions.jsonl")
@@ -131,15 +132,12 @@ class RunLog:
         self.tracking = trackers.Trackers(logs.report_to if master else [], logs.out, settings, start + 1)
         self.bar = tqdm(range(start, logs.steps), initial=start, total=logs.steps,
                         disable=not (logs.progress and master), dynamic_ncols=True, desc=logs.algo)
+        self._append(start, None, samples)
 
     def say(self, text: str) -> None:
         """A line above the progress bar (rank 0's)."""
         if self.master:
             self.bar.write(text)
-
-    def write_completions(self, step: int, samples: list) -> None:
-        """One eval's sample completions: completions.jsonl, and --report-to's backends."""
-        self._append(step, None, samples)
 
     def write_step(self, row: dict, samples: list, stopping: bool) -> None:
         """The step's row (every --logging-steps, at evals, at the end and at a stop), its completions, the bar."""
