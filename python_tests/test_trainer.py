@@ -313,6 +313,40 @@ def test_recorded_logprobs_match_the_sampler():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_an_on_policy_update_skips_the_behaviour_pass_and_trains_as_with_it(tmp_path, monkeypatch):
+    """One optimizer step on all the rows, no reference and no critic: ℓ_old is not computed (the loss takes
+    old_logp=None, ℓ_old = sg(ℓ), as TRL), and the step's weights and loss are those of a run that computes ℓ_old
+    with the forward pass (the ratio is then 1 up to rounding)."""
+    from rlkernels.trainer import loop
+
+    on_policy = dict(TINY, steps=1, minibatches=1, epochs=1, kl_coef=0.0, eval_size=0, warmup_steps=0)
+
+    def odd_length(prompt, completion, answer):  # about half the completions: advantages that are not all 0
+        return float(len(completion) % 2)
+    calls, real_token_logp = [], loop.token_logp
+    monkeypatch.setattr(loop, "token_logp", lambda *a, **k: calls.append(1) or real_token_logp(*a, **k))
+    train(Config(**on_policy, out=str(tmp_path / "skip")), reward_fn=odd_length)
+    assert calls == []  # neither the policy's forward nor a reference's
+    real_behaviour = loop.behaviour_logp
+
+    def with_old_logp(run_, b):  # the same batch, with ℓ_old from the forward pass as before the shortcut
+        batch = real_behaviour(run_, b)
+        with run_.place.autocast():
+            batch["old_logp"] = real_token_logp(run_.policy, batch["seq"], batch["attn"], batch["P"], run_.head_args)[0]
+        return batch
+
+    monkeypatch.setattr(loop, "behaviour_logp", with_old_logp)
+    train(Config(**on_policy, out=str(tmp_path / "forward")), reward_fn=odd_length)
+    skip, forward = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("skip", "forward"))
+    for name, w in forward["model"].items():
+        torch.testing.assert_close(skip["model"][name], w, rtol=0, atol=1e-6)
+    (row,), (row_forward,) = ([json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+                              for name in ("skip", "forward"))
+    assert row["updates"] == 1 and row["skipped"] == 0 and row["grad_norm"] > 0  # a step that moved the weights
+    for k in ("loss", "grad_norm", "clip_frac"):
+        assert row[k] == pytest.approx(row_forward[k], abs=1e-6), k
+
+
 # ---- bad flags and files: clear errors naming the flag
 
 @pytest.mark.parametrize("argv, message", [
