@@ -6,8 +6,8 @@
 
 Both read the same recipe file (TRL's keys only) over the same offline small Qwen2 built from a config (`--hidden`,
 `--layers`, a byte-level tokenizer, the embedding and head of `--vocab` rows) and the same prompts and reward;
-`--completion-length` is the recipe's max_completion_length (the tokens per step that the loss head sees). Runs alternate (trl, ours,
-trl, ours, ...) so that a change in the machine's load falls on both. Per process: the wall time from start to
+`--completion-length` is the recipe's max_completion_length (the tokens per step that the loss head sees). Runs
+alternate (trl, ours, trl, ours, ...) so that a change in the machine's load falls on both. Per process: the wall time from start to
 exit (imports and model loading included), the mean of each tool's own step times after the first step (TRL's
 `step_time` metric; ours, `time_s` of metrics.jsonl), and the peak resident memory (`wait4`'s ru_maxrss). The
 table goes to stdout, one row per run as it ends, then the medians; --out keeps the runs' folders.
@@ -61,8 +61,9 @@ def build_inputs(root: str, vocab: int, hidden: int, layers: int, completion_len
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=2 * hidden,
                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=max(256, completion_length + 64), pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id, bos_token_id=None)).save_pretrained(model)
+                                 max_position_embeddings=max(256, completion_length + 64),
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                 bos_token_id=None)).save_pretrained(model)
     data = os.path.join(root, "prompts")  # a folder of data files: what both read as dataset_name
     os.makedirs(data, exist_ok=True)
     with open(os.path.join(data, "train.jsonl"), "w") as f:

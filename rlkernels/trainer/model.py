@@ -26,12 +26,10 @@ def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, head_args,
     kw = dict(old_logp=batch["old_logp"], ref_logp=batch["ref_logp"], group_ids=batch["group_ids"],
               rewards=batch["rewards"], num_items=num_items, num_seqs=num_seqs)
     if path == "linear":  # from the hidden states: the (b, T, V) logits never exist (docs/design.md §4)
-        dtype = _compute_dtype(hidden)  # the op takes hidden and weight in one dtype
-        bias = head.bias.to(dtype) if head.bias is not None else None
+        h, weight, bias = _head_inputs(head, hidden)
         with _no_autocast(hidden):
-            return rlkernels.fused_linear_policy_loss(hidden.to(dtype), head.weight.to(dtype), batch["targets"],
-                                                      batch["advantages"], batch["mask"], loss_cfg, bias=bias,
-                                                      **head_args, **kw)
+            return rlkernels.fused_linear_policy_loss(h, weight, batch["targets"], batch["advantages"], batch["mask"],
+                                                      loss_cfg, bias=bias, **head_args, **kw)
     logits = head(hidden)
     with _no_autocast(hidden):
         if path == "split":
@@ -41,10 +39,12 @@ def loss_head(model, hidden, batch, loss_cfg, *, num_items, num_seqs, head_args,
                                            **head_args, **kw)
 
 
-def _compute_dtype(x):
-    """The dtype a matmul on `x` runs at here: autocast's when it is on, else x's own."""
-    on = torch.is_autocast_enabled(x.device.type)
-    return torch.get_autocast_dtype(x.device.type) if on else x.dtype
+def _head_inputs(head, hidden):
+    """(hidden, weight, bias) for the hidden-state ops, in the one dtype they take: the head's matmul dtype here
+    (autocast's when it is on, else hidden's own)."""
+    on = torch.is_autocast_enabled(hidden.device.type)
+    dtype = torch.get_autocast_dtype(hidden.device.type) if on else hidden.dtype
+    return hidden.to(dtype), head.weight.to(dtype), head.bias.to(dtype) if head.bias is not None else None
 
 
 def _no_autocast(x):
@@ -121,11 +121,9 @@ def token_logp(model, seq, attn, P, head_args):
     (at V = 152k they were the behaviour pass's peak)."""
     trunk, head = parts(model)
     h = hidden_states(trunk, seq, attn)[:, P - 1:-1]
-    dtype = _compute_dtype(h)  # the head's matmul at the autocast dtype if any, as loss_head's
-    bias = head.bias.to(dtype) if head.bias is not None else None
+    x, weight, bias = _head_inputs(head, h)  # as loss_head's
     with _no_autocast(h):
-        return rlkernels.linear_token_logprobs(h.to(dtype), head.weight.to(dtype), seq[:, P:], bias=bias,
-                                               **head_args), h
+        return rlkernels.linear_token_logprobs(x, weight, seq[:, P:], bias=bias, **head_args), h
 
 
 def add_lora(model, rank: int, alpha: float, target: str = "all-linear", **options):

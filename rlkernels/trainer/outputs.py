@@ -155,8 +155,9 @@ class RunLog:
         if not self.master:
             return
         completions = [{"step": step, **s} for s in samples]
-        lines = {self.metrics_path: [row] if row is not None else [], self.completions_path: completions}
-        for path, text in {p: "".join(dumps(r) + "\n" for r in rs) for p, rs in lines.items() if rs}.items():
+        files = ((self.metrics_path, [row] if row is not None else []), (self.completions_path, completions))
+        texts = [(path, "".join(dumps(r) + "\n" for r in rows)) for path, rows in files if rows]
+        for path, text in texts:  # every line formed before either file grows: a bad value appends to neither
             run_folder.write_file(path, text, "a")
         if row is not None:
             self.tracking.metrics(row)
